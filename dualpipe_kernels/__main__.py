@@ -1,0 +1,5 @@
+import sys
+
+from dualpipe_kernels.cli import main
+
+sys.exit(main())

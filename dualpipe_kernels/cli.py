@@ -1,0 +1,48 @@
+"""Console entry point ``dualpipe-kernels``.
+
+Each sub-command lives in its own module under ``dualpipe_kernels.commands``
+exposing ``add_parser(subparsers)`` and ``run(args) -> int``; adding a command
+is adding one module name to ``_COMMANDS``.  Bad arguments exit with status 2
+and a single line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+_COMMANDS = ("simulate", "bench", "demo")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dualpipe-kernels", description="DualPipe pipeline-parallel schedules, runtime and benchmarks")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in _COMMANDS:
+        importlib.import_module(f"dualpipe_kernels.commands.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:  # user-facing validation errors: one line, status 2
+        sys.stderr.write(f"dualpipe-kernels {args.command}: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
