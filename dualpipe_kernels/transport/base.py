@@ -1,0 +1,83 @@
+"""The transport interface: how bytes move between pipeline ranks.
+
+The runtime only sees this surface: post a send, post a receive into a tensor
+it owns, get a handle back, wait on the handle with a timeout.  Peers are
+*group ranks* of the process group the transport was built with (the runtime
+translates pipeline ranks through its rank mapping before calling).
+
+Ownership: the tensor given to ``isend`` must stay alive and unmodified until
+its handle completes; the tensor given to ``irecv`` is written by the
+transport and must not be read before its handle completes.  ``tag``
+disambiguates several transfers in flight between the same pair of ranks;
+``what`` is a short human label (e.g. ``"3RECV_F7 tensor 0"``) that goes into
+every error message.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+__all__ = ["Handle", "Transport", "TransportError", "TransportTimeout", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class TransportError(RuntimeError):
+    """A transfer failed (peer gone, size/dtype mismatch, ...). The message names rank, peer and transfer."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A wait ran past its timeout. The message names rank, peer and transfer."""
+
+
+class Handle(abc.ABC):
+    """An in-flight transfer."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; raise TransportTimeout after ``timeout`` seconds (None: the transport default)."""
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """Non-blocking completion test."""
+
+    def wait_stream(self, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Make ``stream`` (default: current) wait for the transfer without blocking the host.
+
+        Transports without device-side events fall back to a host wait.
+        """
+        self.wait()
+
+
+class Transport(abc.ABC):
+    """Point-to-point transport between the ranks of one process group."""
+
+    #: short name, e.g. "torch" or "native"
+    name: str = "abstract"
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This process's rank in the transport's group."""
+
+    @abc.abstractmethod
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+        """Post an asynchronous send of a contiguous tensor to group rank ``peer``."""
+
+    @abc.abstractmethod
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+        """Post an asynchronous receive into the contiguous tensor ``tensor`` from group rank ``peer``."""
+
+    def close(self) -> None:
+        """Release buffers, threads and shared segments. Idempotent."""
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
