@@ -1,1 +1,62 @@
+"""Transports: how tensors move between pipeline ranks (see base.py for the interface)."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dualpipe_kernels.transport.base import (
+    DEFAULT_TIMEOUT_S,
+    Handle,
+    Transport,
+    TransportError,
+    TransportTimeout,
+)
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Handle",
+    "Transport",
+    "TransportError",
+    "TransportTimeout",
+    "TRANSPORT_NAMES",
+    "make_transport",
+]
+
+TRANSPORT_NAMES = ("torch", "native")
+
+
+def make_transport(
+    kind: "str | Transport",
+    group: "dist.ProcessGroup | None" = None,
+    device: "torch.device | None" = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Transport:
+    """Build the transport named ``kind`` for ``group`` (default: the default group).
+
+    ``"torch"``: torch.distributed point-to-point (gloo on CPU, NCCL on GPU).
+    ``"native"``: the compiled engine (shared memory between CPU processes, CUDA
+    IPC between GPU processes on one host); peers on other hosts fall back to
+    torch.distributed.  An instance is returned as is.
+    """
+    if isinstance(kind, Transport):
+        return kind
+    import torch
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if kind == "torch":
+        from dualpipe_kernels.transport.torch_dist import TorchDistTransport
+
+        return TorchDistTransport(group, device=dev, timeout_s=timeout_s)
+    if kind == "native":
+        if dev.type == "cuda":
+            from dualpipe_kernels.transport.cuda_ipc import CudaIpcTransport
+
+            return CudaIpcTransport(group, device=dev, timeout_s=timeout_s)
+        from dualpipe_kernels.transport.native import NativeTransport
+
+        return NativeTransport(group, timeout_s=timeout_s)
+    raise ValueError(f"unknown transport {kind!r}; expected one of {', '.join(TRANSPORT_NAMES)} or a Transport instance")
