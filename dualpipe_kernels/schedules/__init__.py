@@ -1,0 +1,42 @@
+"""Schedules as data: IR, generators, validator, lowering to comms, exporters.
+
+Pure Python: no torch.distributed, no processes.  The simulator, chrome trace
+and PNG exporters (simulator.py, trace.py, plot.py) are re-exported here by the
+lead once they land.
+"""
+
+from .ascii import to_ascii
+from .csv_io import load_csv, to_csv
+from .deps import Dep, DepKind, Topology, dependencies, dependency_keys, produced_keys
+from .generators import SCHEDULE_NAMES, build_schedule, schedule_layout
+from .ir import COMM_TYPES, COMPUTE_TYPES, Action, ActionType, Schedule, format_actions, parse_action, parse_actions
+from .lowering import lower_comms
+from .validate import CommPair, ScheduleError, comm_pairs, validate
+
+__all__ = [
+    "Action",
+    "ActionType",
+    "COMM_TYPES",
+    "COMPUTE_TYPES",
+    "CommPair",
+    "Dep",
+    "DepKind",
+    "SCHEDULE_NAMES",
+    "Schedule",
+    "ScheduleError",
+    "Topology",
+    "build_schedule",
+    "comm_pairs",
+    "dependencies",
+    "dependency_keys",
+    "format_actions",
+    "load_csv",
+    "lower_comms",
+    "parse_action",
+    "parse_actions",
+    "produced_keys",
+    "schedule_layout",
+    "to_ascii",
+    "to_csv",
+    "validate",
+]

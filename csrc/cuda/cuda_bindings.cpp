@@ -1,0 +1,172 @@
+// pybind11 surface of the CUDA comm engine: dualpipe_kernels._C.cuda.
+//
+// The only file of csrc/cuda/ that knows torch: it turns tensors into raw
+// pointers + byte counts, picks the caller's current CUDA stream, tells the
+// caching allocator that the comm streams use the buffer, and releases the
+// GIL around everything that can block.
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "api.h"
+#include "ipc_engine.h"
+
+namespace py = pybind11;
+
+namespace dualpipe::cuda {
+namespace {
+
+Staging parse_staging(const std::string& s) {
+  if (s == "auto") return Staging::kAuto;
+  if (s == "ipc") return Staging::kIpc;
+  if (s == "host") return Staging::kHost;
+  throw std::invalid_argument("staging must be 'auto', 'ipc' or 'host', got '" + s + "'");
+}
+
+// Python handle of one transfer. Holds the tensor so that Python code can
+// read it back (the engine keeps its own reference until the copies are queued).
+class PyOp {
+ public:
+  PyOp(std::shared_ptr<Op> op, at::Tensor tensor) : op_(std::move(op)), tensor_(std::move(tensor)) {}
+  bool wait(double timeout_s) { return op_->wait(timeout_s); }
+  bool query() { return op_->query(); }
+  bool wait_stream(std::intptr_t stream, double timeout_s) {
+    return op_->wait_stream(reinterpret_cast<cudaStream_t>(stream), timeout_s);
+  }
+  bool failed() const { return op_->failed(); }
+  std::string error() const { return op_->error(); }
+  std::string describe() const { return op_->describe(); }
+  const at::Tensor& tensor() const { return tensor_; }
+
+ private:
+  std::shared_ptr<Op> op_;
+  at::Tensor tensor_;
+};
+
+// Owns the engine; closing on destruction without the GIL, because close()
+// joins the worker thread, which may need the GIL to drop a tensor.
+class PyEngine {
+ public:
+  PyEngine(int rank, int device, int num_slots, std::int64_t slot_bytes, const std::string& staging) {
+    if (slot_bytes <= 0) throw std::invalid_argument("slot_bytes must be positive, got " + std::to_string(slot_bytes));
+    EngineOptions options;
+    options.num_slots = num_slots;
+    options.slot_bytes = static_cast<std::uint64_t>(slot_bytes);
+    options.staging = parse_staging(staging);
+    engine_ = std::make_unique<Engine>(rank, device, options);
+  }
+  ~PyEngine() {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      engine_.reset();
+    } else {
+      engine_.reset();
+    }
+  }
+  PyEngine(const PyEngine&) = delete;
+  PyEngine& operator=(const PyEngine&) = delete;
+
+  Engine& engine() { return *engine_; }
+
+  PyOp post(OpKind kind, const at::Tensor& t, int peer, std::int64_t tag) {
+    const char* verb = kind == OpKind::kSend ? "send" : "receive";
+    if (!t.is_cuda()) {
+      throw std::invalid_argument(std::string(verb) + " tensor must be a CUDA tensor, got one on " + t.device().str());
+    }
+    if (t.device().index() != engine_->device()) {
+      throw std::invalid_argument(std::string(verb) + " tensor is on " + t.device().str() +
+                                  " but the transport uses cuda:" + std::to_string(engine_->device()));
+    }
+    if (!t.is_contiguous()) throw std::invalid_argument(std::string(verb) + " tensor must be contiguous");
+    c10::cuda::CUDAGuard guard(t.device());
+    const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+    const std::uint64_t bytes = static_cast<std::uint64_t>(t.nbytes());
+    if (bytes > 0) {
+      // The caching allocator must not hand this block out again before the
+      // comm stream's copies have run, even if the caller frees it early.
+      c10::cuda::CUDACachingAllocator::recordStream(
+          t.storage().data_ptr(), c10::cuda::getStreamFromExternal(engine_->stream_for(kind), engine_->device()));
+    }
+    auto keepalive = std::make_shared<at::Tensor>(t);
+    auto op = engine_->post(kind, peer, tag, bytes > 0 ? t.data_ptr() : nullptr, bytes,
+                            std::string(c10::toString(t.scalar_type())), caller, std::move(keepalive));
+    return PyOp(std::move(op), t);
+  }
+
+ private:
+  std::unique_ptr<Engine> engine_;
+};
+
+int visible_device_count() {
+  int count = 0;
+  // No driver or no device is "zero devices" here, not an error.
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+int runtime_version() {
+  int v = 0;
+  DPK_CUDA_CHECK(cudaRuntimeGetVersion(&v));
+  return v;
+}
+
+}  // namespace
+
+void register_apis(py::module_& m) {
+  py::module_ c = m.def_submodule("cuda", "CUDA IPC comm engine (present only in CUDA builds)");
+  c.attr("compiled_with_cuda") = true;
+  c.attr("cuda_version_compiled") = CUDART_VERSION;
+  c.attr("max_slots") = kMaxSlots;
+  c.def("runtime_version", &runtime_version, "CUDA runtime version (e.g. 13000)");
+  c.def("device_count", &visible_device_count, "number of visible CUDA devices (0 when there is no driver or device)");
+
+  py::class_<PyOp>(c, "IpcOp", "one posted transfer")
+      .def("wait", &PyOp::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
+           "block until done; False on timeout; RuntimeError when the transfer failed (negative: no limit)")
+      .def("query", &PyOp::query, py::call_guard<py::gil_scoped_release>(), "True when done or failed")
+      .def("wait_stream", &PyOp::wait_stream, py::arg("stream"), py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>(),
+           "make the CUDA stream (a cudaStream_t as int) wait for the transfer; blocks the host only until the "
+           "copies are enqueued; False on timeout")
+      .def("failed", &PyOp::failed)
+      .def("error", &PyOp::error)
+      .def("describe", &PyOp::describe)
+      .def_property_readonly("tensor", &PyOp::tensor);
+
+  py::class_<PyEngine>(c, "IpcEngine", "per-process CUDA comm engine: channels, comm streams, worker thread")
+      .def(py::init<int, int, int, std::int64_t, const std::string&>(), py::arg("rank"), py::arg("device"),
+           py::arg("num_slots") = 4, py::arg("slot_bytes") = std::int64_t{4} << 20, py::arg("staging") = "auto")
+      .def_property_readonly("rank", [](PyEngine& e) { return e.engine().rank(); })
+      .def_property_readonly("device", [](PyEngine& e) { return e.engine().device(); })
+      .def_property_readonly(
+          "send_stream", [](PyEngine& e) { return reinterpret_cast<std::intptr_t>(e.engine().stream_for(OpKind::kSend)); })
+      .def_property_readonly(
+          "recv_stream", [](PyEngine& e) { return reinterpret_cast<std::intptr_t>(e.engine().stream_for(OpKind::kRecv)); })
+      .def("create_incoming", [](PyEngine& e, int src) { return e.engine().create_incoming(src); }, py::arg("src"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("attach_outgoing", [](PyEngine& e, int dst, const std::string& name) { e.engine().attach_outgoing(dst, name); },
+           py::arg("dst"), py::arg("shm_name"), py::call_guard<py::gil_scoped_release>())
+      .def("finish_incoming", [](PyEngine& e, int src) { e.engine().finish_incoming(src); }, py::arg("src"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("channel_staging", [](PyEngine& e, int peer, bool outgoing) { return e.engine().channel_staging(peer, outgoing); },
+           py::arg("peer"), py::arg("outgoing"))
+      .def("channel_status", [](PyEngine& e, int peer, bool outgoing) { return e.engine().channel_status(peer, outgoing); },
+           py::arg("peer"), py::arg("outgoing"))
+      .def("send", [](PyEngine& e, const at::Tensor& t, int peer, std::int64_t tag) { return e.post(OpKind::kSend, t, peer, tag); },
+           py::arg("tensor"), py::arg("peer"), py::arg("tag"), py::call_guard<py::gil_scoped_release>())
+      .def("recv", [](PyEngine& e, const at::Tensor& t, int peer, std::int64_t tag) { return e.post(OpKind::kRecv, t, peer, tag); },
+           py::arg("tensor"), py::arg("peer"), py::arg("tag"), py::call_guard<py::gil_scoped_release>())
+      .def("close", [](PyEngine& e, double timeout_s) { e.engine().close(timeout_s); }, py::arg("timeout_s") = 10.0,
+           py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace dualpipe::cuda

@@ -1,0 +1,71 @@
+#include "request.h"
+
+#include <sstream>
+#include <thread>
+
+#include "shm_ring.h"
+
+namespace dualpipe::shm {
+
+std::string describe(const TransferInfo& info) {
+  std::ostringstream s;
+  s << "rank " << info.self_rank << (info.direction == Direction::kSend ? " send to" : " recv from") << " rank "
+    << info.peer_rank << " (tag " << info.tag << ", " << info.nbytes << " B";
+  if (!info.what.empty()) s << ", '" << info.what << "'";
+  s << ")";
+  return s.str();
+}
+
+Request::Request(TransferInfo info, void* ptr, double spin_us) : info_(std::move(info)), ptr_(ptr), spin_us_(spin_us) {}
+
+bool Request::wait(double timeout_s) const {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  // Spin briefly: a ping-pong of small messages completes within microseconds,
+  // and a condition-variable sleep/wake costs tens of them.
+  const auto spin_until = start + std::chrono::duration<double, std::micro>(spin_us_);
+  for (int i = 0; !query(); ++i) {
+    if ((i & 63) == 63) {
+      if (clock::now() >= spin_until) break;
+      std::this_thread::yield();
+    }
+    cpu_relax();
+  }
+  if (query()) return true;
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout_s < 0) {
+    cv_.wait(lk, [&] { return query(); });
+    return true;
+  }
+  const auto deadline = start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+  return cv_.wait_until(lk, deadline, [&] { return query(); });
+}
+
+std::string Request::error() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return error_;
+}
+
+std::string Request::timeout_message(double timeout_s) const {
+  std::ostringstream s;
+  s << describe(info_) << ": timed out after " << timeout_s << " s (" << bytes_done() << " of " << info_.nbytes
+    << " B moved; peer pid " << info_.peer_pid << " is alive but has not "
+    << (info_.direction == Direction::kSend ? "drained the ring)" : "sent a matching message)");
+  return s.str();
+}
+
+void Request::complete() { finish(State::kDone, ""); }
+
+void Request::fail(const std::string& message) { finish(State::kFailed, message); }
+
+void Request::finish(State s, const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (query()) return;  // first outcome wins
+    error_ = message;
+    state_.store(static_cast<int>(s), std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+}  // namespace dualpipe::shm

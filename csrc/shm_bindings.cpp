@@ -1,0 +1,111 @@
+// Python registration of the CPU shared-memory engine: dualpipe_kernels._C.shm.
+//
+// Pointers cross as integers (tensor.data_ptr()); the Python wrapper
+// (dualpipe_kernels/transport/native.py) checks devices, contiguity and
+// lifetimes. Every blocking call releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+
+#include "shm_bindings.h"
+#include "shm_engine.h"
+
+namespace py = pybind11;
+
+namespace dualpipe::shm {
+namespace {
+
+//! Raise the Python exception for a finished-with-error or timed-out wait.
+[[noreturn]] void raise(PyObject* type, const std::string& msg) {
+  PyErr_SetString(type, msg.c_str());
+  throw py::error_already_set();
+}
+
+void wait_or_raise(const Request& r, double timeout_s) {
+  bool finished;
+  {
+    py::gil_scoped_release nogil;
+    finished = r.wait(timeout_s);
+  }
+  if (!finished) raise(PyExc_TimeoutError, r.timeout_message(timeout_s));
+  if (r.state() == Request::State::kFailed) raise(PyExc_RuntimeError, r.error());
+}
+
+std::unique_ptr<Engine> make_engine(int rank, std::uint32_t num_slots, std::uint64_t slot_bytes, double spin_us,
+                                    double liveness_interval_s, std::uint64_t inline_max_bytes,
+                                    std::vector<std::string> dtype_names) {
+  ChannelConfig c;
+  c.num_slots = num_slots;
+  c.slot_bytes = slot_bytes;
+  c.spin_us = spin_us;
+  c.liveness_interval_s = liveness_interval_s;
+  c.inline_max_bytes = inline_max_bytes;
+  c.dtype_names = std::move(dtype_names);
+  return std::make_unique<Engine>(rank, std::move(c));  // std::invalid_argument -> ValueError
+}
+
+}  // namespace
+
+void register_apis(py::module_& parent) {
+  py::module_ m = parent.def_submodule("shm", "CPU shared-memory channels between processes on one host");
+  const ChannelConfig defaults;
+
+  py::class_<Request, std::shared_ptr<Request>>(m, "Request", "A posted send or receive (an event).")
+      .def("wait", &wait_or_raise, py::arg("timeout_s") = -1.0,
+           "Block until done. TimeoutError after timeout_s seconds (< 0: forever); RuntimeError if it failed.")
+      .def("query", &Request::query, "True once finished (done or failed); never blocks.")
+      .def("failed", [](const Request& r) { return r.state() == Request::State::kFailed; })
+      .def("error", &Request::error)
+      .def("bytes_done", &Request::bytes_done)
+      .def("describe", [](const Request& r) { return describe(r.info()); });
+
+  py::class_<Engine>(m, "Engine", "Shared-memory channels of one rank to its same-host peers.")
+      .def(py::init(&make_engine), py::arg("rank"), py::arg("num_slots") = defaults.num_slots,
+           py::arg("slot_bytes") = defaults.slot_bytes, py::arg("spin_us") = defaults.spin_us,
+           py::arg("liveness_interval_s") = defaults.liveness_interval_s,
+           py::arg("inline_max_bytes") = defaults.inline_max_bytes,
+           py::arg("dtype_names") = std::vector<std::string>{})
+      .def("create_send_channel", &Engine::create_send_channel, py::arg("peer"))
+      .def("attach_recv_channel", &Engine::attach_recv_channel, py::arg("peer"), py::arg("segment_name"))
+      .def("unlink_send_segment", &Engine::unlink_send_segment, py::arg("peer"))
+      .def(
+          "send",
+          [](Engine& e, int peer, std::uintptr_t ptr, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
+             std::string what) { return e.send(peer, reinterpret_cast<const void*>(ptr), nbytes, tag, dtype, what); },
+          py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"), py::arg("dtype") = 0,
+          py::arg("what") = "", "Post a send of nbytes at address ptr; returns a Request at once.")
+      .def(
+          "recv",
+          [](Engine& e, int peer, std::uintptr_t ptr, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
+             std::string what) { return e.recv(peer, reinterpret_cast<void*>(ptr), nbytes, tag, dtype, what); },
+          py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"), py::arg("dtype") = 0,
+          py::arg("what") = "", "Post a receive of exactly nbytes into address ptr; returns a Request at once.")
+      .def("has_send_channel", &Engine::has_send_channel)
+      .def("has_recv_channel", &Engine::has_recv_channel)
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("num_slots", [](const Engine& e) { return e.config().num_slots; })
+      .def_property_readonly("slot_bytes", [](const Engine& e) { return e.config().slot_bytes; });
+
+  m.def("sweep_stale_segments", &sweep_stale_segments,
+        "Unlink /dev/shm segments of ours whose creator process is gone; returns how many.");
+  m.def(
+      "list_segments",
+      [] {
+        std::vector<std::string> out;
+        std::string all = list_segments();
+        std::size_t start = 0;
+        while (start < all.size()) {
+          std::size_t end = all.find('\n', start);
+          if (end == std::string::npos) end = all.size();
+          out.push_back(all.substr(start, end - start));
+          start = end + 1;
+        }
+        return out;
+      },
+      "Names of our segments currently in /dev/shm.");
+  m.attr("SEGMENT_PREFIX") = kSegmentPrefix;
+}
+
+}  // namespace dualpipe::shm

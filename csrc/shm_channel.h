@@ -1,0 +1,164 @@
+// One end of a directed shared-memory channel: a SendChannel in the sending
+// process, a RecvChannel in the receiving one, both over the same RingView.
+//
+// Threads. Each channel owns one worker thread (started on the first post) that
+// does the copies, so post() returns at once with a Request. A small send that
+// fits in a free slot while nothing else is queued is copied by the posting
+// thread itself (saves a thread hand-off on the latency path).
+//
+// Ordering and matching. Sends are written into the ring in post order. A
+// message is delivered to the earliest posted, still unmatched receive with
+// the same tag (per-tag FIFO, as in torch.distributed); a message whose tag no
+// posted receive wants while another receive is waiting behind it is copied
+// once into a heap "stash" so the ring keeps moving. A matched receive whose
+// byte count or dtype code differs from the message fails with a message
+// naming both sides, marks the ring broken (the sender's next operation fails
+// too) and never writes the caller's buffer.
+//
+// Liveness. While sleeping on the ring a worker re-checks every
+// `liveness_interval_s` whether the peer process still exists (pid in the ring
+// header), whether the peer closed its end and whether the ring is broken.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "request.h"
+#include "shm_ring.h"
+#include "shm_segment.h"
+
+namespace dualpipe::shm {
+
+struct ChannelConfig {
+  std::uint32_t num_slots = 8;                 //!< ring slots (>= 2)
+  std::uint64_t slot_bytes = 256 * 1024;       //!< payload bytes per slot (>= 64)
+  double spin_us = 50.0;                       //!< spin this long before sleeping (futex / condvar)
+  double liveness_interval_s = 0.05;           //!< how often a sleeping wait checks the peer process
+  std::uint64_t inline_max_bytes = 64 * 1024;  //!< sends up to this size may be copied by the posting thread
+  std::vector<std::string> dtype_names;        //!< optional names of dtype codes, for error messages
+
+  //! Throws std::invalid_argument naming the violated constraint.
+  void validate() const;
+};
+
+//! A fresh ring segment for the pair src -> dst, initialised and mapped.
+std::shared_ptr<ShmSegment> create_ring_segment(const ChannelConfig& cfg, int src_rank, int dst_rank);
+
+class Channel {
+ public:
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+  virtual ~Channel() = default;
+
+  //! Stop the worker, fail every unfinished request, mark our end closed.
+  //! Idempotent. Derived destructors call it.
+  void close();
+
+  int self_rank() const { return self_rank_; }
+  int peer_rank() const { return peer_rank_; }
+  //! The peer's pid from the ring header (0 until the peer attached).
+  int peer_pid() const;
+  const std::shared_ptr<ShmSegment>& segment() const { return segment_; }
+
+ protected:
+  Channel(Side side, std::shared_ptr<ShmSegment> segment, int self_rank, int peer_rank, ChannelConfig cfg);
+
+  //! Wait until ready() holds. Returns "" or why it never will (closed, peer dead, ring broken).
+  template <class Ready>
+  std::string wait_ring(std::atomic<std::uint32_t>* word, std::atomic<std::uint32_t>* waiters, Ready ready);
+  //! Start the worker thread if needed. Caller holds mu_.
+  void ensure_worker();
+  //! Fail everything still queued (caller holds mu_).
+  virtual void fail_pending_locked(const std::string& why) = 0;
+  virtual void worker_loop() = 0;
+  TransferInfo make_info(Direction d, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
+                         std::string what) const;
+  std::string dtype_name(std::int32_t code) const;
+  //! Wake the peer if it sleeps on `word` (after we stored a new value to it).
+  static void wake_if_waiting(std::atomic<std::uint32_t>* word, std::atomic<std::uint32_t>* waiters);
+
+  const Side side_;
+  const std::shared_ptr<ShmSegment> segment_;
+  const RingView ring_;
+  const int self_rank_;
+  const int peer_rank_;
+  const ChannelConfig cfg_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;     // worker sleeps here when it has nothing to do
+  std::atomic<bool> stop_{false};  // read by the worker inside ring waits without mu_
+  bool closed_ = false;            // guarded by mu_
+  bool busy_ = false;              // guarded by mu_: the worker is running a request
+  std::string broken_;             // guarded by mu_: once set, every new post fails with it
+  std::thread worker_;
+};
+
+class SendChannel final : public Channel {
+ public:
+  SendChannel(std::shared_ptr<ShmSegment> segment, int self_rank, int peer_rank, ChannelConfig cfg);
+  ~SendChannel() override;
+
+  //! Post a send of `nbytes` bytes at `src` (the caller keeps it alive and
+  //! unmodified until the request completes).
+  std::shared_ptr<Request> post(const void* src, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
+                                std::string what = "");
+
+ private:
+  void worker_loop() override;
+  void fail_pending_locked(const std::string& why) override;
+  //! Copy the whole message into the ring; "" or the error. Caller owns the "busy" token.
+  std::string run(Request& req);
+  //! Write one chunk into the next slot (a free slot must exist) and publish it.
+  void write_chunk(const Request& req, std::uint64_t offset, std::uint64_t n);
+
+  std::deque<std::shared_ptr<Request>> queue_;  // guarded by mu_
+  std::uint32_t head_ = 0;                      // chunks published; owned by the busy-token holder
+  std::uint64_t next_seq_ = 0;                  // owned by the busy-token holder
+};
+
+class RecvChannel final : public Channel {
+ public:
+  RecvChannel(std::shared_ptr<ShmSegment> segment, int self_rank, int peer_rank, ChannelConfig cfg);
+  ~RecvChannel() override;
+
+  //! Post a receive of exactly `nbytes` bytes into `dst` (written by the engine
+  //! until the request completes; never written if the message does not match).
+  std::shared_ptr<Request> post(void* dst, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
+                                std::string what = "");
+  //! Messages received before any matching receive was posted (diagnostics).
+  std::size_t stashed() const;
+
+ private:
+  struct Stashed {
+    std::int64_t tag;
+    std::uint64_t nbytes;
+    std::int32_t dtype;
+    std::vector<unsigned char> data;
+  };
+
+  void worker_loop() override;
+  void fail_pending_locked(const std::string& why) override;
+  //! Receive the message at the ring's tail; "" or the error.
+  std::string receive_one();
+  //! Copy the message whose first chunk header is `first` into dst (nullptr only when nbytes == 0).
+  std::string drain(const SlotHeader& first, unsigned char* dst, Request* progress);
+  //! "" if a message (nbytes, dtype) may land in `req`, else the mismatch text.
+  std::string check_match(const Request& req, std::uint64_t nbytes, std::int32_t dtype) const;
+  //! Earliest posted receive with `tag`, removed from posted_ (caller holds mu_), or null.
+  std::shared_ptr<Request> take_posted_locked(std::int64_t tag);
+  //! Mark the channel broken: fail `req` and everything posted, tell the sender.
+  void break_channel(const std::shared_ptr<Request>& req, const std::string& why);
+
+  std::deque<std::shared_ptr<Request>> posted_;  // guarded by mu_
+  std::deque<Stashed> stash_;                    // guarded by mu_
+  std::uint32_t tail_ = 0;                       // chunks drained; worker-owned
+  std::uint64_t next_seq_ = 0;                   // worker-owned
+};
+
+}  // namespace dualpipe::shm

@@ -1,0 +1,151 @@
+#include "shm_segment.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+
+#include "process_liveness.h"
+
+namespace dualpipe::shm {
+namespace {
+
+std::string errno_text(const std::string& what, const std::string& name) {
+  return what + " of shared-memory segment '" + name + "' failed: " + std::strerror(errno);
+}
+
+std::string random_hex() {
+  std::random_device rd;
+  std::ostringstream s;
+  s << std::hex << rd() << rd();
+  return s.str();
+}
+
+void* map_fd(int fd, std::size_t bytes, const std::string& name) {
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) throw std::runtime_error(errno_text("mmap", name));
+  return p;
+}
+
+}  // namespace
+
+ShmSegment ShmSegment::create(const std::string& label, std::size_t bytes) {
+  if (bytes == 0) throw std::invalid_argument("shared-memory segment size must be > 0");
+  ShmSegment seg;
+  seg.name_ = "/" + std::string(kSegmentPrefix) + std::to_string(::getpid()) + "-" + random_hex() + "-" + label;
+  const int fd = ::shm_open(seg.name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) throw std::runtime_error(errno_text("shm_open(create)", seg.name_));
+  seg.creator_ = true;  // from here on the destructor unlinks the name
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const std::string msg = errno_text("ftruncate", seg.name_);
+    ::close(fd);
+    throw std::runtime_error(msg);  // seg's destructor unlinks
+  }
+  try {
+    seg.data_ = map_fd(fd, bytes, seg.name_);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  seg.size_ = bytes;
+  return seg;
+}
+
+ShmSegment ShmSegment::open(const std::string& name) {
+  ShmSegment seg;
+  seg.name_ = name;
+  const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) throw std::runtime_error(errno_text("shm_open(open)", name));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
+    const std::string msg = errno_text("fstat", name);
+    ::close(fd);
+    throw std::runtime_error(msg);
+  }
+  try {
+    seg.data_ = map_fd(fd, static_cast<std::size_t>(st.st_size), name);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  seg.size_ = static_cast<std::size_t>(st.st_size);
+  return seg;
+}
+
+ShmSegment::ShmSegment(ShmSegment&& other) noexcept { *this = std::move(other); }
+
+ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
+  if (this != &other) {
+    release();
+    name_ = std::move(other.name_);
+    data_ = other.data_;
+    size_ = other.size_;
+    creator_ = other.creator_;
+    unlinked_ = other.unlinked_;
+    other.data_ = nullptr;
+    other.size_ = 0;
+    other.creator_ = false;
+    other.unlinked_ = true;
+  }
+  return *this;
+}
+
+ShmSegment::~ShmSegment() { release(); }
+
+void ShmSegment::unlink() {
+  if (unlinked_ || name_.empty()) return;
+  unlinked_ = true;
+  if (::shm_unlink(name_.c_str()) != 0 && errno != ENOENT) {
+    throw std::runtime_error(errno_text("shm_unlink", name_));
+  }
+}
+
+void ShmSegment::release() noexcept {
+  if (creator_ && !unlinked_ && !name_.empty()) ::shm_unlink(name_.c_str());
+  unlinked_ = true;
+  if (data_ != nullptr) ::munmap(data_, size_);
+  data_ = nullptr;
+  size_ = 0;
+}
+
+int sweep_stale_segments() {
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return 0;
+  int removed = 0;
+  const std::size_t plen = std::strlen(kSegmentPrefix);
+  while (dirent* e = ::readdir(dir)) {
+    const std::string n = e->d_name;
+    if (n.compare(0, plen, kSegmentPrefix) != 0) continue;
+    const int pid = std::atoi(n.c_str() + plen);
+    if (pid <= 0 || process_dead_reason(pid).empty()) continue;
+    if (::shm_unlink(("/" + n).c_str()) == 0) ++removed;
+  }
+  ::closedir(dir);
+  return removed;
+}
+
+std::string list_segments() {
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return "";
+  std::string out;
+  const std::size_t plen = std::strlen(kSegmentPrefix);
+  while (dirent* e = ::readdir(dir)) {
+    const std::string n = e->d_name;
+    if (n.compare(0, plen, kSegmentPrefix) != 0) continue;
+    if (!out.empty()) out += "\n";
+    out += n;
+  }
+  ::closedir(dir);
+  return out;
+}
+
+}  // namespace dualpipe::shm

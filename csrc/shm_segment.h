@@ -1,0 +1,61 @@
+// POSIX shared-memory segments: create / open / map / unlink, RAII.
+//
+// No torch, no pybind11. A segment is named "/dpk-<creator pid>-<random>-<label>"
+// so that stale segments (creator dead) can be recognised and removed, and so
+// that a test can check that none of ours is left in /dev/shm.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <string>
+
+namespace dualpipe::shm {
+
+//! Prefix of every segment name we create (without the leading '/').
+inline constexpr const char* kSegmentPrefix = "dpk-";
+
+//! A mapped POSIX shared-memory segment. Owns the mapping; unlinks the name on
+//! destruction only if it is the creator and has not unlinked it yet.
+class ShmSegment {
+ public:
+  //! Create a new segment of `bytes` bytes (zero-filled), named from `label`.
+  //! Throws std::runtime_error naming the segment on failure.
+  static ShmSegment create(const std::string& label, std::size_t bytes);
+  //! Open and map an existing segment by its full name (as returned by name()).
+  static ShmSegment open(const std::string& name);
+
+  ShmSegment() = default;
+  ShmSegment(ShmSegment&& other) noexcept;
+  ShmSegment& operator=(ShmSegment&& other) noexcept;
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment();
+
+  //! Remove the name from /dev/shm (the mapping stays valid). Idempotent; a
+  //! name already removed by the peer is not an error.
+  void unlink();
+
+  void* data() const { return data_; }
+  std::size_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+  bool unlinked() const { return unlinked_; }
+
+ private:
+  void release() noexcept;
+
+  std::string name_;
+  void* data_ = nullptr;
+  std::size_t size_ = 0;
+  bool creator_ = false;
+  bool unlinked_ = false;
+};
+
+//! Remove /dev/shm segments of ours whose creator process no longer exists.
+//! Returns the number removed. Safe to call concurrently from many processes.
+int sweep_stale_segments();
+
+//! Names (without '/') of our segments currently present in /dev/shm.
+std::string list_segments();
+
+}  // namespace dualpipe::shm

@@ -1,0 +1,236 @@
+// Unit tests of one shared-memory channel in one process (two threads).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "test_util.h"
+
+namespace dualpipe::shm {
+namespace {
+
+using testing::LocalPair;
+using testing::payload;
+using testing::small_config;
+
+void expect_roundtrip(LocalPair& p, std::size_t n, std::int64_t tag, std::uint32_t seed) {
+  const auto src = payload(n, seed);
+  std::vector<unsigned char> dst(n, 0xEE);
+  auto r = p.rx->post(dst.data(), n, tag, 0);
+  auto s = p.tx->post(src.data(), n, tag, 0);
+  ASSERT_TRUE(s->wait(10.0)) << s->timeout_message(10.0);
+  ASSERT_TRUE(r->wait(10.0)) << r->timeout_message(10.0);
+  ASSERT_EQ(s->state(), Request::State::kDone) << s->error();
+  ASSERT_EQ(r->state(), Request::State::kDone) << r->error();
+  EXPECT_EQ(dst, src) << "payload of " << n << " B differs";
+  EXPECT_EQ(r->bytes_done(), n);
+}
+
+TEST(ShmChannel, RingWrapsAroundManyTimes) {
+  LocalPair p(small_config(2, 64));
+  for (std::uint32_t k = 0; k < 200; ++k) expect_roundtrip(p, (k * 37) % 300, k % 5, k);
+}
+
+TEST(ShmChannel, CountersWrapAround32Bits) {
+  // Start both counters 5 chunks before 2^32: the next messages cross the wrap.
+  LocalPair p(small_config(3, 64), 0, 1, 0xFFFFFFFBu);
+  for (std::uint32_t k = 0; k < 20; ++k) expect_roundtrip(p, 64 * 3 + 5, 1, k);
+}
+
+TEST(ShmChannel, ZeroOneAndOddSizes) {
+  LocalPair p(small_config(3, 4096));
+  for (std::size_t n : {0, 1, 3, 4095, 4096, 4097, 3 * 4096 + 1}) expect_roundtrip(p, n, 0, static_cast<std::uint32_t>(n));
+}
+
+TEST(ShmChannel, LargeMessageSplitAcrossSlotsAndPipelined) {
+  LocalPair p(small_config(3, 4096));
+  const std::size_t n = (1 << 20) + 13;  // 257 chunks through 3 slots
+  expect_roundtrip(p, n, 9, 7);
+}
+
+TEST(ShmChannel, SendPostedBeforeReceive) {
+  LocalPair p(small_config(2, 256));
+  const auto src = payload(5000, 3);
+  auto s = p.tx->post(src.data(), src.size(), 4, 0);  // blocks in the worker until the receiver drains
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(s->query());
+  std::vector<unsigned char> dst(src.size());
+  auto r = p.rx->post(dst.data(), dst.size(), 4, 0);
+  ASSERT_TRUE(r->wait(10.0));
+  ASSERT_TRUE(s->wait(10.0));
+  EXPECT_EQ(dst, src);
+}
+
+TEST(ShmChannel, ManyInFlightOutOfOrderWaits) {
+  LocalPair p(small_config(4, 512));
+  constexpr int kCount = 64;
+  std::vector<std::vector<unsigned char>> src, dst;
+  std::vector<std::shared_ptr<Request>> rs, ss;
+  for (int k = 0; k < kCount; ++k) {
+    src.push_back(payload(static_cast<std::size_t>(k * 131 % 3000), k));
+    dst.emplace_back(src.back().size());
+    rs.push_back(p.rx->post(dst.back().data(), dst.back().size(), k, 0));
+  }
+  for (int k = 0; k < kCount; ++k) ss.push_back(p.tx->post(src[k].data(), src[k].size(), k, 0));
+  for (int k = kCount - 1; k >= 0; --k) ASSERT_TRUE(rs[k]->wait(10.0)) << k;
+  for (int k = 0; k < kCount; ++k) {
+    ASSERT_TRUE(ss[k]->wait(10.0));
+    EXPECT_EQ(rs[k]->state(), Request::State::kDone) << rs[k]->error();
+    EXPECT_EQ(dst[k], src[k]) << "message " << k;
+  }
+}
+
+TEST(ShmChannel, SameTagIsFifoOtherTagsMatchOutOfOrder) {
+  LocalPair p(small_config(2, 128));
+  const auto a = payload(1000, 1), b = payload(10, 2), c = payload(10, 3);
+  std::vector<unsigned char> da(a.size()), db(b.size()), dc(c.size());
+  // Receives for tag 2 are posted before the one for tag 1, though tag 1 is sent first:
+  // the tag-1 message is stashed while the receives for tag 2 are served.
+  auto rb = p.rx->post(db.data(), db.size(), 2, 0);
+  auto rc = p.rx->post(dc.data(), dc.size(), 2, 0);
+  p.tx->post(a.data(), a.size(), 1, 0);
+  p.tx->post(b.data(), b.size(), 2, 0);
+  auto last = p.tx->post(c.data(), c.size(), 2, 0);
+  ASSERT_TRUE(rb->wait(10.0));
+  ASSERT_TRUE(rc->wait(10.0));
+  ASSERT_TRUE(last->wait(10.0));
+  EXPECT_EQ(db, b);
+  EXPECT_EQ(dc, c);  // same tag: posting order
+  EXPECT_EQ(p.rx->stashed(), 1u);
+  auto ra = p.rx->post(da.data(), da.size(), 1, 0);  // served from the stash at once
+  EXPECT_TRUE(ra->query());
+  EXPECT_EQ(ra->state(), Request::State::kDone) << ra->error();
+  EXPECT_EQ(da, a);
+  EXPECT_EQ(p.rx->stashed(), 0u);
+}
+
+TEST(ShmChannel, BothDirectionsFromTwoThreads) {
+  const auto cfg = small_config(3, 1024);
+  LocalPair ab(cfg, 0, 1), ba(cfg, 1, 0);
+  auto side = [](SendChannel& tx, RecvChannel& rx, std::uint32_t my_seed, std::uint32_t peer_seed, int* errors) {
+    for (int k = 0; k < 100; ++k) {
+      const std::size_t n = static_cast<std::size_t>((k * 977) % 7000);
+      const auto src = payload(n, my_seed + k);
+      std::vector<unsigned char> dst(n);
+      auto r = rx.post(dst.data(), n, k, 0);
+      auto s = tx.post(src.data(), n, k, 0);
+      if (!s->wait(20.0) || !r->wait(20.0) || r->state() != Request::State::kDone ||
+          dst != payload(n, peer_seed + k)) {
+        ++*errors;
+      }
+    }
+  };
+  int errors0 = 0, errors1 = 0;
+  std::thread t0(side, std::ref(*ab.tx), std::ref(*ba.rx), 100, 900, &errors0);
+  std::thread t1(side, std::ref(*ba.tx), std::ref(*ab.rx), 900, 100, &errors1);
+  t0.join();
+  t1.join();
+  EXPECT_EQ(errors0, 0);
+  EXPECT_EQ(errors1, 0);
+}
+
+TEST(ShmChannel, SizeMismatchFailsWithoutWritingAndBreaksChannel) {
+  LocalPair p(small_config(2, 64));
+  const auto src = payload(100, 1);
+  std::vector<unsigned char> dst(104, 0xAB);
+  auto s = p.tx->post(src.data(), src.size(), 5, 0, "the send");
+  auto r = p.rx->post(dst.data(), dst.size(), 5, 0, "the recv");
+  ASSERT_TRUE(r->wait(10.0));
+  ASSERT_EQ(r->state(), Request::State::kFailed);
+  const std::string err = r->error();
+  EXPECT_NE(err.find("size mismatch"), std::string::npos) << err;
+  EXPECT_NE(err.find("100 B"), std::string::npos) << err;
+  EXPECT_NE(err.find("104 B"), std::string::npos) << err;
+  EXPECT_NE(err.find("the recv"), std::string::npos) << err;
+  EXPECT_EQ(dst, std::vector<unsigned char>(104, 0xAB)) << "a mismatched receive wrote into the buffer";
+  // The sender's next operation learns about it.
+  auto s2 = p.tx->post(src.data(), src.size(), 6, 0);
+  ASSERT_TRUE(s2->wait(10.0));
+  EXPECT_EQ(s2->state(), Request::State::kFailed);
+  EXPECT_NE(s2->error().find("receiver reported"), std::string::npos) << s2->error();
+  // And so does the receiver's.
+  auto r2 = p.rx->post(dst.data(), dst.size(), 6, 0);
+  ASSERT_TRUE(r2->wait(10.0));
+  EXPECT_EQ(r2->state(), Request::State::kFailed);
+}
+
+TEST(ShmChannel, DtypeMismatchNamesBothDtypes) {
+  LocalPair p(small_config(2, 64));
+  const auto src = payload(16, 1);
+  std::vector<unsigned char> dst(16, 0);
+  p.tx->post(src.data(), 16, 1, /*dtype=*/0);
+  auto r = p.rx->post(dst.data(), 16, 1, /*dtype=*/2);
+  ASSERT_TRUE(r->wait(10.0));
+  ASSERT_EQ(r->state(), Request::State::kFailed);
+  EXPECT_NE(r->error().find("dtype mismatch"), std::string::npos) << r->error();
+  EXPECT_NE(r->error().find("float32"), std::string::npos) << r->error();
+  EXPECT_NE(r->error().find("float16"), std::string::npos) << r->error();
+  EXPECT_EQ(dst, std::vector<unsigned char>(16, 0));
+}
+
+TEST(ShmChannel, WaitTimesOutAndNamesThePeer) {
+  LocalPair p(small_config(2, 64), 3, 4);
+  std::vector<unsigned char> dst(8);
+  auto r = p.rx->post(dst.data(), dst.size(), 77, 0, "silent");
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(r->wait(0.1));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(took, 0.09);
+  EXPECT_LT(took, 2.0);
+  const std::string msg = r->timeout_message(0.1);
+  EXPECT_NE(msg.find("rank 4 recv from rank 3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("tag 77"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("silent"), std::string::npos) << msg;
+  EXPECT_FALSE(r->query());
+}
+
+TEST(ShmChannel, PeerClosingFailsPendingReceive) {
+  LocalPair p(small_config(2, 64));
+  std::vector<unsigned char> dst(8);
+  auto r = p.rx->post(dst.data(), dst.size(), 1, 0);
+  p.tx->close();
+  ASSERT_TRUE(r->wait(10.0));
+  EXPECT_EQ(r->state(), Request::State::kFailed);
+  EXPECT_NE(r->error().find("closed its end"), std::string::npos) << r->error();
+}
+
+TEST(ShmChannel, DataSentBeforeCloseIsStillDelivered) {
+  LocalPair p(small_config(4, 64));
+  const auto src = payload(100, 5);
+  auto s = p.tx->post(src.data(), src.size(), 1, 0);
+  ASSERT_TRUE(s->wait(10.0));
+  p.tx->close();
+  std::vector<unsigned char> dst(100);
+  auto r = p.rx->post(dst.data(), dst.size(), 1, 0);
+  ASSERT_TRUE(r->wait(10.0));
+  EXPECT_EQ(r->state(), Request::State::kDone) << r->error();
+  EXPECT_EQ(dst, src);
+}
+
+TEST(ShmChannel, LocalCloseFailsQueuedRequests) {
+  LocalPair p(small_config(2, 64));
+  std::vector<unsigned char> dst(8);
+  auto r1 = p.rx->post(dst.data(), 8, 1, 0);
+  auto r2 = p.rx->post(dst.data(), 8, 2, 0);
+  p.rx->close();
+  for (auto& r : {r1, r2}) {
+    ASSERT_TRUE(r->query());
+    EXPECT_NE(r->error().find("closed"), std::string::npos) << r->error();
+  }
+  auto r3 = p.rx->post(dst.data(), 8, 3, 0);
+  EXPECT_EQ(r3->state(), Request::State::kFailed);
+}
+
+TEST(ShmChannel, ConfigIsValidated) {
+  ChannelConfig c;
+  c.num_slots = 1;
+  EXPECT_THROW(c.validate(), std::invalid_argument);
+  c.num_slots = 2;
+  c.slot_bytes = 8;
+  EXPECT_THROW(c.validate(), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace dualpipe::shm

@@ -1,0 +1,211 @@
+// Unit tests across processes (fork): rendezvous by segment name, both
+// directions at once, a dead peer, segment cleanup.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "process_liveness.h"
+#include "shm_engine.h"
+#include "test_util.h"
+
+namespace dualpipe::shm {
+namespace {
+
+using testing::payload;
+using testing::small_config;
+
+bool segment_listed(const std::string& name) {
+  const std::string all = "\n" + list_segments() + "\n";
+  return all.find("\n" + name.substr(1) + "\n") != std::string::npos;
+}
+
+//! Fork a child running `body` (which returns its exit code); returns the pid.
+template <class Body>
+pid_t fork_child(Body body) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    int code = 1;
+    try {
+      code = body();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "child failed: %s\n", e.what());
+    }
+    ::_exit(code);
+  }
+  return pid;
+}
+
+int wait_exit_code(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+//! Rank r of a two-process exchange: `rounds` messages each way, checked byte for byte.
+int exchange(Engine& e, int peer, int rounds) {
+  int bad = 0;
+  for (int k = 0; k < rounds; ++k) {
+    const std::size_t n = static_cast<std::size_t>((k * 7919) % 50000 + (k % 3 == 0 ? 0 : 1));
+    const auto src = payload(n, static_cast<std::uint32_t>(1000 * e.rank() + k));
+    std::vector<unsigned char> dst(n);
+    auto r = e.recv(peer, dst.data(), n, k, 0);
+    auto s = e.send(peer, src.data(), n, k, 0);
+    if (!s->wait(30.0) || !r->wait(30.0) || r->state() != Request::State::kDone ||
+        dst != payload(n, static_cast<std::uint32_t>(1000 * peer + k))) {
+      ++bad;
+    }
+  }
+  return bad;
+}
+
+TEST(ShmProcess, TwoForkedProcessesBothDirections) {
+  // Rendezvous as the Python transport does it, with pipes instead of a store:
+  // each side creates its outgoing ring and passes the name; the receiver maps it
+  // and unlinks the name at once.
+  const auto cfg = small_config(3, 4096);
+  Engine parent(0, cfg);
+  const std::string to_child = parent.create_send_channel(1);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t child = fork_child([&] {
+    ::close(fds[0]);
+    Engine e(1, cfg);
+    e.attach_recv_channel(0, to_child);
+    const std::string to_parent = e.create_send_channel(0);
+    const std::size_t len = to_parent.size();
+    if (::write(fds[1], &len, sizeof len) != sizeof len) return 2;
+    if (::write(fds[1], to_parent.data(), len) != static_cast<ssize_t>(len)) return 2;
+    const int bad = exchange(e, 0, 60);
+    e.close();
+    return bad == 0 ? 0 : 3;
+  });
+  ::close(fds[1]);
+  std::size_t len = 0;
+  ASSERT_EQ(::read(fds[0], &len, sizeof len), static_cast<ssize_t>(sizeof len));
+  std::string to_parent(len, '\0');
+  ASSERT_EQ(::read(fds[0], to_parent.data(), len), static_cast<ssize_t>(len));
+  ::close(fds[0]);
+  parent.attach_recv_channel(1, to_parent);
+  EXPECT_FALSE(segment_listed(to_parent)) << "the receiver unlinks the name once mapped";
+  EXPECT_EQ(exchange(parent, 1, 60), 0);
+  parent.unlink_send_segment(1);
+  EXPECT_FALSE(segment_listed(to_child));
+  EXPECT_EQ(wait_exit_code(child), 0);
+  parent.close();
+}
+
+TEST(ShmProcess, DeadSenderIsReportedByName) {
+  const auto cfg = small_config(2, 256);
+  auto seg = create_ring_segment(cfg, 5, 6);
+  RecvChannel rx(seg, 6, 5, cfg);
+  // The child attaches as the sender, publishes part of a message, then is killed.
+  const pid_t child = fork_child([&] {
+    SendChannel tx(seg, 5, 6, cfg);
+    const auto src = payload(100000, 1);
+    tx.post(src.data(), src.size(), 1, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ::kill(::getpid(), SIGKILL);
+    return 0;
+  });
+  std::vector<unsigned char> dst(100000);
+  auto r = rx.post(dst.data(), dst.size(), 1, 0, "doomed");
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(r->wait(20.0)) << "a dead peer must not look like a silent one";
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(took, 5.0);
+  EXPECT_EQ(r->state(), Request::State::kFailed);
+  const std::string err = r->error();
+  EXPECT_NE(err.find("peer rank 5 (pid " + std::to_string(child) + ")"), std::string::npos) << err;
+  EXPECT_NE(err.find("exited"), std::string::npos) << err;  // zombie until reaped below
+  EXPECT_NE(err.find("doomed"), std::string::npos) << err;
+  EXPECT_EQ(wait_exit_code(child), 128 + SIGKILL);
+}
+
+TEST(ShmProcess, DeadReceiverIsReportedToSender) {
+  const auto cfg = small_config(2, 64);
+  auto seg = create_ring_segment(cfg, 1, 2);
+  SendChannel tx(seg, 1, 2, cfg);
+  const pid_t child = fork_child([&] {
+    RecvChannel rx(seg, 2, 1, cfg);  // attaches (pid in the header), never receives
+    ::kill(::getpid(), SIGKILL);
+    return 0;
+  });
+  EXPECT_EQ(wait_exit_code(child), 128 + SIGKILL);  // reaped: kill(pid, 0) now fails with ESRCH
+  const auto src = payload(10000, 2);                // far more than the 2 x 64 B ring holds
+  auto s = tx.post(src.data(), src.size(), 1, 0);
+  ASSERT_TRUE(s->wait(20.0));
+  EXPECT_EQ(s->state(), Request::State::kFailed);
+  EXPECT_NE(s->error().find("peer rank 2 (pid " + std::to_string(child) + ") exited"), std::string::npos)
+      << s->error();
+}
+
+TEST(ShmProcess, ProcessLiveness) {
+  EXPECT_EQ(process_dead_reason(::getpid()), "");
+  const pid_t child = fork_child([] { return 0; });
+  // Not yet reaped: a zombie counts as dead.
+  for (int i = 0; i < 200 && process_dead_reason(child).empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_NE(process_dead_reason(child), "");
+  wait_exit_code(child);
+  EXPECT_EQ(process_dead_reason(child), "exited");
+  EXPECT_NE(process_dead_reason(0), "");
+}
+
+TEST(ShmProcess, SegmentsAreUnlinkedOnDestructionAndStaleOnesSwept) {
+  std::string name;
+  {
+    auto seg = ShmSegment::create("unit", 4096);
+    name = seg.name();
+    EXPECT_TRUE(segment_listed(name));
+  }
+  EXPECT_FALSE(segment_listed(name)) << "the creator unlinks a name nobody unlinked";
+
+  // A process killed before it could unlink leaves its segment behind; the sweep removes it.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t child = fork_child([&] {
+    auto seg = ShmSegment::create("stale", 4096);
+    const std::size_t len = seg.name().size();
+    if (::write(fds[1], &len, sizeof len) != sizeof len) return 2;
+    if (::write(fds[1], seg.name().data(), len) != static_cast<ssize_t>(len)) return 2;
+    ::kill(::getpid(), SIGKILL);
+    return 0;
+  });
+  ::close(fds[1]);
+  std::size_t len = 0;
+  ASSERT_EQ(::read(fds[0], &len, sizeof len), static_cast<ssize_t>(sizeof len));
+  std::string stale(len, '\0');
+  ASSERT_EQ(::read(fds[0], stale.data(), len), static_cast<ssize_t>(len));
+  ::close(fds[0]);
+  wait_exit_code(child);
+  EXPECT_TRUE(segment_listed(stale));
+  EXPECT_GE(sweep_stale_segments(), 1);
+  EXPECT_FALSE(segment_listed(stale));
+}
+
+TEST(ShmEngine, TwoEnginesInOneProcess) {
+  const auto cfg = small_config(2, 1024);
+  Engine a(0, cfg), b(1, cfg);
+  b.attach_recv_channel(0, a.create_send_channel(1));
+  a.attach_recv_channel(1, b.create_send_channel(0));
+  a.unlink_send_segment(1);
+  b.unlink_send_segment(0);
+  std::thread tb([&] { EXPECT_EQ(exchange(b, 0, 30), 0); });
+  EXPECT_EQ(exchange(a, 1, 30), 0);
+  tb.join();
+  EXPECT_THROW(a.send(7, nullptr, 0, 0, 0), std::invalid_argument);
+  EXPECT_THROW(a.create_send_channel(0), std::invalid_argument);
+  EXPECT_THROW(b.attach_recv_channel(2, "/dpk-does-not-exist"), std::runtime_error);
+  a.close();
+  EXPECT_THROW(a.send(1, nullptr, 0, 0, 0), std::runtime_error);
+}
+
+}  // namespace
+}  // namespace dualpipe::shm

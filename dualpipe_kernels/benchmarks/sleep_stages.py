@@ -1,0 +1,122 @@
+"""Synthetic pipeline stages whose compute is a sleep of a set length.
+
+Sleeping ranks do not compete for the CPU, so on a small machine the time a
+schedule takes depends on its order and on communication only, and the
+simulator's cost model is known: F for a forward, I = B - W for the
+input-gradient backward, W for the weight-gradient backward (seconds).
+
+The two backward halves are separate autograd nodes (``out = input_path(x) +
+weight_path(weight)``), so a runtime that splits the backward into its input
+and weight parts (autograd restricted to the inputs, then to the parameters)
+runs the I sleep and the W sleep at the times its schedule says; a plain full
+backward runs both.
+
+Activations are float32 ``[rows, cols]`` tensors whose size per micro-batch the
+caller sets (``sleep_batch``); their values are zeros and do not matter.
+
+``time.sleep`` overshoots by a platform-dependent amount (timer slack,
+scheduling); :func:`sleep_overshoot` measures it so a benchmark can report it
+and feed the actual durations to the simulator.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SleepStage", "sleep_batch", "sleep_criterion", "sleep_overshoot", "actual_sleep"]
+
+
+def _sleep(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+class _InputPart(torch.autograd.Function):
+    """Zeros shaped like ``x``; backward sleeps ``i_s`` seconds and returns a zero input gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, i_s: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.i_s = i_s
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        _sleep(ctx.i_s)
+        return torch.zeros_like(grad), None
+
+
+class _WeightPart(torch.autograd.Function):
+    """A one-element weight broadcast to ``like``'s shape; backward sleeps ``w_s`` seconds."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, like: torch.Tensor, w_s: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.w_s = w_s
+        return weight.detach().expand_as(like).clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        _sleep(ctx.w_s)
+        return torch.zeros(1, dtype=grad.dtype, device=grad.device), None, None
+
+
+class SleepStage(nn.Module):
+    """One stage chunk: forward sleeps ``f_s``, input-gradient backward ``b_s - w_s``, weight-gradient ``w_s``.
+
+    Input and output: one float32 tensor ``[rows, cols]`` (same shape; the output
+    is a new tensor, never a view).  Under ``torch.no_grad()`` only the forward
+    sleep runs.
+    """
+
+    def __init__(self, f_s: float, b_s: float, w_s: float) -> None:
+        super().__init__()
+        if min(f_s, b_s, w_s) < 0 or w_s > b_s:
+            raise ValueError(f"sleep costs need F, B, W >= 0 and W <= B (seconds), got F={f_s} B={b_s} W={w_s}")
+        self.f_s, self.i_s, self.w_s = float(f_s), float(b_s - w_s), float(w_s)
+        self.weight = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _sleep(self.f_s)
+        if not torch.is_grad_enabled():
+            return torch.zeros_like(x)
+        return _InputPart.apply(x, self.i_s) + _WeightPart.apply(self.weight, x, self.w_s)
+
+
+def sleep_batch(microbatches: int, activation_bytes: int, cols: int = 256) -> torch.Tensor:
+    """A full batch whose every micro-batch is one float32 ``[rows, cols]`` block of about ``activation_bytes``.
+
+    ``activation_bytes`` below one row (4 * cols bytes) gives one-element-wide
+    rows: ``[microbatches, 1]`` (4 bytes per micro-batch), the "no data" case.
+    """
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if activation_bytes < 4 * cols:
+        return torch.zeros(microbatches, 1)
+    rows = int(activation_bytes) // (4 * cols)
+    return torch.zeros(microbatches * rows, cols)
+
+
+def sleep_criterion(out: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
+    """A scalar loss whose gradient reaches every element of ``out`` (labels are ignored)."""
+    return out.mean()
+
+
+def sleep_overshoot(seconds: float, repeats: int = 20) -> float:
+    """Median of (measured - requested) over ``repeats`` calls of ``time.sleep(seconds)``, in seconds."""
+    if seconds <= 0:
+        return 0.0
+    over = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        over.append(time.perf_counter() - t0 - seconds)
+    return statistics.median(over)
+
+
+def actual_sleep(seconds: float, overshoot: float) -> float:
+    """What a sleep of ``seconds`` really lasts given the measured ``overshoot`` (0 stays 0: no call is made)."""
+    return seconds + overshoot if seconds > 0 else 0.0

@@ -1,0 +1,149 @@
+"""``dualpipe-kernels simulate``: build a schedule, simulate it, print and export.
+
+Contract (DESIGN.md)::
+
+    dualpipe-kernels simulate --schedule NAME --ranks R --microbatches N [--stages-per-rank V]
+        [--f F --b B --w W --fb FB] [--comm-latency S --comm-bandwidth BYTES_PER_S --activation-bytes N]
+        [--json] [--trace FILE.json] [--png FILE.png] [--csv FILE.csv]
+
+Extras: ``--ranks-per-node``, ``--inter-latency``, ``--inter-bandwidth``,
+``--blocking-comm``, ``--ascii`` (force the grid), ``--events`` (events in JSON).
+Costs are in seconds when combined with comm settings (latency in s,
+bandwidth in bytes/s); otherwise in any unit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from numbers import Real
+from typing import Any
+
+from ..schedules.costs import CommModel, CostModel
+from ..schedules.generators import SCHEDULE_NAMES, build_schedule
+from ..schedules.simulator import SimResult, reference_bubble, simulate
+from ..schedules.validate import validate
+
+_ASCII_MAX_COLUMNS = 200  # print the grid only when a rank's list fits in a terminal-ish width
+
+
+def _number(text: str) -> Real:
+    """An int when the text is integral (so JSON stays exact), else a float; accepts 'inf'."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError("NaN is not a valid number")
+    if math.isfinite(value) and value == int(value) and "." not in text and "e" not in text.lower():
+        return int(value)
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate a pipeline schedule with a cost model",
+        description="Build a schedule, validate it, simulate it, print a summary (or --json) and export.",
+    )
+    p.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES)
+    p.add_argument("--ranks", type=int, required=True)
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--stages-per-rank", type=int, default=None, help="interleaved1f1b chunks per rank (default 2)")
+    costs = p.add_argument_group("compute costs (per stage chunk)")
+    costs.add_argument("--f", type=_number, default=1, help="forward (default 1)")
+    costs.add_argument("--b", type=_number, default=2, help="full backward (default 2)")
+    costs.add_argument("--w", type=_number, default=1, help="weight-gradient part of B (default 1)")
+    costs.add_argument("--fb", type=_number, default=None, help="overlapped F&B pair (default F + B)")
+    comm = p.add_argument_group("communication")
+    comm.add_argument("--comm-latency", type=_number, default=0, help="seconds per transfer (intra-node)")
+    comm.add_argument("--comm-bandwidth", type=_number, default=math.inf, help="bytes/s (intra-node)")
+    comm.add_argument("--activation-bytes", type=_number, default=0, help="bytes per transfer")
+    comm.add_argument("--ranks-per-node", type=int, default=None, help="default: all ranks on one node")
+    comm.add_argument("--inter-latency", type=_number, default=None, help="seconds (default: --comm-latency)")
+    comm.add_argument("--inter-bandwidth", type=_number, default=None, help="bytes/s (default: --comm-bandwidth)")
+    comm.add_argument("--blocking-comm", action="store_true", help="a send blocks its rank until it arrives")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--events", action="store_true", help="with --json: include every event")
+    out.add_argument("--ascii", action="store_true", help="always print the ASCII grid")
+    out.add_argument("--trace", metavar="FILE.json", help="write a chrome trace (Perfetto)")
+    out.add_argument("--png", metavar="FILE.png", help="write a PNG timeline")
+    out.add_argument("--csv", metavar="FILE.csv", help="write the compute-only schedule as CSV")
+    p.set_defaults(func=run)
+
+
+def _summary(res: SimResult, ref: Real | None) -> str:
+    lines = [
+        f"{res.schedule}: {res.ranks} ranks, {res.stages} stages, {res.microbatches} micro-batches",
+        f"  makespan {float(res.makespan):g}; busiest rank computes {float(max(res.busy_per_rank)):g} "
+        f"({float(max(res.busy_per_rank) / res.makespan):.1%} of makespan)",
+        f"  bubble (max idle over ranks) {float(res.bubble):g} = {res.bubble_ratio:.1%} of makespan; "
+        f"idle share of all rank-time {res.idle_ratio:.1%}",
+    ]
+    if ref is not None:
+        ratio = f"{float(res.bubble / ref):.3f}" if ref else ("1.000" if res.bubble == 0 else "inf")
+        lines.append(f"  reference-table bubble {float(ref):g}; simulated / reference = {ratio}")
+    lines.append(
+        f"  peak activations {res.peak_activations} chunks (per rank {res.peak_activations_per_rank}); "
+        f"params {res.params_per_rank} chunks per rank"
+    )
+    lines.append(f"  p2p: {res.num_transfers} transfers, {float(res.p2p_bytes):g} bytes")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.stages_per_rank)
+    validate(schedule)
+    cost = CostModel(f=args.f, b=args.b, w=args.w, fb=args.fb)
+    comm = CommModel(
+        latency=args.comm_latency,
+        bandwidth=args.comm_bandwidth,
+        activation_bytes=args.activation_bytes,
+        ranks_per_node=args.ranks_per_node,
+        inter_latency=args.inter_latency,
+        inter_bandwidth=args.inter_bandwidth,
+        blocking=args.blocking_comm,
+    )
+    res = simulate(schedule, cost, comm)
+    ref = reference_bubble(schedule.name, schedule.num_ranks, cost)
+
+    # Exports first, so a --json consumer sees complete files once the JSON is printed.
+    if args.trace:
+        from ..schedules.trace import write_chrome_trace
+
+        write_chrome_trace(args.trace, res.events, schedule=res.schedule, ranks=res.ranks,
+                           microbatches=res.microbatches)
+    if args.png:
+        from ..schedules.plot import plot_timeline
+
+        plot_timeline(res, args.png)
+    if args.csv:
+        from ..schedules.csv_io import to_csv
+
+        to_csv(schedule, args.csv)
+
+    if args.json:
+        d = res.to_dict(events=args.events)
+        d["stages_per_rank"] = res.params_per_rank
+        d["reference_bubble"] = None if ref is None else (ref if isinstance(ref, int) else float(ref))
+        d["costs"] = {"f": args.f, "b": args.b, "w": args.w, "fb": args.f + args.b if args.fb is None else args.fb}
+        d["comm"] = {
+            "latency": args.comm_latency,
+            "bandwidth": None if math.isinf(args.comm_bandwidth) else args.comm_bandwidth,
+            "activation_bytes": args.activation_bytes,
+            "ranks_per_node": args.ranks_per_node,
+            "blocking": args.blocking_comm,
+        }
+        sys.stdout.write(json.dumps(d) + "\n")
+        return 0
+
+    print(_summary(res, ref))
+    longest = max(len(list(schedule.compute_actions(r))) for r in range(schedule.num_ranks))
+    if args.ascii or longest <= _ASCII_MAX_COLUMNS // 4:
+        from ..schedules.ascii import to_ascii
+
+        print(to_ascii(schedule, comms=False))
+    return 0

@@ -1,0 +1,699 @@
+"""The pipeline executor: runs this rank's lowered action list for one training or inference step.
+
+Ownership and lifetimes (per step, all in :class:`_StepState`, dropped at the end):
+
+* stage inputs ``(stage, mb)``: micro-batch slices of the caller's tensors on a
+  first stage, otherwise tensors received into buffers the executor allocated
+  (leaves with ``requires_grad`` when the sender's tensor required grad).  Kept
+  until the backward of that (stage, mb) has read their ``.grad``.
+* stage outputs: the executor keeps only the autograd *edges* of outputs (enough
+  for backward); the tensors themselves are held by the send in flight and
+  released when it completes, so an activation's memory goes as soon as its
+  send is done (unless autograd saved it).  With an ``overlapped_forward_backward``
+  hook the outputs must be handed to the hook, so they are kept and their
+  storage is swapped for an empty one after the send (the reference's way).
+* receives are posted ``recv_lookahead`` compute actions ahead of need (metadata
+  first, data the moment the metadata is in), sends are posted when the
+  schedule says and waited lazily (polled between actions, all waited at the
+  end of the step).  Every wait has ``timeout_s``.
+
+Errors name this pipeline rank, the peer pipeline rank, the action and the
+micro-batch.  After an error the pipeline refuses further steps (pending
+transfers may be left in the process group).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from dualpipe_kernels.runtime.microbatch import split_microbatches
+from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, TagSpace
+from dualpipe_kernels.runtime.timeline import TimelineEntry, TimelineRecorder
+from dualpipe_kernels.runtime.zero_bubble import DeferredWeightGrad, WeightGradStore, backward_full, backward_input
+from dualpipe_kernels.schedules.ir import Action, ActionType, Schedule
+from dualpipe_kernels.transport import Transport, TransportError, make_transport
+
+__all__ = ["Pipeline", "StepResult"]
+
+_F, _B, _I, _W, _PAIR = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
+_SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionType.SEND_F, ActionType.RECV_F, ActionType.SEND_B, ActionType.RECV_B
+_DIR_F, _DIR_B, _DIR_MIRROR = 0, 1, 2
+
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+@dataclass
+class StepResult:
+    """What one step returns on this rank.
+
+    ``losses``: micro-batch -> detached scalar loss, for the micro-batches whose
+    loss stage this rank holds.  ``outputs``: micro-batch -> detached outputs of
+    the loss stage when ``return_outputs`` (else None).  ``timeline``:
+    ``(pipeline rank, action, start_s, end_s)`` relative to the step start when
+    ``record_timeline``.  ``step_time_s``: wall time of the step on this rank.
+    """
+
+    losses: dict[int, torch.Tensor]
+    outputs: dict[int, tuple[torch.Tensor, ...]] | None
+    timeline: list[TimelineEntry]
+    step_time_s: float
+
+
+@dataclass
+class _StepState:
+    forward_only: bool
+    return_outputs: bool
+    criterion: Callable[..., torch.Tensor] | None
+    mb_inputs: dict[int, tuple[Any, ...]]
+    mb_labels: dict[int, tuple[Any, ...]]
+    inputs: dict[Key, list[Any]] = field(default_factory=dict)
+    roots: dict[Key, list[tuple[GradientEdge, int]]] = field(default_factory=dict)
+    loss_tensors: dict[Key, torch.Tensor] = field(default_factory=dict)
+    hook_outputs: dict[Key, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    to_send_f: dict[Key, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    to_send_b: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    out_grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    deferred: dict[Key, DeferredWeightGrad] = field(default_factory=dict)
+    recvs: dict[tuple[ActionType, int, int], BoundaryRecv] = field(default_factory=dict)
+    sends: list[tuple[BoundarySend, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+
+def _as_tuple(out: Any, stage: int) -> tuple[Any, ...]:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return tuple(out)
+    raise ValueError(f"stage {stage} returned {type(out).__name__}; a stage must return a tensor or a tuple of tensors")
+
+
+class Pipeline(nn.Module):
+    """Runs ``schedule`` on this process's pipeline rank with its stage modules.
+
+    See ``/work/runtime_api.md``-style contract in the package docs:
+    ``Pipeline(schedule, modules, group=None, rank_mapping=None, transport="torch",
+    batch_dim=0, timeout_s=120.0, sync_mirror_grads=True, record_timeline=False)``;
+    ``step(*inputs, labels=(), criterion=None, return_outputs=False) -> StepResult``.
+    ``modules``: ``{stage: module}`` for ``schedule.stages_of_rank(rank)`` (or a
+    sequence in that order).  ``rank_mapping[group_rank]`` is the pipeline rank
+    of a group member (identity when None).  ``recv_lookahead``: how many compute
+    actions ahead receives are posted.  ``zero_bubble``: ``"split"`` (I/W graph
+    split, default) or ``"store"`` (the reference's behaviour: I runs the full
+    backward with the WeightGradStore enabled, W only pops the store).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        modules: Mapping[int, nn.Module] | Sequence[nn.Module],
+        group: dist.ProcessGroup | None = None,
+        rank_mapping: Sequence[int] | None = None,
+        transport: str | Transport = "torch",
+        batch_dim: int = 0,
+        timeout_s: float = 120.0,
+        sync_mirror_grads: bool = True,
+        record_timeline: bool = False,
+        recv_lookahead: int = 2,
+        zero_bubble: str = "split",
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(schedule, Schedule):
+            raise ValueError(f"schedule must be a dualpipe_kernels Schedule, got {type(schedule).__name__}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if recv_lookahead < 1:
+            raise ValueError(f"recv_lookahead must be >= 1, got {recv_lookahead}")
+        if zero_bubble not in ("split", "store"):
+            raise ValueError(f"zero_bubble must be 'split' or 'store', got {zero_bubble!r}")
+        if not dist.is_initialized():
+            raise ValueError("Pipeline needs an initialised torch.distributed process group")
+        self.group = group if group is not None else dist.group.WORLD
+        self.group_rank = dist.get_rank(self.group)
+        size = dist.get_world_size(self.group)
+        if size != schedule.num_ranks:
+            raise ValueError(
+                f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group has {size}"
+            )
+        self.rank_mapping = _check_mapping(rank_mapping, size)
+        self.to_group_rank = [0] * size
+        for g, p in enumerate(self.rank_mapping):
+            self.to_group_rank[p] = g
+        self.rank = self.rank_mapping[self.group_rank]
+        if not schedule.lowered:
+            from dualpipe_kernels.schedules.lowering import lower_comms
+
+            schedule = lower_comms(schedule)
+        self.schedule = schedule
+        self.stages = schedule.stages_of_rank(self.rank)
+        self.stage_modules = _check_modules(modules, self.stages, self.rank, schedule.name)
+        self.stage_module_dict = nn.ModuleDict({str(s): m for s, m in self.stage_modules.items()})
+        self.batch_dim = batch_dim
+        self.timeout_s = float(timeout_s)
+        self.sync_mirror_grads = sync_mirror_grads
+        self.record_timeline = record_timeline
+        self.recv_lookahead = recv_lookahead
+        self.zero_bubble = zero_bubble
+        self.device = torch.device(device) if device is not None else _module_device(self.stage_modules)
+        self.tags = TagSpace(schedule.num_stages, schedule.num_microbatches)
+        self.weight_grad_store = WeightGradStore()
+        self.mirror_of = _mirrors(schedule)
+        self._actions = list(schedule.actions[self.rank])
+        self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
+        self._broken: str | None = None
+        types = {type(m) for m in self.stage_modules.values()}
+        self.overlap_hook = len(types) == 1 and hasattr(next(iter(types)), "overlapped_forward_backward")
+
+    # ---- construction helpers -------------------------------------------
+    @classmethod
+    def from_sequential(
+        cls,
+        schedule: Schedule,
+        model: nn.Sequential,
+        partition: Sequence[int] | None = None,
+        **kw: Any,
+    ) -> "Pipeline":
+        """Build this rank's stage modules from a full ``nn.Sequential``.
+
+        ``partition[m]``: number of layers of model stage ``m`` (default: as even
+        as possible, earlier stages one layer more).  Stage modules share the
+        model's layers, except a second copy of a model stage held by the same
+        rank, which is a deep copy (so both copies start identical).
+        """
+        import copy
+
+        num_model = max(schedule.model_stage) + 1
+        layers = list(model)
+        if partition is None:
+            if len(layers) < num_model:
+                raise ValueError(f"model has {len(layers)} layers, fewer than the {num_model} model stages")
+            base, extra = divmod(len(layers), num_model)
+            partition = [base + (1 if m < extra else 0) for m in range(num_model)]
+        partition = list(partition)
+        if len(partition) != num_model or any(n < 1 for n in partition) or sum(partition) != len(layers):
+            raise ValueError(
+                f"partition {partition} must give >= 1 layer to each of {num_model} model stages and sum to "
+                f"{len(layers)} layers"
+            )
+        starts = [sum(partition[:m]) for m in range(num_model)]
+        group = kw.get("group")
+        g = group if group is not None else dist.group.WORLD
+        mapping = _check_mapping(kw.get("rank_mapping"), dist.get_world_size(g))
+        rank = mapping[dist.get_rank(g)]
+        modules: dict[int, nn.Module] = {}
+        seen: set[int] = set()
+        for s in schedule.stages_of_rank(rank):
+            m = schedule.model_stage[s]
+            piece = nn.Sequential(*layers[starts[m] : starts[m] + partition[m]])
+            modules[s] = copy.deepcopy(piece) if m in seen else piece
+            seen.add(m)
+        return cls(schedule, modules, **kw)
+
+    def close(self) -> None:
+        """Release the transport. Idempotent."""
+        self._transport.close()
+
+    # ---- the step ---------------------------------------------------------
+    def step(
+        self,
+        *inputs: Any,
+        labels: Sequence[Any] = (),
+        criterion: Callable[..., torch.Tensor] | None = None,
+        return_outputs: bool = False,
+    ) -> StepResult:
+        """Run one step: forward+backward (or forward only under ``torch.no_grad()``).
+
+        ``inputs`` / ``labels``: the full batch, split into the schedule's
+        micro-batches along ``batch_dim``; needed only on ranks holding a first
+        / loss stage.  ``criterion(*outputs, *labels) -> scalar`` on loss stages.
+        Gradients accumulate into the stage modules' ``.grad``.
+        """
+        if self._broken is not None:
+            raise RuntimeError(f"pipeline rank {self.rank}: a previous step failed ({self._broken}); rebuild it")
+        sched = self.schedule
+        n = sched.num_microbatches
+        forward_only = not torch.is_grad_enabled()
+        first = [m for m in range(n) if sched.path(m)[0] in self.stages]
+        last = [m for m in range(n) if sched.path(m)[-1] in self.stages]
+        if first and not inputs:
+            raise ValueError(
+                f"pipeline rank {self.rank} holds first stage(s) {sorted({sched.path(m)[0] for m in first})}: "
+                "step() needs the inputs"
+            )
+        if last and criterion is None and not forward_only:
+            raise ValueError(
+                f"pipeline rank {self.rank} holds loss stage(s) {sorted({sched.path(m)[-1] for m in last})}: "
+                "training needs a criterion"
+            )
+        split_in = split_microbatches(inputs, n, self.batch_dim) if first else []
+        split_lab = split_microbatches(tuple(labels), n, self.batch_dim) if (last and criterion is not None) else []
+        state = _StepState(
+            forward_only=forward_only,
+            return_outputs=return_outputs,
+            criterion=criterion,
+            mb_inputs={m: split_in[m] for m in first},
+            mb_labels={m: split_lab[m] for m in last} if split_lab else {},
+        )
+        rec = TimelineRecorder(self.rank, self.record_timeline)
+        t0 = rec.t0
+        self.weight_grad_store.clear()
+        try:
+            with self.weight_grad_store.bind():
+                self._run(state, rec)
+                self._finish_sends(state)
+                if not forward_only and self.sync_mirror_grads and self.mirror_of:
+                    with rec.span("SYNC_MIRROR_GRADS"):
+                        self._sync_mirrors()
+        except BaseException as exc:
+            self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise
+        finally:
+            self.weight_grad_store.clear()
+        elapsed = time.perf_counter() - t0
+        return StepResult(
+            losses=state.losses,
+            outputs=state.outputs if return_outputs else None,
+            timeline=rec.entries,
+            step_time_s=elapsed,
+        )
+
+    # ---- action loop ------------------------------------------------------
+    def _run(self, st: _StepState, rec: TimelineRecorder) -> None:
+        acts = self._actions
+        next_post = 0
+        for i, a in enumerate(acts):
+            # Post receives up to `recv_lookahead` compute actions ahead.
+            computes = 0
+            while next_post < len(acts):
+                b = acts[next_post]
+                if b.is_compute:
+                    if next_post >= i and computes >= self.recv_lookahead:
+                        break
+                    if next_post >= i:
+                        computes += 1
+                elif b.type in (_RECV_F, _RECV_B):
+                    self._post_recv(st, b)
+                next_post += 1
+            for r in st.recvs.values():
+                r.progress()
+            self._reap_sends(st, block=False)
+            if st.forward_only and a.type in (_B, _I, _W, _SEND_B, _RECV_B):
+                continue
+            label = str(a)
+            with rec.span(label):
+                self._execute(st, a)
+
+    def _execute(self, st: _StepState, a: Action) -> None:
+        t = a.type
+        if t is _F:
+            self._forward(st, a.stage, a.microbatch)
+        elif t is _B:
+            self._backward(st, a.stage, a.microbatch, split=False)
+        elif t is _I:
+            self._backward(st, a.stage, a.microbatch, split=True)
+        elif t is _W:
+            self._weight(st, a.stage, a.microbatch)
+        elif t is _PAIR:
+            self._pair(st, a)
+        elif t is _SEND_F:
+            self._send(st, a, _DIR_F)
+        elif t is _SEND_B:
+            self._send(st, a, _DIR_B)
+        elif t in (_RECV_F, _RECV_B):
+            self._complete_recv(st, a)
+        else:  # pragma: no cover - the IR has no other types
+            raise ValueError(f"pipeline rank {self.rank}: cannot execute {a}")
+
+    # ---- compute ----------------------------------------------------------
+    def _stage_inputs(self, st: _StepState, s: int, mb: int) -> list[Any]:
+        key = (s, mb)
+        if key in st.inputs:
+            return st.inputs[key]
+        if self.schedule.is_first_stage(s, mb) and mb in st.mb_inputs:
+            ins = list(st.mb_inputs.pop(mb))
+            st.inputs[key] = ins
+            return ins
+        raise RuntimeError(f"pipeline rank {self.rank}: {s}F{mb} has no inputs (schedule order broken?)")
+
+    def _forward(self, st: _StepState, s: int, mb: int, module_out: Any = None, loss: Any = None) -> None:
+        """F of stage ``s`` for ``mb`` (``module_out``/``loss``: already computed by an overlap hook)."""
+        sched = self.schedule
+        key = (s, mb)
+        ins = self._stage_inputs(st, s, mb)
+        is_loss = sched.is_loss_stage(s, mb)
+        if module_out is None:
+            module_out = self.stage_modules[s](*ins)
+        outs = _as_tuple(module_out, s)
+        if st.forward_only:
+            del st.inputs[key]
+        if is_loss:
+            if st.criterion is not None:
+                if loss is None:
+                    loss = st.criterion(*outs, *st.mb_labels.get(mb, ()))
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError(f"criterion must return a scalar tensor (stage {s}, micro-batch {mb})")
+                st.losses[mb] = loss.detach()
+                if not st.forward_only:
+                    st.loss_tensors[key] = loss
+                    st.roots[key] = [(get_gradient_edge(loss), -1)] if loss.requires_grad else []
+            if st.return_outputs:
+                st.outputs[mb] = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
+            return
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                raise ValueError(f"stage {s} output {i} is a {type(o).__name__}; only tensors can cross a boundary")
+        if not st.forward_only:
+            st.roots[key] = [(get_gradient_edge(o), i) for i, o in enumerate(outs) if o.requires_grad]
+        if self.overlap_hook and not st.forward_only:
+            st.hook_outputs[key] = outs  # the hook's outputs1 for this stage's backward
+        nxt = sched.next_stage(s, mb)
+        assert nxt is not None
+        if sched.stage_to_rank[nxt] == self.rank:
+            # Same-rank handoff: cut the graph so each stage backward stays separate.
+            st.inputs[(nxt, mb)] = [o.detach().requires_grad_(o.requires_grad) for o in outs]
+            return
+        for i, o in enumerate(outs):
+            if o.requires_grad and o._base is not None:
+                raise ValueError(
+                    f"stage {s} output {i} (micro-batch {mb}) is a view of another tensor (e.g. of its input); "
+                    "a stage must return fresh tensors (use .clone() or .contiguous())"
+                )
+        st.to_send_f[key] = outs
+
+    def _grad_roots(self, st: _StepState, s: int, mb: int) -> list[tuple[GradientEdge, torch.Tensor | None]]:
+        key = (s, mb)
+        roots = st.roots.pop(key, [])
+        if self.schedule.is_loss_stage(s, mb):
+            st.loss_tensors.pop(key, None)
+            return [(e, None) for e, _ in roots]
+        grads = st.out_grads.pop(key, None)
+        if grads is None:
+            raise RuntimeError(f"pipeline rank {self.rank}: backward of stage {s} micro-batch {mb} has no output grads")
+        return [(e, grads[i]) for e, i in roots if i < len(grads) and grads[i] is not None]
+
+    def _after_backward(self, st: _StepState, s: int, mb: int) -> None:
+        """Hand the stage's input gradients to the previous stage (locally or via SEND_B)."""
+        ins = st.inputs.pop((s, mb), [])
+        grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf else None for x in ins]
+        prv = self.schedule.prev_stage(s, mb)
+        if prv is None:
+            return
+        if self.schedule.stage_to_rank[prv] == self.rank:
+            st.out_grads[(prv, mb)] = grads
+        else:
+            st.to_send_b[(s, mb)] = grads
+
+    def _backward(self, st: _StepState, s: int, mb: int, split: bool) -> None:
+        st.hook_outputs.pop((s, mb), None)
+        roots = self._grad_roots(st, s, mb)
+        store = self.weight_grad_store
+        if not split:
+            with store.enabled_for(False):
+                backward_full(roots)
+        elif self.zero_bubble == "store":
+            with store.enabled_for(True):
+                backward_full(roots)
+            store.flush((s, mb))
+        else:
+            ins = st.inputs.get((s, mb), [])
+            leaves = [x for x in ins if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf]
+            params = [p for p in self.stage_modules[s].parameters() if p.requires_grad]
+            with store.enabled_for(True):
+                st.deferred[(s, mb)] = backward_input(roots, leaves, params)
+            store.flush((s, mb))
+        self._after_backward(st, s, mb)
+
+    def _weight(self, st: _StepState, s: int, mb: int) -> None:
+        deferred = st.deferred.pop((s, mb), None)
+        if deferred is not None:
+            deferred.run()
+        self.weight_grad_store.pop((s, mb))
+
+    def _pair(self, st: _StepState, a: Action) -> None:
+        f, b = a.sub_actions
+        mf, mb_ = self.stage_modules[f.stage], self.stage_modules[b.stage]
+        use_hook = (
+            not st.forward_only
+            and type(mf) is type(mb_)
+            and hasattr(type(mf), "overlapped_forward_backward")
+            and (b.type is _B or self.zero_bubble == "store" or b.type is _I)
+        )
+        if not use_hook:
+            self._forward(st, f.stage, f.microbatch)
+            if not st.forward_only:
+                self._backward(st, b.stage, b.microbatch, split=b.type is _I)
+            return
+        sched = self.schedule
+        ins0 = self._stage_inputs(st, f.stage, f.microbatch)
+        crit0 = st.criterion if sched.is_loss_stage(f.stage, f.microbatch) else None
+        labels0 = list(st.mb_labels.get(f.microbatch, ())) if crit0 is not None else []
+        kb = (b.stage, b.microbatch)
+        if sched.is_loss_stage(b.stage, b.microbatch):
+            loss1 = st.loss_tensors.pop(kb, None)
+            outputs1: list[torch.Tensor] = []
+            grads1: list[torch.Tensor] = []
+            st.roots.pop(kb, None)
+        else:
+            loss1 = None
+            outs = st.hook_outputs.pop(kb, ())
+            g = st.out_grads.pop(kb, None)
+            if g is None:
+                raise RuntimeError(f"pipeline rank {self.rank}: {b} has no output grads")
+            st.roots.pop(kb, None)
+            pairs = [(o, gi) for o, gi in zip(outs, g) if gi is not None]
+            outputs1, grads1 = [o for o, _ in pairs], [gi for _, gi in pairs]
+        store = self.weight_grad_store
+        with store.enabled_for(b.type is _I):
+            out0, loss0 = type(mf).overlapped_forward_backward(
+                mf, ins0, crit0, labels0, mb_, loss1, outputs1, grads1
+            )
+        if b.type is _I:
+            store.flush(kb)
+        self._forward(st, f.stage, f.microbatch, module_out=out0, loss=loss0)
+        self._after_backward(st, b.stage, b.microbatch)
+
+    # ---- communication ----------------------------------------------------
+    def _peer_and_key(self, a: Action) -> tuple[int, tuple[int, int, int], int]:
+        """(peer pipeline rank, tag key, direction) of a comm action."""
+        sched, s, mb = self.schedule, a.stage, a.microbatch
+        if a.type is _SEND_F:
+            other = sched.next_stage(s, mb)
+            consumer, direction = other, _DIR_F
+        elif a.type is _RECV_F:
+            other = sched.prev_stage(s, mb)
+            consumer, direction = s, _DIR_F
+        elif a.type is _SEND_B:
+            other = sched.prev_stage(s, mb)
+            consumer, direction = s, _DIR_B
+        else:
+            other = sched.next_stage(s, mb)
+            consumer, direction = other, _DIR_B
+        if other is None or consumer is None:
+            raise ValueError(f"pipeline rank {self.rank}: {a} has no peer stage for micro-batch {mb}")
+        return sched.stage_to_rank[other], (direction, consumer, mb), direction
+
+    def _what(self, a: Action, peer: int) -> str:
+        arrow = "to" if a.type in (_SEND_F, _SEND_B) else "from"
+        return f"pipeline rank {self.rank}: {a} (micro-batch {a.microbatch}) {arrow} peer pipeline rank {peer}"
+
+    def _post_recv(self, st: _StepState, a: Action) -> None:
+        k = (a.type, a.stage, a.microbatch)
+        if k in st.recvs or (st.forward_only and a.type is _RECV_B):
+            return
+        peer, key, _ = self._peer_and_key(a)
+        try:
+            st.recvs[k] = BoundaryRecv(
+                self._transport, self.to_group_rank[peer], self.tags, key, self._what(a, peer), self.device
+            )
+        except TransportError as exc:
+            raise TransportError(f"{self._what(a, peer)}: {exc}") from exc
+
+    def _complete_recv(self, st: _StepState, a: Action) -> None:
+        self._post_recv(st, a)
+        recv = st.recvs.pop((a.type, a.stage, a.microbatch))
+        peer, _, _ = self._peer_and_key(a)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        try:
+            tensors = recv.wait(self.timeout_s, stream)
+        except TransportError as exc:
+            raise type(exc)(f"{self._what(a, peer)} failed: {exc}") from exc
+        if a.type is _RECV_F:
+            if st.forward_only:
+                for t in tensors:
+                    if t is not None:
+                        t.requires_grad_(False)
+            st.inputs[(a.stage, a.microbatch)] = list(tensors)
+        else:
+            st.out_grads[(a.stage, a.microbatch)] = tensors
+
+    def _send(self, st: _StepState, a: Action, direction: int) -> None:
+        key = (a.stage, a.microbatch)
+        if direction == _DIR_F:
+            tensors: Sequence[torch.Tensor | None] = st.to_send_f.pop(key)
+            flags = [t is not None and t.requires_grad for t in tensors]
+        else:
+            tensors = st.to_send_b.pop(key)
+            flags = [False] * len(tensors)
+        peer, tkey, _ = self._peer_and_key(a)
+        try:
+            send = BoundarySend(
+                self._transport, tensors, flags, self.to_group_rank[peer], self.tags, tkey, self._what(a, peer)
+            )
+        except TransportError as exc:
+            raise type(exc)(f"{self._what(a, peer)} failed: {exc}") from exc
+        keep = st.hook_outputs.get(key, ()) if direction == _DIR_F else ()
+        st.sends.append((send, tuple(keep)))
+
+    def _reap_sends(self, st: _StepState, block: bool) -> None:
+        pending = []
+        for send, hooked in st.sends:
+            if block or send.is_completed():
+                try:
+                    send.wait(self.timeout_s)
+                except TransportError as exc:
+                    raise type(exc)(f"{send.what} failed: {exc}") from exc
+                for t in hooked:
+                    # The reference's memory trick: the hook path keeps output tensors
+                    # (for outputs1), so drop their storage once sent.
+                    if t.requires_grad and t._base is None:
+                        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            else:
+                pending.append((send, hooked))
+        st.sends = pending
+
+    def _finish_sends(self, st: _StepState) -> None:
+        self._reap_sends(st, block=True)
+        leftovers = [k for k, r in st.recvs.items()]
+        if leftovers:
+            raise RuntimeError(f"pipeline rank {self.rank}: receives posted but never consumed: {leftovers}")
+
+    # ---- DualPipe: the two copies of a model stage -------------------------
+    def _sync_mirrors(self) -> None:
+        """Sum the gradients of the two copies of each duplicated model stage (both copies end equal)."""
+        sched = self.schedule
+        sends: list[BoundarySend] = []
+        recvs: list[tuple[int, BoundaryRecv]] = []
+        local_done: set[int] = set()
+        for s in self.stages:
+            t = self.mirror_of.get(s)
+            if t is None:
+                continue
+            peer = sched.stage_to_rank[t]
+            params = list(self.stage_modules[s].parameters())
+            if peer == self.rank:
+                if s in local_done:
+                    continue
+                local_done.update((s, t))
+                other = list(self.stage_modules[t].parameters())
+                _check_same_shapes(params, other, s, t)
+                for p, q in zip(params, other):
+                    if p.grad is None and q.grad is None:
+                        continue
+                    total = _or_zeros(p) + _or_zeros(q)
+                    p.grad, q.grad = total, total.clone()
+                continue
+            grads = [p.grad for p in params]
+            what = f"pipeline rank {self.rank}: mirror-gradient exchange of stage {s} with stage {t}"
+            sends.append(
+                BoundarySend(
+                    self._transport, grads, [False] * len(grads), self.to_group_rank[peer], self.tags,
+                    (_DIR_MIRROR, s, 0), f"{what} (to peer pipeline rank {peer})",
+                )
+            )
+            recv = BoundaryRecv(
+                self._transport, self.to_group_rank[peer], self.tags, (_DIR_MIRROR, t, 0),
+                f"{what} (from peer pipeline rank {peer})", self.device,
+            )
+            recvs.append((s, recv))
+        for s, recv in recvs:
+            theirs = recv.wait(self.timeout_s)
+            params = list(self.stage_modules[s].parameters())
+            if len(theirs) != len(params):
+                raise ValueError(
+                    f"pipeline rank {self.rank}: stage {s} has {len(params)} parameters, its mirror copy "
+                    f"{len(theirs)}: the two copies of a model stage must be the same module"
+                )
+            with torch.no_grad():
+                for p, g in zip(params, theirs):
+                    if g is None:
+                        continue
+                    if g.shape != p.shape:
+                        raise ValueError(f"stage {s}: mirror gradient shape {tuple(g.shape)} != {tuple(p.shape)}")
+                    # own + theirs on one side, theirs + own on the other: IEEE addition
+                    # commutes, so both copies end bit-identical.
+                    p.grad = g if p.grad is None else p.grad + g
+        for send in sends:
+            send.wait(self.timeout_s)
+
+
+def _or_zeros(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _check_same_shapes(a: list[torch.Tensor], b: list[torch.Tensor], s: int, t: int) -> None:
+    if [tuple(p.shape) for p in a] != [tuple(q.shape) for q in b]:
+        raise ValueError(f"stages {s} and {t} copy the same model stage but have different parameter shapes")
+
+
+def _check_mapping(rank_mapping: Sequence[int] | None, size: int) -> list[int]:
+    if rank_mapping is None:
+        return list(range(size))
+    mapping = list(rank_mapping)
+    if sorted(mapping) != list(range(size)):
+        raise ValueError(f"rank_mapping must be a permutation of 0..{size - 1}, got {mapping}")
+    return mapping
+
+
+def _check_modules(
+    modules: Mapping[int, nn.Module] | Sequence[nn.Module], stages: tuple[int, ...], rank: int, name: str
+) -> dict[int, nn.Module]:
+    if isinstance(modules, nn.Module) and not isinstance(modules, (nn.Sequential, nn.ModuleList)):
+        modules = [modules]
+    if isinstance(modules, Mapping):
+        got = dict(modules)
+        if sorted(got) != sorted(stages):
+            raise ValueError(
+                f"pipeline rank {rank} holds stages {list(stages)} of schedule {name!r}; modules given for "
+                f"stages {sorted(got)}"
+            )
+    else:
+        seq = list(modules)
+        if len(seq) != len(stages):
+            raise ValueError(
+                f"pipeline rank {rank} holds {len(stages)} stage(s) {list(stages)} of schedule {name!r}; "
+                f"got {len(seq)} module(s)"
+            )
+        got = dict(zip(stages, seq))
+    for s, m in got.items():
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"stage {s}: expected an nn.Module, got {type(m).__name__}")
+    return got
+
+
+def _module_device(modules: Mapping[int, nn.Module]) -> torch.device:
+    for m in modules.values():
+        for p in m.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _mirrors(schedule: Schedule) -> dict[int, int]:
+    """stage -> the other stage computing the same model stage (DualPipe's copies); empty when none."""
+    by_model: dict[int, list[int]] = {}
+    for s, m in enumerate(schedule.model_stage):
+        by_model.setdefault(m, []).append(s)
+    out: dict[int, int] = {}
+    for m, ss in by_model.items():
+        if len(ss) > 2:
+            raise ValueError(f"model stage {m} has {len(ss)} copies; at most 2 are supported")
+        if len(ss) == 2:
+            out[ss[0]], out[ss[1]] = ss[1], ss[0]
+    return out

@@ -1,0 +1,64 @@
+"""Split a batch into micro-batches and merge micro-batch results back.
+
+Tensors are split along ``batch_dim`` with :func:`torch.tensor_split` semantics
+(uneven batches allowed: the first ``B % N`` micro-batches get one row more).
+Anything else (``None``, Python numbers, strings, 0-d tensors) is a *side
+input*: every micro-batch receives the same object.  Split tensors are views
+of the caller's tensors; the runtime never writes into them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["split_microbatches", "merge_microbatches", "batch_size_of"]
+
+
+def batch_size_of(values: Sequence[Any], batch_dim: int = 0) -> int | None:
+    """Size of ``batch_dim`` of the first splittable tensor in ``values`` (None when there is none)."""
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[batch_dim])
+    return None
+
+
+def split_microbatches(values: Sequence[Any], num_microbatches: int, batch_dim: int = 0) -> list[tuple[Any, ...]]:
+    """Split ``values`` into ``num_microbatches`` tuples (one per micro-batch, same length as ``values``).
+
+    Every tensor with at least one dimension must have the same size along
+    ``batch_dim`` and at least ``num_microbatches`` rows (an empty micro-batch is
+    almost always a mistake).
+    """
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    size = batch_size_of(values, batch_dim)
+    pieces: list[list[Any]] = []
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if batch_dim >= v.dim() or batch_dim < -v.dim():
+                raise ValueError(f"batch_dim {batch_dim} out of range for argument {i} of shape {tuple(v.shape)}")
+            if v.shape[batch_dim] != size:
+                raise ValueError(
+                    f"argument {i} has {v.shape[batch_dim]} rows along batch_dim {batch_dim}, the first tensor has {size}"
+                )
+            if size < num_microbatches:
+                raise ValueError(
+                    f"batch of {size} rows along batch_dim {batch_dim} is smaller than the schedule's "
+                    f"{num_microbatches} micro-batches"
+                )
+            pieces.append(list(torch.tensor_split(v, num_microbatches, dim=batch_dim)))
+        else:
+            pieces.append([v] * num_microbatches)
+    return [tuple(p[m] for p in pieces) for m in range(num_microbatches)]
+
+
+def merge_microbatches(chunks: Sequence[Sequence[torch.Tensor]], batch_dim: int = 0) -> tuple[torch.Tensor, ...]:
+    """Concatenate per-micro-batch tuples of tensors along ``batch_dim`` (inverse of the split)."""
+    if not chunks:
+        return ()
+    n = len(chunks[0])
+    if any(len(c) != n for c in chunks):
+        raise ValueError("micro-batches have different numbers of outputs")
+    return tuple(torch.cat([c[i] for c in chunks], dim=batch_dim) for i in range(n))

@@ -1,0 +1,336 @@
+"""Zero-bubble backward split: input gradients now (I), weight gradients later (W).
+
+Two mechanisms, both per pipeline instance:
+
+* **Graph split** (ordinary modules, no custom code).  At I the stage's
+  autograd graph is walked once: nodes on a path from the stage outputs to the
+  stage inputs form the *input closure*.  For every parameter the nodes of that
+  closure that feed its gradient (e.g. the ``AddmmBackward`` of a Linear) are
+  the param's *cut nodes*.  The I pass runs ``torch.autograd.backward`` with
+  ``inputs=`` the stage inputs only, while pre-hooks on the cut nodes record
+  the gradients flowing into them.  W later runs ``torch.autograd.grad`` from
+  the cut nodes (with the recorded gradients) to the parameters.  Every
+  gradient is computed by the same autograd node from the same incoming
+  gradient as in a full backward, and W adds into ``.grad`` exactly as
+  ``AccumulateGrad`` would, so the result is bit-identical to the full
+  backward (for a parameter used by at most two nodes of a stage; more uses
+  may sum in another order).  A stage whose inputs need no gradient (the first
+  stage) defers its whole backward to W.
+
+* **WeightGradStore** (user autograd functions that already split their own
+  weight-gradient work, as in the DualPipe reference): while a store is
+  *enabled* such a function calls ``store.put(fn)`` instead of computing; the
+  runtime ``flush``es after the I and ``pop``s at the W.  Parameters whose
+  gradient path crosses a custom autograd function are computed in the I pass
+  (their function may defer through the store), never recomputed at W.
+
+``current_store()`` returns the store of the pipeline step running in this
+thread/context (a ``contextvars.ContextVar``, not a global queue: two
+pipelines never share a store); the compat module's class-level facade reads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterator, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = [
+    "WeightGradStore",
+    "current_store",
+    "run_backward",
+    "backward_full",
+    "backward_input",
+    "DeferredWeightGrad",
+]
+
+# The store bound to the pipeline step running in this context (None outside a step).
+_BOUND_STORE: contextvars.ContextVar["WeightGradStore | None"] = contextvars.ContextVar(
+    "dualpipe_kernels_weight_grad_store", default=None
+)
+
+
+def current_store() -> "WeightGradStore | None":
+    """The WeightGradStore of the pipeline step running now (None when no step is running)."""
+    return _BOUND_STORE.get()
+
+
+class WeightGradStore:
+    """Deferred weight-gradient closures of one pipeline.
+
+    ``put(fn)`` queues ``fn`` in the current cache (callers check ``enabled``
+    first); ``flush(key)`` closes the cache as one unit of work under ``key``
+    (default: FIFO order); ``pop(key)`` runs a unit (the oldest when ``key`` is
+    None); ``clear()`` drops everything (start of each step).
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._cache: list[Callable[[], Any]] = []
+        self._queue: collections.OrderedDict[Hashable, list[Callable[[], Any]]] = collections.OrderedDict()
+        self._auto = 0
+
+    def put(self, fn: Callable[[], Any]) -> None:
+        self._cache.append(fn)
+
+    def flush(self, key: Hashable | None = None) -> None:
+        if key is None:
+            key, self._auto = ("fifo", self._auto), self._auto + 1
+        if key in self._queue:
+            raise ValueError(f"WeightGradStore: unit {key!r} flushed twice")
+        self._queue[key] = self._cache
+        self._cache = []
+
+    def pop(self, key: Hashable | None = None) -> None:
+        if key is None:
+            if not self._queue:
+                raise ValueError("WeightGradStore.pop: nothing flushed")
+            _, fns = self._queue.popitem(last=False)
+        else:
+            fns = self._queue.pop(key, [])
+        for fn in fns:
+            fn()
+
+    def has(self, key: Hashable) -> bool:
+        return key in self._queue
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def clear(self) -> None:
+        self.enabled = False
+        self._cache = []
+        self._queue.clear()
+        self._auto = 0
+
+    @contextlib.contextmanager
+    def bind(self) -> Iterator["WeightGradStore"]:
+        """Make this store ``current_store()`` for the duration of the block."""
+        token = _BOUND_STORE.set(self)
+        try:
+            yield self
+        finally:
+            _BOUND_STORE.reset(token)
+
+    @contextlib.contextmanager
+    def enabled_for(self, on: bool) -> Iterator[None]:
+        prev, self.enabled = self.enabled, on
+        try:
+            yield
+        finally:
+            self.enabled = prev
+
+
+def run_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Backward from ``tensors`` with ``grads``, accumulating into leaves' ``.grad``.
+
+    Uses the graph edges, not the tensors' data, so it works after the runtime
+    freed a sent activation's storage (the reference's ``run_backward``).
+    """
+    pairs = [(t, g) for t, g in zip(tensors, grads) if g is not None]
+    if not pairs:
+        return
+    edges = [get_gradient_edge(t) for t, _ in pairs]
+    torch.autograd.backward(edges, [g for _, g in pairs])
+
+
+def backward_full(roots: Sequence[tuple[GradientEdge, torch.Tensor | None]]) -> None:
+    """Full backward from ``(edge, grad)`` roots (grad None: a scalar loss, gradient 1)."""
+    if roots:
+        torch.autograd.backward([e for e, _ in roots], [g for _, g in roots])
+
+
+def _is_custom(node: Node) -> bool:
+    return isinstance(node, torch.autograd.function.BackwardCFunction)
+
+
+@dataclass
+class _Group:
+    """Parameters whose W pass starts from the same cut nodes."""
+
+    params: list[torch.Tensor] = field(default_factory=list)
+    cut_nodes: list[Node] = field(default_factory=list)
+    root_edges: list[tuple[GradientEdge, torch.Tensor | None]] = field(default_factory=list)
+    captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class DeferredWeightGrad:
+    """The W half of one (stage, micro-batch) backward; ``run()`` once, in micro-batch order."""
+
+    groups: list[_Group]
+
+    def run(self) -> None:
+        groups, self.groups = self.groups, []
+        for g in groups:
+            _run_group(g)
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+
+def _run_group(g: _Group) -> None:
+    edges: list[GradientEdge] = []
+    grads: list[torch.Tensor | None] = []
+    for node in g.cut_nodes:
+        for i, gr in enumerate(g.captured.get(node, ())):
+            if gr is not None:
+                edges.append(GradientEdge(node, i))
+                grads.append(gr)
+    for e, gr in g.root_edges:
+        edges.append(e)
+        grads.append(gr)
+    if not edges:
+        return
+    handles = []
+    if len(g.cut_nodes) > 1:
+        # A cut node may lie below another one: clamp each to its recorded
+        # gradient so contributions from above are not counted twice.
+        for node in g.cut_nodes:
+            saved = g.captured.get(node)
+            if saved is not None:
+                handles.append(node.register_prehook(lambda _grads, s=saved: s))
+    try:
+        targets = [get_gradient_edge(p) for p in g.params]
+        dws = torch.autograd.grad(edges, targets, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        for p, dw in zip(g.params, dws):
+            if dw is None:
+                continue
+            if p.grad is None:
+                p.grad = dw
+            else:
+                p.grad += dw
+
+
+def _graph(root_nodes: Sequence[Node]) -> dict[Node, list[Node]]:
+    """parents[n]: the nodes that pass gradient into ``n`` (reverse of next_functions), over the root closure."""
+    parents: dict[Node, list[Node]] = collections.defaultdict(list)
+    seen: set[Node] = set()
+    q = collections.deque()
+    for n in root_nodes:
+        if n not in seen:
+            seen.add(n)
+            q.append(n)
+    while q:
+        n = q.popleft()
+        for child, _ in n.next_functions:
+            if child is None:
+                continue
+            parents[child].append(n)
+            if child not in seen:
+                seen.add(child)
+                q.append(child)
+    return parents
+
+
+def _upward(starts: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    out: set[Node] = set()
+    q = collections.deque(n for n in starts if n in parents)
+    out.update(q)
+    while q:
+        n = q.popleft()
+        for p in parents.get(n, ()):
+            if p not in out:
+                out.add(p)
+                q.append(p)
+    return out
+
+
+def backward_input(
+    roots: Sequence[tuple[GradientEdge, torch.Tensor | None]],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> DeferredWeightGrad:
+    """The I half: gradients into ``inputs``' ``.grad`` now; return the W half for ``params``.
+
+    ``roots``: ``(gradient edge of a stage output, its gradient)``; a None
+    gradient means a scalar loss (gradient 1).  ``inputs``: the stage's leaf
+    inputs that require grad.  Parameters reached through a custom autograd
+    function get their gradient now (that function may defer via the store).
+    """
+    if not roots:
+        return DeferredWeightGrad([])
+    root_nodes = [e.node for e, _ in roots]
+    parents = _graph(root_nodes)
+    input_nodes = [get_gradient_edge(x).node for x in inputs]
+    closure = _upward(input_nodes, parents)  # nodes that lead to a stage input
+    root_set = set(root_nodes)
+
+    eager: list[torch.Tensor] = []
+    groups: dict[int, _Group] = {}
+    group_of_node: dict[Node, int] = {}
+    for p in params:
+        acc = get_gradient_edge(p).node
+        if acc not in parents:
+            continue  # unused in this stage for this micro-batch
+        cuts: set[Node] = set()
+        seen = {acc}
+        q = collections.deque([acc])
+        custom = False
+        hit_roots: set[Node] = set()
+        while q:
+            n = q.popleft()
+            custom |= _is_custom(n)
+            for par in parents.get(n, ()):
+                if par in closure:
+                    cuts.add(par)
+                    custom |= _is_custom(par)
+                elif par not in seen:
+                    seen.add(par)
+                    q.append(par)
+            if n in root_set and n not in closure:
+                hit_roots.add(n)
+        if custom:
+            eager.append(p)
+            continue
+        keys = cuts | hit_roots
+        # Merge with every existing group that shares a cut node or root.
+        gids = sorted({group_of_node[k] for k in keys if k in group_of_node})
+        if gids:
+            gid = gids[0]
+        else:
+            gid = max(groups, default=-1) + 1
+            groups[gid] = _Group()
+        grp = groups[gid]
+        for other in gids[1:]:
+            og = groups.pop(other)
+            grp.params += og.params
+            for k, v in group_of_node.items():
+                if v == other:
+                    group_of_node[k] = gid
+        grp.params.append(p)
+        for k in keys:
+            group_of_node[k] = gid
+
+    for gid, grp in groups.items():
+        nodes = {k for k, v in group_of_node.items() if v == gid}
+        grp.cut_nodes = [n for n in nodes if n in closure]
+        grp.root_edges = [(e, g) for e, g in roots if e.node in nodes and e.node not in closure]
+
+    handles = []
+    for grp in groups.values():
+        for node in grp.cut_nodes:
+
+            def record(grads_in: tuple[torch.Tensor | None, ...], node: Node = node, grp: _Group = grp) -> None:
+                grp.captured[node] = tuple(grads_in)
+
+            handles.append(node.register_prehook(record))
+    try:
+        targets = [get_gradient_edge(x) for x in inputs] + [get_gradient_edge(p) for p in eager]
+        if targets:
+            torch.autograd.backward(
+                [e for e, _ in roots], [g for _, g in roots], retain_graph=bool(groups), inputs=targets
+            )
+    finally:
+        for h in handles:
+            h.remove()
+    return DeferredWeightGrad([g for g in groups.values() if g.params])

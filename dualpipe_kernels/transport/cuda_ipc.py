@@ -1,0 +1,310 @@
+"""Same-host GPU transport over the native CUDA IPC engine (``dualpipe_kernels._C.cuda``).
+
+Every ordered pair of ranks gets a channel owned by the receiver: a ring of
+``num_slots`` device slots of ``slot_bytes`` each, shared with the sender
+through CUDA IPC memory handles, plus IPC events and shared-memory counters
+for flow control (protocol: ``csrc/cuda/ipc_engine.h``).  Copies run on the
+engine's comm streams (copy engines, no SMs); an engine-owned worker thread
+drives them, so ``isend``/``irecv`` return at once.  Where CUDA IPC is not
+possible the ring lives in pinned host memory instead (``staging="host"``:
+D2H into the slot, H2D out of it).
+
+Rendezvous goes through a ``torch.distributed`` store (the default group's
+store unless one is passed): each receiver publishes the name of its channel's
+shared segment, the sender maps it and says so, and the receiver then unlinks
+the segment name, so no ``/dev/shm`` entry outlives the rendezvous.
+Construction is collective: every rank of the group builds its transport in
+the same order.
+
+Handles follow DeepEP's event model: ``wait_stream(stream)`` makes a compute
+stream wait on the transfer's CUDA event with no host synchronisation (the
+host only waits until the engine has queued the copies, which needs the peer's
+matching post); ``wait(timeout)`` blocks the host.
+
+Ownership: a send buffer must not be modified, and a receive buffer not read,
+before the handle completes (host: ``wait``; device: ``wait_stream``).  The
+engine holds a reference to each tensor until its copies are queued and marks
+it with ``record_stream`` for the comm stream, so dropping a tensor early
+never lets the caching allocator reuse memory under a copy.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dualpipe_kernels.transport.base import DEFAULT_TIMEOUT_S, Handle, Transport, TransportError, TransportTimeout
+
+__all__ = ["CudaIpcHandle", "CudaIpcTransport", "STAGINGS", "cuda_ipc_available", "native_cuda_module"]
+
+#: "auto": CUDA IPC, falling back to host staging where the receiver cannot export device memory
+STAGINGS = ("auto", "ipc", "host")
+_KEY_PREFIX = "dpk/cuda_ipc"
+#: upper bound of the time close() waits for peers to detach (seconds)
+_CLOSE_TIMEOUT_S = 30.0
+
+
+def native_cuda_module() -> ModuleType:
+    """``dualpipe_kernels._C.cuda``, or a TransportError that says why it is unavailable."""
+    try:
+        from dualpipe_kernels import _C
+    except ImportError as exc:
+        raise TransportError(
+            "the native extension dualpipe_kernels._C is not built "
+            f"(install with `pip install --no-build-isolation -e .`): {exc}"
+        ) from exc
+    mod = getattr(_C, "cuda", None)
+    if mod is None:
+        raise TransportError(
+            "dualpipe_kernels._C was built without CUDA support (no nvcc or a CPU-only torch at build time, "
+            "or DUALPIPE_KERNELS_CUDA=0); CudaIpcTransport needs a CUDA build"
+        )
+    return mod
+
+
+def cuda_ipc_available() -> bool:
+    """True when the extension has the CUDA engine and a CUDA device is visible."""
+    try:
+        native_cuda_module()
+    except TransportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _validate_options(num_slots: int, slot_bytes: int, staging: str, timeout_s: float) -> None:
+    if not isinstance(num_slots, int) or not 2 <= num_slots <= 16:
+        raise ValueError(f"num_slots must be an int in [2, 16] (double buffering at least), got {num_slots!r}")
+    if not isinstance(slot_bytes, int) or slot_bytes <= 0 or slot_bytes % 256:
+        raise ValueError(f"slot_bytes must be a positive multiple of 256, got {slot_bytes!r}")
+    if staging not in STAGINGS:
+        raise ValueError(f"staging must be one of {STAGINGS}, got {staging!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+
+
+class CudaIpcHandle(Handle):
+    """One posted transfer of a :class:`CudaIpcTransport`."""
+
+    def __init__(self, op: Any, owner: CudaIpcTransport, peer: int, tag: int, what: str, sending: bool) -> None:
+        self._op = op  # _C.cuda.IpcOp; it also holds the tensor
+        self._owner = owner
+        self._peer = peer
+        self._tag = tag
+        self._what = what
+        self._sending = sending
+
+    def _describe(self) -> str:
+        verb = "send to" if self._sending else "receive from"
+        return f"rank {self._owner.rank}: {verb} peer rank {self._peer} (tag {self._tag}, {self._what or 'transfer'})"
+
+    def _limit(self, timeout: float | None) -> float:
+        return self._owner.timeout_s if timeout is None else timeout
+
+    def _timeout_error(self, limit: float) -> TransportTimeout:
+        return TransportTimeout(
+            f"{self._describe()} timed out after {limit:.3g} s: {self._op.describe()}; "
+            f"{self._owner.channel_status(self._peer, outgoing=self._sending)}"
+        )
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self._limit(timeout)
+        try:
+            done = self._op.wait(limit)
+        except RuntimeError as exc:
+            raise TransportError(f"{self._describe()} failed: {exc}") from exc
+        if not done:
+            raise self._timeout_error(limit)
+
+    def is_completed(self) -> bool:
+        try:
+            return bool(self._op.query())
+        except RuntimeError as exc:
+            raise TransportError(f"{self._describe()} failed: {exc}") from exc
+
+    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current stream of the transport's device) wait for the transfer.
+
+        The host blocks only until the engine has queued the copies (bounded by
+        the transport's timeout), never for the copies themselves.
+        """
+        if stream is None:
+            stream = torch.cuda.current_stream(self._owner.device)
+        limit = self._owner.timeout_s
+        try:
+            queued = self._op.wait_stream(int(stream.cuda_stream), limit)
+        except RuntimeError as exc:
+            raise TransportError(f"{self._describe()} failed: {exc}") from exc
+        if not queued:
+            raise self._timeout_error(limit)
+
+
+class CudaIpcTransport(Transport):
+    """Point-to-point GPU transport between processes on one host, over CUDA IPC.
+
+    Args:
+        group: process group whose ranks are the peers (default: the default
+            group); ignored when ``rank``/``world_size``/``store`` are given.
+        rank, world_size, store: explicit rendezvous without a process group.
+        device: this rank's CUDA device (default: the current device).
+        peers: group ranks to open channels with (default: all others).
+        num_slots, slot_bytes: ring geometry of each incoming channel; a message
+            is split into ``slot_bytes`` chunks pipelined over the ring.  Device
+            memory used: ``len(peers) * num_slots * slot_bytes``.
+        staging: "auto" | "ipc" | "host" (see module docstring).
+        timeout_s: default for every wait and for the rendezvous.
+        key_prefix: store key namespace (default derived from the group name).
+    """
+
+    name = "cuda_ipc"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        store: dist.Store | None = None,
+        device: int | str | torch.device | None = None,
+        peers: list[int] | None = None,
+        num_slots: int = 4,
+        slot_bytes: int = 4 << 20,
+        staging: str = "auto",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        key_prefix: str | None = None,
+    ) -> None:
+        super().__init__(timeout_s=timeout_s)
+        _validate_options(num_slots, slot_bytes, staging, timeout_s)
+        self._engine: Any = None
+        mod = native_cuda_module()
+        if not torch.cuda.is_available():
+            raise TransportError("CudaIpcTransport needs a CUDA device, but torch.cuda.is_available() is False")
+
+        if rank is None or world_size is None:
+            if not dist.is_initialized():
+                raise ValueError("pass rank=, world_size= and store=, or initialise torch.distributed first")
+            rank = dist.get_rank(group)
+            world_size = dist.get_world_size(group)
+        if store is None:
+            if not dist.is_initialized():
+                raise ValueError("store= is required when torch.distributed is not initialised")
+            store = dist.distributed_c10d._get_default_store()
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        peers = [p for p in range(world_size) if p != rank] if peers is None else sorted(set(peers))
+        for p in peers:
+            if p == rank or not 0 <= p < world_size:
+                raise ValueError(f"peers must be other ranks in [0, {world_size}), got {p} (this rank is {rank})")
+
+        self._rank = rank
+        self._peers = frozenset(peers)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+        group_name = getattr(group, "group_name", "default") if group is not None else "default"
+        prefix = key_prefix or f"{_KEY_PREFIX}/{group_name}"
+        # Each rank counts its own constructions: construction is collective, so
+        # the counts agree and two transports on one store never share keys.
+        generation = store.add(f"{prefix}/generation/{rank}", 1)
+        self._prefix = f"{prefix}/{generation}"
+
+        self._engine = mod.IpcEngine(rank, self.device.index, num_slots, slot_bytes, staging)
+        try:
+            self._rendezvous(store, sorted(peers))
+        except BaseException:
+            self._engine.close(0.0)
+            self._engine = None
+            raise
+
+    # -- rendezvous ---------------------------------------------------------
+
+    def _key(self, src: int, dst: int, what: str) -> str:
+        return f"{self._prefix}/{src}->{dst}/{what}"
+
+    def _store_wait(self, store: dist.Store, key: str, peer: int, step: str) -> None:
+        try:
+            store.wait([key], timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - stores raise several types on timeout
+            raise TransportTimeout(
+                f"rank {self._rank}: CUDA IPC rendezvous with peer rank {peer} timed out after "
+                f"{self.timeout_s:.3g} s waiting for {step} (store key {key!r}): {exc}"
+            ) from exc
+
+    def _rendezvous(self, store: dist.Store, peers: list[int]) -> None:
+        eng = self._engine
+        for p in peers:
+            store.set(self._key(p, self._rank, "shm"), eng.create_incoming(p))
+        for p in peers:
+            key = self._key(self._rank, p, "shm")
+            self._store_wait(store, key, p, "the peer's channel")
+            try:
+                eng.attach_outgoing(p, store.get(key).decode())
+            except RuntimeError as exc:
+                raise TransportError(
+                    f"rank {self._rank}: cannot attach to the channel of peer rank {p}: {exc}"
+                ) from exc
+            store.set(self._key(self._rank, p, "attached"), "1")
+        for p in peers:
+            self._store_wait(store, self._key(p, self._rank, "attached"), p, "the peer to attach")
+            eng.finish_incoming(p)
+
+    # -- Transport ----------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def peers(self) -> frozenset[int]:
+        return self._peers
+
+    def staging_with(self, peer: int, outgoing: bool = True) -> str:
+        """The channel's staging, "ipc" or "host", to ``peer`` (outgoing) or from it."""
+        return str(self._live_engine().channel_staging(peer, outgoing))
+
+    def channel_status(self, peer: int, outgoing: bool) -> str:
+        """One line about the channel (counters, queue, peer process), for error messages."""
+        if self._engine is None:
+            return "transport closed"
+        try:
+            return str(self._engine.channel_status(peer, outgoing))
+        except (RuntimeError, ValueError) as exc:
+            return f"no channel status ({exc})"
+
+    def _live_engine(self) -> Any:
+        if self._engine is None:
+            raise TransportError(f"rank {self._rank}: CudaIpcTransport is closed")
+        return self._engine
+
+    def _post(self, tensor: torch.Tensor, peer: int, tag: int, what: str, sending: bool) -> CudaIpcHandle:
+        verb = "isend to" if sending else "irecv from"
+        if peer not in self._peers:
+            raise ValueError(f"rank {self._rank}: {verb} peer {peer}, which is not one of this transport's peers")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"rank {self._rank}: {verb} peer {peer} ({what}): expected a tensor, got {type(tensor)}")
+        eng = self._live_engine()
+        try:
+            op = eng.send(tensor, peer, int(tag)) if sending else eng.recv(tensor, peer, int(tag))
+        except ValueError as exc:
+            raise ValueError(f"rank {self._rank}: {verb} peer {peer} ({what or 'transfer'}): {exc}") from exc
+        except RuntimeError as exc:
+            raise TransportError(f"rank {self._rank}: {verb} peer {peer} ({what or 'transfer'}) failed: {exc}") from exc
+        return CudaIpcHandle(op, self, peer, int(tag), what, sending)
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> CudaIpcHandle:
+        return self._post(tensor, peer, tag, what, sending=True)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> CudaIpcHandle:
+        return self._post(tensor, peer, tag, what, sending=False)
+
+    def close(self) -> None:
+        """Fail unfinished transfers, wait (bounded) for peers to detach, free rings, events and streams."""
+        eng, self._engine = self._engine, None
+        if eng is not None:
+            eng.close(min(self.timeout_s, _CLOSE_TIMEOUT_S))

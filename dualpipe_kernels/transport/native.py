@@ -1,0 +1,256 @@
+"""Native transport: CPU tensors between processes on one host over shared memory (``_C.shm``).
+
+Per directed pair of same-host ranks there is one ring of ``num_slots`` slots of
+``slot_bytes`` bytes in a POSIX shared-memory segment; an engine-owned worker
+thread per channel copies messages through it (large ones split into slots and
+pipelined), so ``isend``/``irecv`` return at once and a receive lands straight
+in the caller's tensor.  Messages between a pair are matched per tag in posting
+order (like gloo); a size or dtype mismatch fails with an error naming both
+sides and never writes the receive tensor.
+
+Rendezvous goes through the process group's store, so constructing a
+NativeTransport is collective over the group: every rank publishes its hostname
+and, for each same-host peer, the name of its outgoing ring; the peer maps the
+ring and unlinks its name at once, so no ``/dev/shm`` entry outlives the
+constructor, even if a process is killed later.  Peers on another host fall back
+to :class:`~dualpipe_kernels.transport.torch_dist.TorchDistTransport`.
+
+A dead peer (its pid gone) fails the waiting transfer within about
+``liveness_interval_s``; a silent one times out after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import socket
+import zlib
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from dualpipe_kernels.transport.base import DEFAULT_TIMEOUT_S, Handle, Transport, TransportError, TransportTimeout
+
+if TYPE_CHECKING:
+    from dualpipe_kernels.transport.torch_dist import TorchDistTransport
+
+__all__ = ["NativeTransport", "NativeHandle", "DTYPES", "dtype_code", "load_engine_module"]
+
+#: dtypes with fixed codes in message headers (index = code); others get a stable hash code.
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+DEFAULT_NUM_SLOTS = 8
+DEFAULT_SLOT_BYTES = 256 * 1024
+_STORE_PREFIX = "dpk/native"
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The int32 code of ``dtype`` carried in every message header."""
+    if dtype in DTYPES:
+        return DTYPES.index(dtype)
+    return len(DTYPES) + zlib.crc32(str(dtype).encode()) % (2**30)
+
+
+def load_engine_module() -> Any:
+    """``dualpipe_kernels._C.shm``, or an ImportError that says how to build it."""
+    try:
+        from dualpipe_kernels import _C
+    except ImportError as exc:
+        raise ImportError(
+            "dualpipe_kernels._C is not built; install with `pip install --no-build-isolation -e .`"
+        ) from exc
+    return _C.shm
+
+
+def _group_store(group: dist.ProcessGroup) -> dist.Store:
+    """The store the group was created with (a PrefixStore for subgroups)."""
+    try:
+        return dist.distributed_c10d._get_process_group_store(group)
+    except (AttributeError, KeyError):
+        return dist.distributed_c10d._get_default_store()
+
+
+class NativeHandle(Handle):
+    """One posted transfer. Holds the tensor until the transfer completes."""
+
+    def __init__(self, request: Any, tensor: torch.Tensor, owner: NativeTransport) -> None:
+        self._request = request
+        self._tensor: torch.Tensor | None = tensor
+        self._owner = owner
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self._owner.timeout_s if timeout is None else timeout
+        try:
+            self._request.wait(limit)
+        except TimeoutError as exc:
+            raise TransportTimeout(str(exc)) from None
+        except RuntimeError as exc:
+            raise TransportError(str(exc)) from None
+        self._tensor = None
+
+    def is_completed(self) -> bool:
+        """True once finished, successfully or not (``wait`` then raises the failure)."""
+        return bool(self._request.query())
+
+
+class NativeTransport(Transport):
+    """Shared-memory transport between CPU processes of ``group`` (default: the default group).
+
+    Construction is collective over the group.  ``num_slots`` (>= 2) and
+    ``slot_bytes`` size each ring; ``spin_us`` is how long a waiting thread
+    spins before it sleeps; ``liveness_interval_s`` how often a sleeping wait
+    checks that the peer process still exists.
+    """
+
+    name = "native"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        num_slots: int = DEFAULT_NUM_SLOTS,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        spin_us: float = 50.0,
+        liveness_interval_s: float = 0.05,
+    ) -> None:
+        super().__init__(timeout_s)
+        if not dist.is_initialized():
+            raise ValueError("NativeTransport needs an initialised torch.distributed process group")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if num_slots < 2:
+            raise ValueError(f"num_slots must be >= 2 (double buffering), got {num_slots}")
+        if slot_bytes < 64:
+            raise ValueError(f"slot_bytes must be >= 64, got {slot_bytes}")
+        shm = load_engine_module()
+        self.group = group if group is not None else dist.group.WORLD
+        self._rank = dist.get_rank(self.group)
+        self._size = dist.get_world_size(self.group)
+        self._closed = False
+        self._inflight: list[tuple[Any, torch.Tensor]] = []  # keeps tensors alive while the engine uses them
+        self._fallback: TorchDistTransport | None = None
+        self._engine = shm.Engine(
+            self._rank,
+            num_slots=num_slots,
+            slot_bytes=slot_bytes,
+            spin_us=spin_us,
+            liveness_interval_s=liveness_interval_s,
+            dtype_names=[str(d).removeprefix("torch.") for d in DTYPES],
+        )
+        try:
+            shm.sweep_stale_segments()
+            hosts = self._rendezvous(_group_store(self.group))
+        except BaseException:
+            self._engine.close()
+            raise
+        self.local_peers = tuple(p for p in range(self._size) if p != self._rank and hosts[p] == hosts[self._rank])
+        if len(set(hosts)) > 1:
+            # Every rank sees the same host map, so all of them build the fallback (it may be collective).
+            from dualpipe_kernels.transport.torch_dist import TorchDistTransport
+
+            self._fallback = TorchDistTransport(self.group, device=torch.device("cpu"), timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------ rendezvous
+
+    def _wait_key(self, store: dist.Store, key: str, step: str) -> bytes:
+        try:
+            store.wait([key], timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # noqa: BLE001 - stores raise several types on timeout
+            raise TransportTimeout(
+                f"rank {self._rank}: native transport rendezvous timed out after {self.timeout_s:.3g} s "
+                f"waiting for {step} (store key {key!r}): {exc}"
+            ) from None
+        return store.get(key)
+
+    def _rendezvous(self, store: dist.Store) -> list[str]:
+        """Exchange hostnames and ring names with every same-host peer; returns each rank's hostname."""
+        # Each rank counts the transports it built on this store; ranks build them in the
+        # same order, so the counts agree and two transports never share keys.
+        generation = store.add(f"{_STORE_PREFIX}/generation/{self._rank}", 1)
+        prefix = f"{_STORE_PREFIX}/{generation}"
+        store.set(f"{prefix}/host/{self._rank}", socket.gethostname())
+        hosts = [
+            self._wait_key(store, f"{prefix}/host/{p}", f"rank {p}'s hostname").decode() for p in range(self._size)
+        ]
+        peers = [p for p in range(self._size) if p != self._rank and hosts[p] == hosts[self._rank]]
+        for p in peers:
+            store.set(f"{prefix}/ring/{self._rank}to{p}", self._engine.create_send_channel(p))
+        for p in peers:
+            name = self._wait_key(store, f"{prefix}/ring/{p}to{self._rank}", f"rank {p}'s ring name").decode()
+            self._engine.attach_recv_channel(p, name)  # maps, then unlinks the name
+            store.set(f"{prefix}/mapped/{p}to{self._rank}", "1")
+        for p in peers:
+            self._wait_key(store, f"{prefix}/mapped/{self._rank}to{p}", f"rank {p} to map our ring")
+            self._engine.unlink_send_segment(p)  # normally already gone: the peer unlinked it
+        return hosts
+
+    # ------------------------------------------------------------------ transfers
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._size
+
+    def _check(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        if self._closed:
+            raise TransportError(f"rank {self._rank}: native transport is closed; cannot post {what!r}")
+        if not 0 <= peer < self._size or peer == self._rank:
+            raise ValueError(f"rank {self._rank}: peer must be another rank in [0, {self._size}), got {peer} ({what})")
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"rank {self._rank}: NativeTransport moves CPU tensors, got {tensor.device} ({what}); "
+                "use CudaIpcTransport for CUDA tensors"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(f"rank {self._rank}: tensor must be contiguous ({what})")
+
+    def _track(self, request: Any, tensor: torch.Tensor) -> NativeHandle:
+        if len(self._inflight) >= 64:
+            self._inflight = [(r, t) for r, t in self._inflight if not r.query()]
+        if not request.query():
+            self._inflight.append((request, tensor))
+        return NativeHandle(request, tensor, self)
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+        self._check(tensor, peer, what)
+        if peer not in self.local_peers:
+            assert self._fallback is not None
+            return self._fallback.isend(tensor, peer, tag, what)
+        nbytes = tensor.numel() * tensor.element_size()
+        req = self._engine.send(peer, tensor.data_ptr(), nbytes, tag, dtype_code(tensor.dtype), what)
+        return self._track(req, tensor)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+        self._check(tensor, peer, what)
+        if peer not in self.local_peers:
+            assert self._fallback is not None
+            return self._fallback.irecv(tensor, peer, tag, what)
+        nbytes = tensor.numel() * tensor.element_size()
+        req = self._engine.recv(peer, tensor.data_ptr(), nbytes, tag, dtype_code(tensor.dtype), what)
+        return self._track(req, tensor)
+
+    def close(self) -> None:
+        """Stop the worker threads (unfinished transfers fail), unmap the rings. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.close()
+        self._inflight.clear()
+        if self._fallback is not None:
+            self._fallback.close()

@@ -1,0 +1,70 @@
+"""Shared fixtures of the runtime tests.
+
+``tests/`` goes on ``sys.path`` so the spawned worker processes can import
+``runtime_models`` by name (the spawn start method passes ``sys.path`` on).
+
+``spawned_runs(cfg)`` runs every configuration of
+``runtime_models.configs_for_world(cfg.world)`` in ONE group of spawned
+processes, the first time a test asks for that world size, and caches the
+per-rank results for the session: process start costs seconds (torch import),
+a configuration milliseconds.  ``lifecycle_run`` does the same for the
+two-pipelines and memory checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+
+#: every wait inside a pipeline step (seconds); a configuration that fails costs at most about this
+PIPELINE_TIMEOUT_S = 30.0
+#: the whole spawned run of one world size
+SPAWN_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="session")
+def spawned_runs() -> Callable[[Any], list[dict[str, Any]]]:
+    """``get(cfg)``: every process's results of the spawned run (one per world size) that holds ``cfg``."""
+    from runtime_models import configs_for_world, run_configs
+
+    from dualpipe_kernels.runtime.launch import spawn
+
+    cache: dict[int, list[dict[str, Any]] | BaseException] = {}
+
+    def get(cfg: Any) -> list[dict[str, Any]]:
+        world = cfg.world
+        if world not in cache:
+            try:
+                cache[world] = spawn(
+                    run_configs, world, configs_for_world(world), PIPELINE_TIMEOUT_S, timeout_s=SPAWN_TIMEOUT_S
+                )
+            except Exception as e:  # noqa: BLE001 - every test of this world size reports it
+                cache[world] = e
+        got = cache[world]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    return get
+
+
+#: steps of the memory run (tests/test_runtime_memory.py)
+LIFECYCLE_STEPS = 50
+
+
+@pytest.fixture(scope="session")
+def lifecycle_run() -> list[dict[str, Any]]:
+    """Per-rank results of ``runtime_models.lifecycle`` on 2 ranks: two pipelines, then 50-step memory runs."""
+    from runtime_models import lifecycle
+
+    from dualpipe_kernels.runtime.launch import spawn
+
+    return spawn(lifecycle, 2, LIFECYCLE_STEPS, timeout_s=SPAWN_TIMEOUT_S)

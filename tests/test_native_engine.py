@@ -1,0 +1,249 @@
+"""Tests of the CPU shared-memory engine through ``NativeTransport`` between two spawned processes.
+
+Every scenario runs on both ranks of ONE spawned group (process start costs
+seconds, a scenario milliseconds); each rank reports "ok" or its traceback per
+scenario, and one test per scenario asserts it.  Payloads are random bytes
+regenerated from a seed on the receiver and compared bit for bit.  The kill
+test has its own group: rank 0 kills itself in the middle of a 64 MiB transfer,
+and rank 1 must fail promptly with an error naming it.  Afterwards no
+``/dev/shm`` segment created by either process may remain.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dualpipe_kernels.runtime.launch import spawn, spawn_outcomes
+from dualpipe_kernels.transport.base import TransportError, TransportTimeout
+from dualpipe_kernels.transport.native import NativeTransport, load_engine_module
+
+SLOT_BYTES = 64 * 1024
+NUM_SLOTS = 3  # an odd count so that chunk indices wrap the ring at shifting offsets
+#: 0 B, 1 B, odd, exactly one slot, one slot + 1, several slots' worth (wraps the ring), 1 MiB + 1, 64 MiB
+SIZES = [0, 1, 3, 4095, SLOT_BYTES, SLOT_BYTES + 1, 5 * SLOT_BYTES + 17, (1 << 20) + 1, 64 << 20]
+WAIT_S = 30.0
+
+
+def _payload(nbytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def _transport() -> NativeTransport:
+    return NativeTransport(timeout_s=WAIT_S, num_slots=NUM_SLOTS, slot_bytes=SLOT_BYTES)
+
+
+# ---------------------------------------------------------------- scenarios (run on both ranks)
+
+
+def _sizes_both_directions(rank: int) -> None:
+    """Every size, both directions at once; typed views so the dtype check sees real dtypes."""
+    peer = 1 - rank
+    with _transport() as t:
+        for i, n in enumerate(SIZES):
+            dtype = torch.float32 if n % 4 == 0 else torch.uint8
+            src = _payload(n, seed=1000 * rank + i).view(dtype)
+            dst = torch.empty(n, dtype=torch.uint8).view(dtype)
+            r = t.irecv(dst, peer, tag=i, what=f"size {n}")
+            s = t.isend(src, peer, tag=i, what=f"size {n}")
+            s.wait()
+            r.wait()
+            assert torch.equal(dst.view(torch.uint8), _payload(n, seed=1000 * peer + i)), f"payload of {n} B differs"
+
+
+def _many_in_flight_out_of_order_waits(rank: int) -> None:
+    """40 messages each way posted before any wait; waits in reverse, then shuffled order."""
+    peer = 1 - rank
+    sizes = [(k * 7919) % (3 * SLOT_BYTES) + k for k in range(40)]
+    with _transport() as t:
+        recvs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        rh = [t.irecv(b, peer, tag=k) for k, b in enumerate(recvs)]
+        srcs = [_payload(n, seed=50_000 * rank + k) for k, n in enumerate(sizes)]
+        sh = [t.isend(b, peer, tag=k) for k, b in enumerate(srcs)]
+        for h in reversed(rh):
+            h.wait()
+        order = torch.randperm(len(sh), generator=torch.Generator().manual_seed(rank)).tolist()
+        for k in order:
+            sh[k].wait()
+        for k, (n, b) in enumerate(zip(sizes, recvs)):
+            assert torch.equal(b, _payload(n, seed=50_000 * peer + k)), f"message {k} ({n} B) differs"
+        assert all(h.is_completed() for h in rh + sh)
+
+
+def _same_tag_fifo_and_tag_matching(rank: int) -> None:
+    """Same tag: delivered in posting order. Different tags posted in the opposite order still match (stash)."""
+    peer = 1 - rank
+    with _transport() as t:
+        if rank == 0:
+            for k in range(5):
+                t.isend(torch.full((1000,), k, dtype=torch.int64), peer, tag=7).wait()
+            t.isend(torch.full((3 * SLOT_BYTES,), 1, dtype=torch.uint8), peer, tag=100).wait()
+            t.isend(torch.full((10,), 2, dtype=torch.uint8), peer, tag=200).wait()
+        else:
+            bufs = [torch.empty(1000, dtype=torch.int64) for _ in range(5)]
+            hs = [t.irecv(b, peer, tag=7) for b in bufs]
+            for h in hs:
+                h.wait()
+            assert [int(b[0]) for b in bufs] == list(range(5)) and all(bool((b == b[0]).all()) for b in bufs)
+            late = torch.empty(3 * SLOT_BYTES, dtype=torch.uint8)
+            early = torch.empty(10, dtype=torch.uint8)
+            h200 = t.irecv(early, peer, tag=200)  # posted first, but its message comes second
+            h100 = t.irecv(late, peer, tag=100)
+            h200.wait()
+            h100.wait()
+            assert bool((late == 1).all()) and bool((early == 2).all())
+
+
+def _timeout_names_peer_and_transfer(rank: int) -> None:
+    """A receive nobody answers times out after the given time, naming peer, tag and label."""
+    with _transport() as t:
+        if rank == 1:
+            h = t.irecv(torch.empty(16), 0, tag=999, what="never sent")
+            t0 = time.monotonic()
+            with pytest.raises(TransportTimeout) as ei:
+                h.wait(0.3)
+            took = time.monotonic() - t0
+            assert 0.25 <= took < 5.0, took
+            msg = str(ei.value)
+            assert "rank 0" in msg and "tag 999" in msg and "never sent" in msg, msg
+            assert not h.is_completed()
+        dist.barrier()
+
+
+def _mismatch(rank: int, kind: str) -> None:
+    """A size or dtype mismatch fails the receive without touching its tensor; the sender learns too."""
+    with _transport() as t:
+        if rank == 0:
+            src = torch.arange(25, dtype=torch.float32)
+            t.isend(src, 1, tag=5, what="sender side").wait()
+            dist.barrier()  # rank 1 has seen the mismatch
+            with pytest.raises(TransportError, match="receiver reported"):
+                t.isend(src, 1, tag=6, what="after mismatch").wait(5.0)
+        else:
+            dst = torch.full((26,) if kind == "size" else (25,), -7.0, dtype=torch.float32 if kind == "size" else torch.int32)
+            h = t.irecv(dst, 0, tag=5, what="receiver side")
+            with pytest.raises(TransportError) as ei:
+                h.wait(10.0)
+            msg = str(ei.value)
+            if kind == "size":
+                assert "size mismatch" in msg and "100 B" in msg and "104 B" in msg, msg
+            else:
+                assert "dtype mismatch" in msg and "float32" in msg and "int32" in msg, msg
+            assert "rank 0" in msg and "receiver side" in msg, msg
+            assert bool((dst == -7).all()), "a mismatched receive wrote into the tensor"
+            dist.barrier()
+
+
+def _bad_input_and_close(rank: int) -> None:
+    t = _transport()
+    with pytest.raises(ValueError, match="another rank"):
+        t.isend(torch.zeros(4), rank, tag=0)
+    with pytest.raises(ValueError, match="contiguous"):
+        t.isend(torch.zeros(4, 4).t(), 1 - rank, tag=0)
+    pending = t.irecv(torch.zeros(4), 1 - rank, tag=12345)
+    t.close()
+    t.close()  # idempotent
+    with pytest.raises(TransportError, match="closed"):
+        pending.wait(5.0)
+    with pytest.raises(TransportError, match="closed"):
+        t.isend(torch.zeros(4), 1 - rank, tag=0)
+
+
+def _no_segments_left(rank: int) -> None:
+    """Right after construction our ring names are already gone from /dev/shm."""
+    with _transport():
+        dist.barrier()
+        mine = [n for n in load_engine_module().list_segments() if n.startswith(f"dpk-{os.getpid()}-")]
+        assert mine == [], mine
+
+
+SCENARIOS: dict[str, Callable[[int], None]] = {
+    "sizes_both_directions": _sizes_both_directions,
+    "many_in_flight_out_of_order_waits": _many_in_flight_out_of_order_waits,
+    "same_tag_fifo_and_tag_matching": _same_tag_fifo_and_tag_matching,
+    "timeout_names_peer_and_transfer": _timeout_names_peer_and_transfer,
+    "size_mismatch": lambda r: _mismatch(r, "size"),
+    "dtype_mismatch": lambda r: _mismatch(r, "dtype"),
+    "bad_input_and_close": _bad_input_and_close,
+    "no_segments_left": _no_segments_left,
+}
+
+
+def _run_scenarios(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"pid": os.getpid()}
+    for name, fn in SCENARIOS.items():
+        try:
+            fn(rank)
+            out[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported per scenario
+            out[name] = traceback.format_exc()
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenario_results() -> list[dict[str, Any]]:
+    return spawn(_run_scenarios, 2, timeout_s=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_scenario(scenario_results: list[dict[str, Any]], name: str) -> None:
+    for rank, res in enumerate(scenario_results):
+        assert res[name] == "ok", f"rank {rank}:\n{res[name]}"
+
+
+@pytest.mark.timeout(300)
+def test_no_segment_outlives_the_processes(scenario_results: list[dict[str, Any]]) -> None:
+    pids = {res["pid"] for res in scenario_results}
+    left = [n for n in load_engine_module().list_segments() if any(n.startswith(f"dpk-{p}-") for p in pids)]
+    assert left == []
+
+
+# ---------------------------------------------------------------- kill test
+
+
+def _kill_mid_transfer(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
+    t = NativeTransport(timeout_s=timeout_s, num_slots=NUM_SLOTS, slot_bytes=SLOT_BYTES)
+    n = 64 << 20
+    if rank == 0:
+        h = t.isend(_payload(n, seed=1), 1, tag=1)
+        deadline = time.monotonic() + timeout_s
+        while h._request.bytes_done() < 4 * SLOT_BYTES and time.monotonic() < deadline:  # mid-transfer
+            time.sleep(0.0005)
+        os.kill(os.getpid(), signal.SIGKILL)
+    h = t.irecv(torch.empty(n, dtype=torch.uint8), 0, tag=1, what="doomed")
+    t0 = time.monotonic()
+    try:
+        h.wait()
+    except TransportError as exc:
+        return {"pid": os.getpid(), "error": str(exc), "type": type(exc).__name__, "after_s": time.monotonic() - t0}
+    return {"pid": os.getpid(), "error": None}
+
+
+@pytest.mark.timeout(300)
+def test_kill_peer_mid_transfer() -> None:
+    timeout_s = 60.0
+    outcomes = spawn_outcomes(_kill_mid_transfer, 2, timeout_s, timeout_s=180, pg_timeout_s=30)
+    assert not outcomes[0].ok, "rank 0 should have died"
+    assert outcomes[1].ok, outcomes[1].error
+    res = outcomes[1].value
+    assert res["error"] is not None, "the receive completed although the sender was killed"
+    assert res["type"] == "TransportError" and "rank 0" in res["error"] and "pid" in res["error"], res
+    assert "doomed" in res["error"], res
+    assert res["after_s"] < timeout_s / 4, f"dead peer noticed only after {res['after_s']:.1f} s"
+    dead_pid = re.search(r"pid (\d+)", res["error"])
+    assert dead_pid is not None, res
+    pids = (res["pid"], int(dead_pid.group(1)))
+    left = [n for n in load_engine_module().list_segments() if any(n.startswith(f"dpk-{p}-") for p in pids)]
+    assert left == []

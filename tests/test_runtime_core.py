@@ -1,0 +1,241 @@
+"""Core checks of the pipeline runtime (the big matrix lives in test_runtime_exact.py and friends).
+
+One 2-rank spawn runs several pipelines (1F1B, DualPipeV, DualPipe, ZB1P, an
+overlap-hook model whose weight gradients go through the WeightGradStore) and
+compares each against the single-process reference: losses and gradients
+bit-exact (``torch.equal``), DualPipe's mirrored copies within the reference's
+cosine bound.  A second spawn checks that a rank that never shows up makes the
+other raise within the timeout, naming the peer, the action and the
+micro-batch.  The zero-bubble split is also checked in one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.graph import get_gradient_edge
+
+from dualpipe_kernels.runtime import Pipeline, run_backward, run_reference, spawn, spawn_outcomes
+from dualpipe_kernels.runtime.zero_bubble import WeightGradStore, backward_full, backward_input, current_store
+from dualpipe_kernels.schedules.generators import build_schedule
+
+HIDDEN = 8
+
+
+def _criterion(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ((y - t) ** 2).mean()
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.Tanh(), nn.Linear(2 * HIDDEN, HIDDEN))
+
+
+class _LinearFunc(torch.autograd.Function):
+    """A linear whose weight gradient may be deferred through the running pipeline's store."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, weight = ctx.saved_tensors
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+
+        def weight_grad() -> None:
+            weight.grad += grad.flatten(0, -2).T @ x.flatten(0, -2)
+
+        store = current_store()
+        if store is not None and store.enabled:
+            store.put(weight_grad)
+        else:
+            weight_grad()
+        return grad @ weight, None
+
+
+class _HookStage(nn.Module):
+    """A stage with the reference's ``overlapped_forward_backward`` contract; counts hook calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(2 * HIDDEN, HIDDEN) / HIDDEN)
+        self.w2 = nn.Parameter(torch.randn(HIDDEN, 2 * HIDDEN) / HIDDEN)
+        self.hook_calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearFunc.apply(torch.tanh(_LinearFunc.apply(x, self.w1)), self.w2)
+
+    @classmethod
+    def overlapped_forward_backward(
+        cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
+    ) -> tuple[Any, Any]:
+        module0.hook_calls += 1
+        outputs0 = module0(*inputs0)
+        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
+        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+        if loss1 is not None:
+            loss1.backward()
+            loss1.detach_()
+        else:
+            run_backward(outputs1, output_grads1)
+        return outputs0, loss0
+
+
+def _cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float(1 - 2 * (a * b).sum() / ((a * a).sum() + (b * b).sum()))
+
+
+def _grads_match(mine: dict[int, nn.Module], ref: dict[int, nn.Module], exact: bool) -> bool:
+    for s, m in mine.items():
+        for p, q in zip(m.parameters(), ref[s].parameters()):
+            if p.grad is None or q.grad is None:
+                if p.grad is not q.grad:
+                    return False
+            elif exact and not torch.equal(p.grad, q.grad):
+                return False
+            elif not exact and _cos_diff(p.grad, q.grad) >= 1e-13:
+                return False
+    return True
+
+
+def _check(rank: int, name: str, make: Any, batch: int, n: int, **kw: Any) -> dict[str, bool]:
+    """Run one training and one inference step of ``name``; compare with the reference."""
+    sched = build_schedule(name, 2, n)
+    n_model = max(sched.model_stage) + 1
+    torch.manual_seed(0)
+    model = [make() for _ in range(n_model)]
+    torch.manual_seed(1)
+    x, t = torch.randn(batch, HIDDEN), torch.randn(batch, HIDDEN)
+    mine = {s: copy.deepcopy(model[sched.model_stage[s]]) for s in sched.stages_of_rank(rank)}
+    single = [copy.deepcopy(m) for m in model]  # one copy per model stage: DualPipe's copies summed
+    ref = {s: single[sched.model_stage[s]] for s in range(sched.num_stages)}
+    pipe = Pipeline(sched, mine, timeout_s=30.0, record_timeline=True, **kw)
+    res = pipe.step(x, labels=(t,), criterion=_criterion)
+    ref_losses = run_reference(ref, sched, (x,), (t,), _criterion)
+    ref_outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+    with torch.no_grad():
+        run_reference(ref, sched, (x,), (t,), None, forward_only=True, outputs=ref_outputs)
+        inf = pipe.step(x, labels=(t,), criterion=_criterion, return_outputs=True)
+    pipe.close()
+    loss_stages = [m for m in range(n) if sched.path(m)[-1] in sched.stages_of_rank(rank)]
+    return {
+        "losses": sorted(res.losses) == loss_stages
+        and all(torch.equal(res.losses[m], ref_losses[m]) for m in loss_stages),
+        "grads": _grads_match(mine, ref, exact=n_model == sched.num_stages),
+        "inference": all(torch.equal(inf.losses[m], ref_losses[m]) for m in loss_stages)
+        and inf.outputs is not None
+        and all(torch.equal(inf.outputs[m][0], ref_outputs[m][0]) for m in loss_stages),
+        "timeline": len(res.timeline) > 0
+        and all(e[0] == rank and 0.0 <= e[2] <= e[3] <= res.step_time_s for e in res.timeline),
+        "hook": not isinstance(next(iter(mine.values())), _HookStage)
+        or name == "1f1b"
+        or sum(m.hook_calls for m in mine.values()) > 0,
+    }
+
+
+def _core_worker(rank: int, world_size: int) -> dict[str, dict[str, bool]]:
+    torch.use_deterministic_algorithms(True)
+    out = {
+        "1f1b": _check(rank, "1f1b", _mlp, batch=10, n=4),
+        "dualpipev": _check(rank, "dualpipev", _mlp, batch=11, n=4),  # uneven: last micro-batch smaller
+        "dualpipe": _check(rank, "dualpipe", _mlp, batch=8, n=4),
+        "zb1p": _check(rank, "zb1p", _mlp, batch=8, n=4),
+        "dualpipev_hook_store": _check(rank, "dualpipev", _HookStage, batch=8, n=4),
+        "dualpipev_hook_refmode": _check(rank, "dualpipev", _HookStage, batch=8, n=4, zero_bubble="store"),
+    }
+    return out
+
+
+@pytest.fixture(scope="module")
+def core_results() -> list[dict[str, dict[str, bool]]]:
+    return spawn(_core_worker, 2, timeout_s=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "case", ["1f1b", "dualpipev", "dualpipe", "zb1p", "dualpipev_hook_store", "dualpipev_hook_refmode"]
+)
+def test_two_ranks_match_reference(core_results: list[dict[str, dict[str, bool]]], case: str) -> None:
+    for rank, res in enumerate(core_results):
+        assert res[case] == {k: True for k in res[case]}, f"rank {rank}: {res[case]}"
+
+
+def _timeout_worker(rank: int, world_size: int) -> str:
+    sched = build_schedule("1f1b", 2, 2)
+    torch.manual_seed(0)
+    if rank == 1:
+        # Bad input on rank 1: two modules for one stage. It must fail fast and
+        # rank 0 must not hang: it times out naming rank 1.
+        Pipeline(sched, [_mlp(), _mlp()])
+        return "unreachable"
+    pipe = Pipeline(sched, {0: _mlp()}, timeout_s=2.0)
+    start = time.monotonic()
+    try:
+        pipe.step(torch.randn(4, HIDDEN))
+    except TimeoutError as exc:
+        return f"{time.monotonic() - start:.1f}|{exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_missing_peer_times_out_naming_it() -> None:
+    outcomes = spawn_outcomes(_timeout_worker, 2, timeout_s=90)
+    assert not outcomes[1].ok and "ValueError" in (outcomes[1].error or "")
+    assert "holds 1 stage(s)" in (outcomes[1].error or "")
+    assert outcomes[0].ok, outcomes[0].error
+    elapsed, msg = outcomes[0].value.split("|", 1)
+    assert float(elapsed) < 10.0
+    assert "peer pipeline rank 1" in msg and "0RECV_B0" in msg and "micro-batch 0" in msg, msg
+
+
+@pytest.mark.parametrize("first_stage", [False, True])
+def test_zero_bubble_split_is_bit_exact(first_stage: bool) -> None:
+    """I now + W later (in micro-batch order) == the full backward, bit for bit."""
+    torch.manual_seed(0)
+    full, split = _mlp(), None
+    full.append(nn.LayerNorm(HIDDEN))
+    split = copy.deepcopy(full)
+    xs = [torch.randn(5, HIDDEN) for _ in range(3)]
+    gs = [torch.randn(5, HIDDEN) for _ in range(3)]
+    deferred = []
+    for x, g in zip(xs, gs):
+        a = x.clone().requires_grad_(not first_stage)
+        y = full(a)
+        backward_full([(get_gradient_edge(y), g)])
+        b = x.clone().requires_grad_(not first_stage)
+        z = split(b)
+        w = backward_input([(get_gradient_edge(z), g)], [b] if not first_stage else [], list(split.parameters()))
+        if not first_stage:
+            assert torch.equal(a.grad, b.grad)
+        assert all(p.grad is None for p in split.parameters())  # nothing before W
+        deferred.append(w)
+    for w in deferred:
+        w.run()
+    for p, q in zip(full.parameters(), split.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_weight_grad_store_is_per_instance() -> None:
+    a, b = WeightGradStore(), WeightGradStore()
+    log: list[str] = []
+    with a.bind():
+        assert current_store() is a
+        with b.bind():
+            assert current_store() is b
+        a.put(lambda: log.append("a0"))
+        a.flush(("s", 0))
+    b.put(lambda: log.append("b0"))
+    b.flush()
+    assert current_store() is None
+    b.pop()
+    a.pop(("s", 0))
+    assert log == ["b0", "a0"] and len(a) == 0 and len(b) == 0
