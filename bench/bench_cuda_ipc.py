@@ -126,7 +126,8 @@ def rank_main(rank: int, store_path: str, args: argparse.Namespace, out: Any) ->
         barrier = Barrier(store, args.timeout)
         t = CudaIpcTransport(
             rank=rank, world_size=2, store=store, device=0, num_slots=args.num_slots,
-            slot_bytes=args.slot_bytes, staging=args.staging, timeout_s=args.timeout,
+            slot_bytes=args.slot_bytes, staging=args.staging, direct_min_bytes=args.direct_min_bytes,
+            timeout_s=args.timeout,
         )  # fmt: skip
         rows = []
         for size in sizes_between(args.min_size, args.max_size):
@@ -277,6 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "staging": result["staging"],
         "num_slots": args.num_slots,
         "slot_bytes": args.slot_bytes,
+        "direct_min_bytes": args.direct_min_bytes,
         "iters": args.iters,
         "rows": rows,
         "bandwidth_target_ratio": BANDWIDTH_TARGET,
@@ -289,7 +291,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(res: dict[str, Any], file: Any) -> None:
     print(
         f"CUDA IPC P2P on {res['device']} ({res['staging']} staging, {res['num_slots']} x "
-        f"{res['slot_bytes'] >> 10} KiB slots) vs dst.copy_(src) on the same GPU",
+        f"{res['slot_bytes'] >> 10} KiB slots, zero-copy from {res['direct_min_bytes']} B) "
+        "vs dst.copy_(src) on the same GPU",
         file=file,
     )
     print(f"{'size':>10} {'msgs':>5} {'ipc GB/s':>10} {'d2d GB/s':>10} {'ipc/d2d':>8} {'us/msg':>9}", file=file)
@@ -322,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slot-bytes", type=parse_size, default=4 << 20)
     p.add_argument("--num-slots", type=int, default=4)
     p.add_argument("--staging", choices=["auto", "ipc", "host"], default="ipc")
+    p.add_argument(
+        "--direct-min-bytes", type=parse_size, default=1 << 20, help="zero-copy sends from this size on (0: never)"
+    )
     p.add_argument("--overlap-bytes", type=parse_size, default=OVERLAP_BYTES)
     p.add_argument("--overlap-reps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run and for each wait")

@@ -46,10 +46,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t_build, c_build, sched = _timed(lambda: build_schedule(args.schedule, args.ranks, args.microbatches))
         t_validate, c_validate, _ = _timed(lambda: validate(sched))  # noqa: B023  (called at once)
         t_sim, c_sim, res = _timed(lambda: simulate(sched, costs))  # noqa: B023
-        row = {"build_s": t_build, "validate_s": t_validate, "simulate_s": t_sim,
-               "total_s": t_build + t_validate + t_sim,
-               "build_cpu_s": c_build, "validate_cpu_s": c_validate, "simulate_cpu_s": c_sim,
-               "total_cpu_s": c_build + c_validate + c_sim}
+        row = {
+            "build_s": t_build,
+            "validate_s": t_validate,
+            "simulate_s": t_sim,
+            "total_s": t_build + t_validate + t_sim,
+            "build_cpu_s": c_build,
+            "validate_cpu_s": c_validate,
+            "simulate_cpu_s": c_sim,
+            "total_cpu_s": c_build + c_validate + c_sim,
+        }
         if args.lowered:
             t_lower, _, low = _timed(lambda: lower_comms(sched))  # noqa: B023
             t_sim_low, _, res_low = _timed(lambda: simulate(low, costs))  # noqa: B023

@@ -84,6 +84,7 @@ run_step build 300 env DUALPIPE_KERNELS_CUDA=1 "$PY" setup.py build_ext --inplac
 
 run_step import 60 "$PY" -c '
 import json
+import torch  # loads libc10 & co. before the extension
 from dualpipe_kernels import _C
 info = _C.build_info()
 print(json.dumps(info))
@@ -177,6 +178,12 @@ if bench and "rows" in bench:
               f"{'PASS' if o['pass'] else 'FAIL'}")
 else:
     md.append(f"Benchmark: {bench['error'] if bench else 'no output (see logs/bench.log)'}")
+for s in steps:
+    log = out / "logs" / f"{s['step']}.log"
+    if s["status"] in ("failed", "timeout") and log.exists():
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        md += ["", f"### {s['step']} ({s['status']}, rc {s['rc']}): last lines of logs/{s['step']}.log", "", "```"]
+        md += tail + ["```"]
 md += ["", "Logs: logs/<step>.log"]
 (out / "report.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))

@@ -179,7 +179,7 @@ std::shared_ptr<Request> SendChannel::post(const void* src, std::uint64_t nbytes
   RingHeader* h = ring_.header();
   // Fast path: nothing ahead of us and the whole message fits in a free slot.
   if (queue_.empty() && !busy_ && nbytes <= cfg_.inline_max_bytes && nbytes <= ring_.slot_bytes() &&
-      head_ - h->tail.load(std::memory_order_acquire) < ring_.num_slots() && ring_.error().empty()) {
+      static_cast<std::uint32_t>(head_) - h->tail.load(std::memory_order_acquire) < ring_.num_slots() && ring_.error().empty()) {
     write_chunk(*req, 0, nbytes);
     ++next_seq_;
     req->complete();
@@ -204,7 +204,7 @@ void SendChannel::write_chunk(const Request& req, std::uint64_t offset, std::uin
   if (n != 0) std::memcpy(ring_.slot_data(head_), static_cast<const unsigned char*>(req.ptr()) + offset, n);
   ++head_;
   // seq_cst (not just release): orders the store before our read of head_waiters (see shm_ring.h).
-  h->head.store(head_, std::memory_order_seq_cst);
+  h->head.store(static_cast<std::uint32_t>(head_), std::memory_order_seq_cst);
   wake_if_waiting(&h->head, &h->head_waiters);
 }
 
@@ -218,7 +218,7 @@ std::string SendChannel::run(Request& req) {
   do {  // at least one chunk: a 0-byte message still carries its header
     const std::uint64_t n = std::min(slot, nbytes - offset);
     std::string err =
-        wait_ring(&h->tail, &h->tail_waiters, [&] { return head_ - h->tail.load(std::memory_order_acquire) < slots; });
+        wait_ring(&h->tail, &h->tail_waiters, [&] { return static_cast<std::uint32_t>(head_) - h->tail.load(std::memory_order_acquire) < slots; });
     if (!err.empty()) return err;
     write_chunk(req, offset, n);
     offset += n;
@@ -348,7 +348,7 @@ std::string RecvChannel::drain(const SlotHeader& first, unsigned char* dst, Requ
   for (;;) {
     if (offset != 0) {
       std::string err =
-          wait_ring(&h->head, &h->head_waiters, [&] { return h->head.load(std::memory_order_acquire) != tail_; });
+          wait_ring(&h->head, &h->head_waiters, [&] { return h->head.load(std::memory_order_acquire) != static_cast<std::uint32_t>(tail_); });
       if (!err.empty()) return err;
     }
     const SlotHeader* sh = ring_.slot_header(tail_);
@@ -366,7 +366,7 @@ std::string RecvChannel::drain(const SlotHeader& first, unsigned char* dst, Requ
     offset += sh->chunk_bytes;
     if (progress != nullptr) progress->add_progress(sh->chunk_bytes);
     ++tail_;
-    h->tail.store(tail_, std::memory_order_seq_cst);
+    h->tail.store(static_cast<std::uint32_t>(tail_), std::memory_order_seq_cst);
     wake_if_waiting(&h->tail, &h->tail_waiters);
     if (offset == nbytes) return "";
   }
@@ -375,7 +375,7 @@ std::string RecvChannel::drain(const SlotHeader& first, unsigned char* dst, Requ
 std::string RecvChannel::receive_one() {
   RingHeader* h = ring_.header();
   std::string err =
-      wait_ring(&h->head, &h->head_waiters, [&] { return h->head.load(std::memory_order_acquire) != tail_; });
+      wait_ring(&h->head, &h->head_waiters, [&] { return h->head.load(std::memory_order_acquire) != static_cast<std::uint32_t>(tail_); });
   if (!err.empty()) return err;
   const SlotHeader first = *ring_.slot_header(tail_);
   if (first.msg_seq != next_seq_ || first.offset != 0) {

@@ -118,7 +118,7 @@ class SendChannel final : public Channel {
   void write_chunk(const Request& req, std::uint64_t offset, std::uint64_t n);
 
   std::deque<std::shared_ptr<Request>> queue_;  // guarded by mu_
-  std::uint32_t head_ = 0;                      // chunks published; owned by the busy-token holder
+  std::uint64_t head_ = 0;                      // chunks published (64-bit); owned by the busy-token holder
   std::uint64_t next_seq_ = 0;                  // owned by the busy-token holder
 };
 
@@ -157,7 +157,7 @@ class RecvChannel final : public Channel {
 
   std::deque<std::shared_ptr<Request>> posted_;  // guarded by mu_
   std::deque<Stashed> stash_;                    // guarded by mu_
-  std::uint32_t tail_ = 0;                       // chunks drained; worker-owned
+  std::uint64_t tail_ = 0;                       // chunks drained (64-bit); worker-owned
   std::uint64_t next_seq_ = 0;                   // worker-owned
 };
 

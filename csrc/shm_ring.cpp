@@ -61,11 +61,11 @@ RingView RingView::attach(void* base, std::size_t bytes) {
   return v;
 }
 
-SlotHeader* RingView::slot_header(std::uint32_t chunk) const {
+SlotHeader* RingView::slot_header(std::uint64_t chunk) const {
   return reinterpret_cast<SlotHeader*>(slots_ + (chunk % header_->num_slots) * slot_stride_);
 }
 
-unsigned char* RingView::slot_data(std::uint32_t chunk) const {
+unsigned char* RingView::slot_data(std::uint64_t chunk) const {
   return slots_ + (chunk % header_->num_slots) * slot_stride_ + sizeof(SlotHeader);
 }
 

@@ -6,7 +6,8 @@
 //
 // Protocol. `head` counts chunks the sender has published, `tail` chunks the
 // receiver has drained; both only grow (mod 2^32, compared by unsigned
-// difference). Chunk n lives in slot n % S. The sender may write chunk n once
+// difference). Each side also keeps the full 64-bit count locally, and chunk n
+// lives in slot n % S of that 64-bit n (2^32 is not a multiple of every S). The sender may write chunk n once
 // n - tail < S; it fills the slot, then stores head = n + 1 with release
 // order. The receiver reads chunk n once head > n (acquire), copies it out,
 // then stores tail = n + 1 (release) to give the slot back. So the sender
@@ -93,8 +94,9 @@ class RingView {
   RingHeader* header() const { return header_; }
   std::uint32_t num_slots() const { return header_->num_slots; }
   std::uint64_t slot_bytes() const { return header_->slot_bytes; }
-  SlotHeader* slot_header(std::uint32_t chunk) const;
-  unsigned char* slot_data(std::uint32_t chunk) const;
+  //! Chunk n (a 64-bit count kept by each side; the shared 32-bit counters are its low bits) lives in slot n % S.
+  SlotHeader* slot_header(std::uint64_t chunk) const;
+  unsigned char* slot_data(std::uint64_t chunk) const;
 
   //! Record an error for both sides; the first error wins. Thread/process safe.
   void set_error(const std::string& text) const;

@@ -59,7 +59,9 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group_f: Any, group_b: Any, received: list[torch.Tensor] | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx: Any, x: torch.Tensor, group_f: Any, group_b: Any, received: list[torch.Tensor] | None
+    ) -> torch.Tensor:  # type: ignore[override]
         ctx.group_b = group_b
         if received is not None:
             return received[0]
@@ -85,8 +87,9 @@ class MoEStage(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.router = nn.Linear(d, ep_size * local_experts, bias=False)
         self.shared = nn.Linear(d, d)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-                                     for _ in range(local_experts))
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(local_experts)
+        )
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if "norm" not in name:
@@ -195,8 +198,10 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     sched = build_schedule("dualpipev", pp, n)
     results: dict[str, Any] = {}
     for cls in (OverlappedMoEStage, MoEStage):
-        mods = {s: cls(args.d_model, args.local_experts, e_rank, ep, (ep_f, ep_b), seed=args.seed * 1000 + s)
-                for s in sched.stages_of_rank(p_rank)}
+        mods = {
+            s: cls(args.d_model, args.local_experts, e_rank, ep, (ep_f, ep_b), seed=args.seed * 1000 + s)
+            for s in sched.stages_of_rank(p_rank)
+        }
         for m in mods.values():
             m.hook_calls = 0  # type: ignore[assignment]
         pipe = Pipeline(sched, mods, group=pp_group)
@@ -209,22 +214,51 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
                 y = torch.randn(n * args.batch_size, args.seq_len, args.d_model, generator=gen)
                 res = pipe.step(x, labels=(y,), criterion=mse)
                 losses.append({m: v.clone() for m, v in res.losses.items()})
-                grads.append({f"{s}.{k}": q.grad.clone() for s, m in mods.items() for k, q in m.named_parameters()
-                              if q.grad is not None})
+                grads.append(
+                    {
+                        f"{s}.{k}": q.grad.clone()
+                        for s, m in mods.items()
+                        for k, q in m.named_parameters()
+                        if q.grad is not None
+                    }
+                )
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         finally:
             pipe.close()
-        results[cls.__name__] = {"losses": losses, "grads": grads,
-                                 "hook_calls": sum(int(m.hook_calls) for m in mods.values())}
+        results[cls.__name__] = {
+            "losses": losses,
+            "grads": grads,
+            "hook_calls": sum(int(m.hook_calls) for m in mods.values()),
+        }
     a, b = results["OverlappedMoEStage"], results["MoEStage"]
-    same = all(
-        la.keys() == lb.keys() and all(torch.equal(la[m], lb[m]) for m in la) for la, lb in zip(a["losses"], b["losses"])
-    ) and all(ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
-              for ga, gb in zip(a["grads"], b["grads"]))
+    mismatch = _first_mismatch(a, b)
     mean_losses = [float(sum(float(v) for v in la.values()) / len(la)) if la else None for la in a["losses"]]
-    return {"rank": rank, "bit_exact": bool(same), "hook_calls": a["hook_calls"], "plain_hook_calls": b["hook_calls"],
-            "losses": mean_losses}
+    return {
+        "rank": rank,
+        "bit_exact": mismatch is None,
+        "mismatch": mismatch,
+        "hook_calls": a["hook_calls"],
+        "plain_hook_calls": b["hook_calls"],
+        "losses": mean_losses,
+    }
+
+
+def _first_mismatch(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """None when every loss and gradient of run ``a`` equals run ``b``'s bit for bit, else where they first differ."""
+    for step, (la, lb) in enumerate(zip(a["losses"], b["losses"], strict=False)):
+        if la.keys() != lb.keys():
+            return f"step {step + 1}: different loss micro-batches"
+        for m in la:
+            if not torch.equal(la[m], lb[m]):
+                return f"step {step + 1}: loss of micro-batch {m}: {float(la[m])!r} vs {float(lb[m])!r}"
+    for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"], strict=False)):
+        if ga.keys() != gb.keys():
+            return f"step {step + 1}: gradients present for {sorted(ga.keys() ^ gb.keys())[:3]} in one run only"
+        for k in ga:
+            if not torch.equal(ga[k], gb[k]):
+                return f"step {step + 1}: gradient of {k} differs by up to {float((ga[k] - gb[k]).abs().max()):.3g}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     out = spawn(run_rank, args.pp * args.ep, args, timeout_s=600)
     for o in out:
         losses = ", ".join(f"{v:.5f}" for v in o["losses"] if v is not None) or "(no loss stage here)"
-        print(f"rank {o['rank']}: overlapped pairs run {o['hook_calls']}, losses {losses}, "
-              f"bit-exact vs non-overlapped: {'yes' if o['bit_exact'] else 'NO'}")
+        verdict = "yes" if o["bit_exact"] else f"NO ({o['mismatch']})"
+        print(
+            f"rank {o['rank']}: overlapped pairs run {o['hook_calls']}, losses {losses}, "
+            f"bit-exact vs non-overlapped: {verdict}"
+        )
     ok = all(o["bit_exact"] and o["hook_calls"] > 0 and o["plain_hook_calls"] == 0 for o in out)
     print("overlapped == non-overlapped (losses and every gradient, torch.equal):", "yes" if ok else "NO")
     return 0 if ok else 1

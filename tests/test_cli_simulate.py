@@ -15,8 +15,18 @@ from dualpipe_kernels.schedules import build_schedule, load_csv
 
 REPO = Path(__file__).resolve().parents[1]
 CONTRACT_KEYS = {
-    "schedule", "ranks", "stages", "microbatches", "makespan", "bubble", "bubble_per_rank", "bubble_ratio",
-    "peak_activations", "peak_activations_per_rank", "params_per_rank", "p2p_bytes",
+    "schedule",
+    "ranks",
+    "stages",
+    "microbatches",
+    "makespan",
+    "bubble",
+    "bubble_per_rank",
+    "bubble_ratio",
+    "peak_activations",
+    "peak_activations_per_rank",
+    "params_per_rank",
+    "p2p_bytes",
 }
 
 
@@ -24,7 +34,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
         [sys.executable, "-m", "dualpipe_kernels", "simulate", *args],
-        capture_output=True, text=True, env=env, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
     )
 
 
@@ -36,8 +50,23 @@ def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
 
 
 def test_json_contract_subprocess() -> None:
-    p = run_cli("--schedule", "dualpipev", "--ranks", "4", "--microbatches", "10",
-                "--f", "3", "--b", "5", "--w", "2", "--fb", "6", "--json")
+    p = run_cli(
+        "--schedule",
+        "dualpipev",
+        "--ranks",
+        "4",
+        "--microbatches",
+        "10",
+        "--f",
+        "3",
+        "--b",
+        "5",
+        "--w",
+        "2",
+        "--fb",
+        "6",
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert CONTRACT_KEYS <= set(d)
@@ -51,19 +80,25 @@ def test_json_contract_subprocess() -> None:
 
 @pytest.mark.parametrize(
     ("schedule", "ranks", "n", "bubble", "peak", "params"),
-    [("1f1b", 4, 8, 3 * 3, 4, 1), ("zb1p", 4, 8, 3 * 1, 4, 1), ("dualpipe", 4, 8, 1 * 2, 5, 2),
-     ("gpipe", 4, 8, 3 * 3, 8, 1)],
+    [
+        ("1f1b", 4, 8, 3 * 3, 4, 1),
+        ("zb1p", 4, 8, 3 * 1, 4, 1),
+        ("dualpipe", 4, 8, 1 * 2, 5, 2),
+        ("gpipe", 4, 8, 3 * 3, 8, 1),
+    ],
 )
-def test_json_values(capsys: pytest.CaptureFixture[str], schedule: str, ranks: int, n: int, bubble: int, peak: int,
-                     params: int) -> None:
+def test_json_values(
+    capsys: pytest.CaptureFixture[str], schedule: str, ranks: int, n: int, bubble: int, peak: int, params: int
+) -> None:
     # defaults F=1, B=2, W=1 (F = B - W = W), F&B = F + B = 3: the reference table's regime
     d = run_json(capsys, "--schedule", schedule, "--ranks", str(ranks), "--microbatches", str(n))
     assert (d["bubble"], d["peak_activations"], d["params_per_rank"]) == (bubble, peak, params)
 
 
 def test_interleaved_stages_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
-    d = run_json(capsys, "--schedule", "interleaved1f1b", "--ranks", "2", "--microbatches", "4",
-                 "--stages-per-rank", "3")
+    d = run_json(
+        capsys, "--schedule", "interleaved1f1b", "--ranks", "2", "--microbatches", "4", "--stages-per-rank", "3"
+    )
     assert d["stages"] == 6 and d["params_per_rank"] == 3
 
 
@@ -91,11 +126,25 @@ def test_human_summary_and_ascii(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_exports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace, png, csv = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "t.csv"
-    d = run_json(capsys, "--schedule", "dualpipe", "--ranks", "4", "--microbatches", "8",
-                 "--trace", str(trace), "--png", str(png), "--csv", str(csv))
+    d = run_json(
+        capsys,
+        "--schedule",
+        "dualpipe",
+        "--ranks",
+        "4",
+        "--microbatches",
+        "8",
+        "--trace",
+        str(trace),
+        "--png",
+        str(png),
+        "--csv",
+        str(csv),
+    )
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e["ph"] == "X" and e["tid"] == 0 for e in events) == sum(
-        len(a) for a in build_schedule("dualpipe", 4, 8).actions)
+        len(a) for a in build_schedule("dualpipe", 4, 8).actions
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     loaded = load_csv(csv, name="dualpipe")
     assert loaded.actions == build_schedule("dualpipe", 4, 8).actions
@@ -127,8 +176,10 @@ def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str, capsy
 
 
 def test_bad_arguments_subprocess_no_traceback() -> None:
-    for args in (["--schedule", "dualpipe", "--ranks", "3", "--microbatches", "12"],
-                 ["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "--b", "0"]):
+    for args in (
+        ["--schedule", "dualpipe", "--ranks", "3", "--microbatches", "12"],
+        ["--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "--b", "0"],
+    ):
         p = run_cli(*args)
         assert p.returncode == 2
         assert p.stdout == "" and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr

@@ -1,8 +1,9 @@
 """Tests of the CUDA path of the native comm engine (``_C.cuda`` + ``CudaIpcTransport``).
 
 The GPU tests (marked ``gpu``; skipped when no CUDA device is visible) run two
-spawned processes on one GPU that talk over CUDA IPC, once with device-memory
-rings ("ipc") and once with pinned host rings ("host"); every payload is
+spawned processes on one GPU that talk over CUDA IPC in three set-ups:
+device-memory rings with zero-copy sends from 256 KiB on ("ipc"), the same
+with zero-copy off ("ipc-staged"), and pinned host rings ("host"); every payload is
 compared bit for bit with the sender's, regenerated from the same seed.  Each
 scenario runs on both ranks between store barriers and reports "ok" or a
 traceback; one test per scenario asserts it.
@@ -213,27 +214,32 @@ def _shm_entries(pid: int) -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob(f"dpk_cuda_{pid}_*"))
 
 
-def _rank_main(rank: int, store_path: str, staging: str, out: Any) -> None:
+#: set-up name -> (staging, direct_min_bytes)
+SETUPS = {"ipc": ("ipc", 256 * 1024), "ipc-staged": ("ipc", 0), "host": ("host", 256 * 1024)}
+
+
+def _rank_main(rank: int, store_path: str, setup: str, out: Any) -> None:
     """One rank: run every scenario, then close and check that nothing is left in /dev/shm."""
     torch.set_num_threads(1)
     torch.cuda.set_device(0)
     results: dict[str, str] = {}
+    staging, direct_min_bytes = SETUPS[setup]
     try:
         store = dist.FileStore(store_path, 2)
         t = CudaIpcTransport(
             rank=rank, world_size=2, store=store, device=0, num_slots=NUM_SLOTS, slot_bytes=SLOT_BYTES,
-            staging=staging, timeout_s=WAIT_S,
+            staging=staging, direct_min_bytes=direct_min_bytes, timeout_s=WAIT_S,
         )  # fmt: skip
         results["staging"] = t.staging_with(1 - rank)
         for name, fn in SCENARIOS.items():
-            _barrier(store, f"{staging}/{name}")
+            _barrier(store, f"{setup}/{name}")
             try:
                 fn(t)
                 torch.cuda.synchronize()
                 results[name] = "ok"
             except Exception:  # noqa: BLE001 - reported to the parent
                 results[name] = traceback.format_exc()
-        _barrier(store, f"{staging}/close")
+        _barrier(store, f"{setup}/close")
         t.close()
         t.close()  # idempotent
         with pytest.raises(TransportError, match="closed"):
@@ -245,13 +251,13 @@ def _rank_main(rank: int, store_path: str, staging: str, out: Any) -> None:
     out.put((rank, results))
 
 
-def _kill_main(rank: int, store_path: str, staging: str, out: Any) -> None:
+def _kill_main(rank: int, store_path: str, setup: str, out: Any) -> None:
     """Rank 0 is SIGKILLed after the rendezvous; rank 1's receive must time out naming it, and close cleanly."""
     torch.set_num_threads(1)
     results: dict[str, str] = {}
     try:
         store = dist.FileStore(store_path, 2)
-        t = CudaIpcTransport(rank=rank, world_size=2, store=store, device=0, staging=staging, timeout_s=5.0)
+        t = CudaIpcTransport(rank=rank, world_size=2, store=store, device=0, staging=setup, timeout_s=5.0)
         _barrier(store, "kill/ready")
         if rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -265,12 +271,12 @@ def _kill_main(rank: int, store_path: str, staging: str, out: Any) -> None:
     out.put((rank, results))
 
 
-def _spawn(target: Callable[..., None], tmp_path: Path, staging: str, expect: int) -> tuple[dict[int, dict], list[int]]:
+def _spawn(target: Callable[..., None], tmp_path: Path, setup: str, expect: int) -> tuple[dict[int, dict], list[int]]:
     """Runs ``target`` on ranks 0 and 1; returns the results of the ``expect`` ranks that report, and the pids."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    store_path = str(tmp_path / f"store-{staging}-{target.__name__}")
-    procs = [ctx.Process(target=target, args=(r, store_path, staging, out), daemon=True) for r in range(2)]
+    store_path = str(tmp_path / f"store-{setup}-{target.__name__}")
+    procs = [ctx.Process(target=target, args=(r, store_path, setup, out), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     results: dict[int, dict] = {}
@@ -291,10 +297,10 @@ def _spawn(target: Callable[..., None], tmp_path: Path, staging: str, expect: in
 def ipc_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[int, dict]]:
     cache: dict[str, dict[int, dict]] = {}
 
-    def get(staging: str) -> dict[int, dict]:
-        if staging not in cache:
-            cache[staging], _ = _spawn(_rank_main, tmp_path_factory.mktemp(staging), staging, expect=2)
-        return cache[staging]
+    def get(setup: str) -> dict[int, dict]:
+        if setup not in cache:
+            cache[setup], _ = _spawn(_rank_main, tmp_path_factory.mktemp(setup), setup, expect=2)
+        return cache[setup]
 
     return get
 
@@ -307,15 +313,15 @@ def ipc_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[i
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("staging", ["ipc", "host"])
+@pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("scenario", ["setup", *SCENARIOS, "close"])
-def test_two_processes_one_gpu(ipc_runs: Callable[[str], dict[int, dict]], staging: str, scenario: str) -> None:
-    runs = ipc_runs(staging)
+def test_two_processes_one_gpu(ipc_runs: Callable[[str], dict[int, dict]], setup: str, scenario: str) -> None:
+    runs = ipc_runs(setup)
     assert sorted(runs) == [0, 1], f"ranks that reported: {sorted(runs)}"
     for rank in (0, 1):
         res = runs[rank]
         assert "setup" not in res, f"rank {rank} failed to set up:\n{res['setup']}"
-        assert res["staging"] == staging
+        assert res["staging"] == SETUPS[setup][0]
         if scenario != "setup":
             assert res[scenario] == "ok", f"rank {rank}, scenario {scenario}:\n{res[scenario]}"
 
@@ -392,6 +398,7 @@ def test_transport_without_gpu_gives_clear_error(monkeypatch: pytest.MonkeyPatch
         ({"slot_bytes": 0}, "slot_bytes must be a positive multiple of 256"),
         ({"staging": "rdma"}, "staging must be one of"),
         ({"timeout_s": 0}, "timeout_s must be positive"),
+        ({"direct_min_bytes": -1}, "direct_min_bytes must be an int >= 0"),
     ],
 )
 def test_transport_rejects_bad_options(kwargs: dict[str, Any], match: str) -> None:

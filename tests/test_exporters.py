@@ -10,7 +10,7 @@ import pytest
 
 from dualpipe_kernels.schedules import build_schedule, parse_action
 from dualpipe_kernels.schedules.costs import CommModel, CostModel
-from dualpipe_kernels.schedules.plot import plot_overlay, plot_timeline
+from dualpipe_kernels.schedules.plot import plot_comparison, plot_overlay, plot_timeline
 from dualpipe_kernels.schedules.simulator import SimEvent, SimResult, simulate
 from dualpipe_kernels.schedules.trace import chrome_trace, chrome_trace_compare, to_events, write_chrome_trace
 
@@ -31,14 +31,14 @@ def test_chrome_trace_structure(dualpipev_4x10: SimResult, tmp_path: Path) -> No
     path = tmp_path / "trace.json"
     write_chrome_trace(path, res.events, schedule="dualpipev")
     trace = json.loads(path.read_text())
-    assert trace["metadata"] == {"schedule": "dualpipev"}
+    assert trace["otherData"] == {"schedule": "dualpipev"}  # the format's free-form metadata key
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == len(res.events)
     names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert names == {(r, f"rank {r}") for r in range(4)}
     threads = {(e["pid"], e["tid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert threads == {(r, t, n) for r in range(4) for t, n in ((0, "compute"), (1, "comm"))}
-    for e, ev in zip(xs, res.events):
+    for e, ev in zip(xs, res.events, strict=True):
         a = parse_action(e["name"])  # names are the torch notation and parse back
         assert str(a) == ev.action
         assert e["pid"] == ev.rank
@@ -63,14 +63,27 @@ def test_measured_tuples_give_the_same_events(dualpipev_4x10: SimResult) -> None
     assert [_key(e) for e in from_strings] == [_key(e) for e in res.events]
     # Action objects (what the runtime holds) carry the peer too: identical events and traces
     actions = [a for acts in sched.actions for a in acts]
-    measured = [(e.rank, a, e.start, e.end) for e, a in zip(res.events, actions)]
+    measured = [(e.rank, a, e.start, e.end) for e, a in zip(res.events, actions, strict=True)]
     assert to_events(measured, stages) == res.events
     assert chrome_trace(measured) == chrome_trace(res.events)
 
 
 def _key(e: SimEvent) -> tuple:
-    return (e.rank, e.action, e.kind, float(e.start), float(e.end), e.stage, e.microbatch, e.track, e.stage2,
-            e.microbatch2, e.chunk, e.chunk2, e.backward_kind)
+    return (
+        e.rank,
+        e.action,
+        e.kind,
+        float(e.start),
+        float(e.end),
+        e.stage,
+        e.microbatch,
+        e.track,
+        e.stage2,
+        e.microbatch2,
+        e.chunk,
+        e.chunk2,
+        e.backward_kind,
+    )
 
 
 def test_chrome_trace_compare_offsets_measured_pids(dualpipev_4x10: SimResult, tmp_path: Path) -> None:
@@ -88,8 +101,11 @@ def test_chrome_trace_compare_offsets_measured_pids(dualpipev_4x10: SimResult, t
 
 @pytest.mark.parametrize(
     ("entry", "message"),
-    [((0, "0F0", 2.0, 1.0), "ends before it starts"), ((0, "0F0", 1.0), "are \\(rank, action, start, end\\)"),
-     ((0, "0X0", 0.0, 1.0), "cannot parse action")],
+    [
+        ((0, "0F0", 2.0, 1.0), "ends before it starts"),
+        ((0, "0F0", 1.0), "are \\(rank, action, start, end\\)"),
+        ((0, "0X0", 0.0, 1.0), "cannot parse action"),
+    ],
 )
 def test_bad_timeline_entries(entry: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -97,8 +113,6 @@ def test_bad_timeline_entries(entry: tuple, message: str) -> None:
 
 
 def test_png_timeline_readable_at_8x32(tmp_path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     res = simulate(build_schedule("dualpipe", 8, 32), CostModel(f=1, b=2, w=1, fb=2.5))
     path = tmp_path / "d.png"
     fig = plot_timeline(res, path)
@@ -114,24 +128,29 @@ def test_png_timeline_readable_at_8x32(tmp_path: Path) -> None:
     assert all(t.isdigit() and int(t) < 32 for t in labels)
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert any(t.startswith("F (") for t in legend) and any("F&B" in t for t in legend)
-    plt.close(fig)
+    assert not any("transfer" in t for t in legend)  # no comm cost: no transfer band
+
+
+def test_comparison_panels_share_time_axis(tmp_path: Path) -> None:
+    costs = CostModel(f=2, b=4, w=2, fb=5)
+    results = [simulate(build_schedule(name, 4, 8), costs) for name in ("1f1b", "dualpipe")]
+    fig = plot_comparison(results, tmp_path / "c.png", "compared")
+    assert [ax.get_title().split(":")[0] for ax in fig.axes] == ["1f1b", "dualpipe"]
+    assert fig.axes[0].get_xlim() == fig.axes[1].get_xlim()
+    assert fig.axes[0].get_xlim()[1] >= float(max(r.makespan for r in results))
+    assert (tmp_path / "c.png").stat().st_size > 10_000
 
 
 def test_png_with_comm_band_and_overlay(dualpipev_4x10: SimResult, tmp_path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     res = dualpipev_4x10
     fig = plot_timeline(res, tmp_path / "v.png")
     assert any("transfer" in t.get_text() for t in fig.legends[0].get_texts())
-    plt.close(fig)
     measured = measured_from(res, scale=1.25, shift=7.0)  # a run 25% slower than predicted, offset in time
     fig = plot_overlay(res, measured, tmp_path / "o.png")
     assert fig.axes[0].get_title().endswith("measured / simulated makespan = 1.250")
     assert mpimg.imread(tmp_path / "o.png").shape[1] > 800
-    plt.close(fig)
     # a timeline of plain tuples plots too
     fig = plot_timeline(measured, tmp_path / "m.png", title="measured")
     assert fig.axes[0].get_title() == "measured"
-    plt.close(fig)
     with pytest.raises(ValueError, match="empty"):
         plot_timeline([], tmp_path / "e.png")

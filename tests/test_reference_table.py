@@ -13,10 +13,12 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dualpipe_kernels.schedules import build_schedule
 from dualpipe_kernels.schedules.costs import CommModel, CostModel
-from dualpipe_kernels.schedules.simulator import simulate
+from dualpipe_kernels.schedules.simulator import SimResult, simulate
 
 
 def n_range(minimum: int, step: int = 1) -> list[int]:
@@ -154,8 +156,14 @@ def test_zbv_beats_interleaved_and_holds_two_chunks(ranks: int) -> None:
         CommModel(latency=Fraction(1, 2)),
         CommModel(latency=1, activation_bytes=3, bandwidth=2),
         CommModel(latency=1, activation_bytes=3, bandwidth=2, blocking=True),
-        CommModel(latency=Fraction(1, 4), inter_latency=3, activation_bytes=4, bandwidth=8, inter_bandwidth=1,
-                  ranks_per_node=2),
+        CommModel(
+            latency=Fraction(1, 4),
+            inter_latency=3,
+            activation_bytes=4,
+            bandwidth=8,
+            inter_bandwidth=1,
+            ranks_per_node=2,
+        ),
     ],
     ids=["free", "latency", "bandwidth", "blocking", "two-nodes"],
 )
@@ -165,9 +173,17 @@ def test_direct_and_lowered_engines_agree(name: str, comm: CommModel) -> None:
     sched = build_schedule(name, ranks, n)
     costs = CostModel(f=3, b=5, w=2, fb=6)
     direct = simulate(sched, costs, comm)
-    lowered = direct._replay()  # what simulate(lower_comms(sched)) returns
-    for key in ("makespan", "busy_per_rank", "bubble_per_rank", "peak_activations_per_rank", "p2p_bytes",
-                "num_transfers", "comm_blocked_per_rank", "params_by_rank"):
+    lowered = direct.lowered_result()  # what simulate(lower_comms(sched)) returns
+    for key in (
+        "makespan",
+        "busy_per_rank",
+        "bubble_per_rank",
+        "peak_activations_per_rank",
+        "p2p_bytes",
+        "num_transfers",
+        "comm_blocked_per_rank",
+        "params_by_rank",
+    ):
         assert getattr(direct, key) == getattr(lowered, key), key
     # the replayed timeline has every compute action once and one SEND per counted transfer
     events = direct.events
@@ -175,3 +191,93 @@ def test_direct_and_lowered_engines_agree(name: str, comm: CommModel) -> None:
     assert sum(e.kind.startswith("SEND") for e in events) == direct.num_transfers
     assert max(e.end for e in events) == direct.makespan
     assert direct.critical_path[0].start == 0 and direct.critical_path[-1].end == direct.makespan
+
+
+def assert_critical_chain(res: SimResult) -> None:
+    """Each critical-path event is ready when the previous one ends, from time 0 to the makespan."""
+    path = res.critical_path
+    assert path[0].start == 0 and path[-1].end == res.makespan
+    for prev, cur in zip(path, path[1:], strict=False):
+        if (
+            cur.kind.startswith("SEND")
+            and prev.kind.startswith("SEND")
+            and (cur.rank, cur.peer) == (prev.rank, prev.peer)
+        ):
+            # queued behind the previous transfer on its link: starts when that one leaves the link
+            assert prev.start < cur.start <= prev.end, (prev, cur)
+            continue
+        assert (cur.end if cur.kind.startswith("RECV") else cur.start) == prev.end, (prev, cur)
+
+
+@pytest.mark.parametrize("name", ["dualpipe", "dualpipev", "1f1b", "zb1p", "zbv"])
+def test_critical_path_on_generated_schedules(name: str) -> None:
+    sched = build_schedule(name, 4, 12)
+    for comm in (CommModel(), CommModel(latency=1, activation_bytes=2, bandwidth=1, blocking=True)):
+        res = simulate(sched, CostModel(f=3, b=5, w=2, fb=6), comm)
+        assert_critical_chain(res)
+        # a chain of back-to-back events can be no longer than the makespan, and compute dominates it here
+        assert sum(float(e.duration) for e in res.critical_path if e.track == "compute") <= res.makespan
+
+
+def test_per_model_stage_costs_for_dualpipe() -> None:
+    # DualPipe holds two copies of each model stage; a per-model-stage list applies to both copies.
+    sched = build_schedule("dualpipe", 4, 8)
+    f, b = [1, 2, 3, 4], [3, 4, 5, 6]
+    by_model = simulate(sched, CostModel(f=f, b=b, w=1))
+    by_stage = simulate(sched, CostModel(f=f + f, b=b + b, w=1))  # stage R + s is model stage s
+    assert by_model.makespan == by_stage.makespan and by_model.busy_per_rank == by_stage.busy_per_rank
+    # rank 0 holds model stages 0 and 3: 4 micro-batches through each copy
+    assert by_model.busy_per_rank[0] == 4 * (1 + 3) + 4 * (4 + 6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(["dualpipe", "dualpipev", "1f1b", "gpipe", "interleaved1f1b", "zb1p", "zbv"]),
+    ranks=st.integers(1, 6),
+    extra=st.integers(0, 6),
+    f=st.integers(1, 4),
+    w=st.integers(1, 4),
+    i=st.integers(1, 4),
+    latency=st.integers(0, 3),
+    nbytes=st.integers(0, 4),
+    rpn=st.sampled_from([None, 1, 2]),
+    blocking=st.booleans(),
+)
+def test_engines_agree_property(
+    name: str,
+    ranks: int,
+    extra: int,
+    f: int,
+    w: int,
+    i: int,
+    latency: int,
+    nbytes: int,
+    rpn: int | None,
+    blocking: bool,
+) -> None:
+    if name == "dualpipe":
+        ranks += ranks % 2
+        n = 2 * ranks + 2 * extra
+    elif name == "interleaved1f1b":
+        n = ranks * (1 + extra % 3)
+    else:
+        n = 2 * ranks + extra
+    b = i + w
+    costs = CostModel(f=f, b=b, w=w, fb=max(f, b) + (f + b - max(f, b)) // 2)
+    comm = CommModel(
+        latency=latency,
+        activation_bytes=nbytes,
+        bandwidth=2,
+        inter_latency=2 * latency,
+        ranks_per_node=rpn,
+        blocking=blocking,
+    )
+    direct = simulate(build_schedule(name, ranks, n), costs, comm)
+    lowered = direct.lowered_result()
+    assert (direct.makespan, direct.busy_per_rank, direct.peak_activations_per_rank, direct.comm_blocked_per_rank) == (
+        lowered.makespan,
+        lowered.busy_per_rank,
+        lowered.peak_activations_per_rank,
+        lowered.comm_blocked_per_rank,
+    )
+    assert_critical_chain(lowered)

@@ -21,7 +21,7 @@ from runtime_models import bad_inputs, kill_mid_step
 from dualpipe_kernels.runtime.launch import spawn, spawn_outcomes
 from dualpipe_kernels.schedules.generators import build_schedule
 
-TIMEOUT_S = 5.0  # every wait inside a step
+TIMEOUT_S = 3.0  # every wait inside a step
 SPAWN_LIMIT_S = 240.0  # the launcher kills ranks still running after this: reaching it is a hang
 SLACK_S = 5.0  # allowed on top of TIMEOUT_S for one case
 

@@ -121,11 +121,15 @@ def test_ascii_grid() -> None:
         "0F0", "0F1", "0F2", "3F0", "3I0", "3W0", "3F1", "0F3+3B1", "3F2+0B0", "3B2", "3F3+0B1", "3B3",
         "0I2", "0W2", "0I3", "0W3",
     ]  # fmt: skip
+
     # Columns line up: every row's cells start at the same offsets as the header's.
-    header_cols = [i for i, ch in enumerate(lines[1]) if ch != " " and (i == 0 or lines[1][i - 1] == " ")]
+    def starts(line: str) -> set[int]:
+        bar = line.index("|")
+        return {i for i in range(bar + 1, len(line)) if line[i] != " " and line[i - 1] == " "}
+
+    assert {line.index("|") for line in lines[1:]} == {7}
     for row in lines[2:]:
-        starts = [i for i, ch in enumerate(row) if ch != " " and (i == 0 or row[i - 1] == " ")]
-        assert set(starts) <= set(header_cols)
+        assert starts(row) <= starts(lines[1])
 
 
 def test_ascii_lowered_and_cut() -> None:

@@ -186,3 +186,41 @@ def test_validator_agrees_with_naive_checker(s: Schedule) -> None:
     assert verdict == expected, str(s)
     if expected:
         validate(lower_comms(s))
+
+
+@st.composite
+def mutated_lowered(draw: st.DrawFn) -> Schedule:
+    """A lowered small schedule with one random swap, move or drop (comm actions included)."""
+    s = draw(st.sampled_from([("dualpipe", 2, 4), ("dualpipev", 2, 5), ("1f1b", 3, 3), ("zbv", 2, 3)]))
+    low = lower_comms(build_schedule(*s))
+    actions = [list(a) for a in low.actions]
+    r = draw(st.integers(0, low.num_ranks - 1))
+    row = actions[r]
+    i = draw(st.integers(0, len(row) - 1))
+    edit = draw(st.sampled_from(["swap", "move", "drop"]))
+    if edit == "swap":
+        j = draw(st.integers(0, len(row) - 1))
+        row[i], row[j] = row[j], row[i]
+    elif edit == "move":
+        other = actions[draw(st.integers(0, low.num_ranks - 1))]
+        other.insert(draw(st.integers(0, len(other))), row.pop(i))
+    else:
+        row.pop(i)
+    return dataclasses.replace(low, actions=actions)
+
+
+@settings(max_examples=200, deadline=None)
+@given(mutated_lowered())
+def test_lowered_mutations_are_caught_or_sound(s: Schedule) -> None:
+    try:
+        validate(s)
+    except ScheduleError as e:
+        assert "validator bug" not in str(e)
+        assert e.rank is not None and e.step is not None
+        event("rejected")
+        return
+    event("accepted")
+    # Accepted: its compute order is valid on its own and lowering it again gives the same comms.
+    compute_only = dataclasses.replace(s, actions=[[a for a in r if a.is_compute] for r in s.actions], lowered=False)
+    assert naive_ok(compute_only)
+    assert len(comm_pairs(s)) == len(comm_pairs(lower_comms(compute_only)))

@@ -84,7 +84,7 @@ def test_critical_path_is_a_chain_from_zero_to_makespan() -> None:
     res = simulate(two_rank_1f1b(), COSTS, CommModel(latency=Fraction(1, 4)))
     path = res.critical_path
     assert path[0].start == 0 and path[-1].end == res.makespan
-    for prev, cur in zip(path, path[1:]):
+    for prev, cur in zip(path, path[1:], strict=False):
         # each event is ready when the previous one ends: a compute or send starts then,
         # a recv completes then (it may have been posted earlier)
         assert (cur.end if cur.kind.startswith("RECV") else cur.start) == prev.end
@@ -157,7 +157,9 @@ def test_deadlock_names_rank_step_and_action() -> None:
     r0 = parse_actions("0RECV_B0 0F0 0SEND_F0 0B0")
     r1 = parse_actions("1RECV_F0 1F0 1B0 1SEND_B0")
     s = Schedule("bad", 2, 1, (0, 1), ((0, 1),), (0,), [r0, r1], lowered=True)
-    with pytest.raises(ValueError, match=r"deadlocks: rank 0 step 0 waits at 0RECV_B0; rank 1 step 0 waits at 1RECV_F0"):
+    with pytest.raises(
+        ValueError, match=r"deadlocks: rank 0 step 0 waits at 0RECV_B0; rank 1 step 0 waits at 1RECV_F0"
+    ):
         simulate(s)
 
 
@@ -168,3 +170,30 @@ def test_to_dict_is_json_and_exact_for_ints() -> None:
     assert d["peak_activations"] == 2 and d["params_per_rank"] == 1
     assert len(d["events"]) == 16
     assert d["critical_path"][0] == "0F0"
+
+
+def test_deadlock_in_compute_only_schedule() -> None:
+    # rank 0 wants 1's gradient before sending its activation: a cross-rank cycle
+    r0 = parse_actions("0B0 0F0")
+    r1 = parse_actions("1F0 1B0")
+    s = Schedule("cycle", 2, 1, (0, 1), ((0, 1),), (0,), [r0, r1])
+    with pytest.raises(ValueError, match=r"deadlocks: rank 0 step 0 waits at 0B0; rank 1 step 0 waits at 1F0"):
+        simulate(s)
+
+
+def test_compute_only_and_hand_lowered_agree() -> None:
+    r0 = parse_actions("0F0 0F1 0B0 0B1")
+    r1 = parse_actions("1F0 1B0 1F1 1B1")
+    s = Schedule("1f1b", 2, 2, (0, 1), ((0, 1),), (0, 0), [r0, r1])
+    for comm in (
+        CommModel(),
+        CommModel(latency=Fraction(1, 2), blocking=True),
+        CommModel(activation_bytes=4, bandwidth=2),
+    ):
+        direct, by_hand = simulate(s, COSTS, comm), simulate(two_rank_1f1b(), COSTS, comm)
+        assert (direct.makespan, direct.busy_per_rank, direct.comm_blocked_per_rank) == (
+            by_hand.makespan,
+            by_hand.busy_per_rank,
+            by_hand.comm_blocked_per_rank,
+        )
+        assert [e.action for e in direct.events] == [e.action for e in by_hand.events]  # lowering = the hand version

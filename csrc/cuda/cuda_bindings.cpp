@@ -53,9 +53,15 @@ class PyOp {
 // joins the worker thread, which may need the GIL to drop a tensor.
 class PyEngine {
  public:
-  PyEngine(int rank, int device, int num_slots, std::int64_t slot_bytes, const std::string& staging) {
+  PyEngine(int rank, int device, int num_slots, std::int64_t slot_bytes, const std::string& staging,
+           std::int64_t direct_min_bytes) {
     if (slot_bytes <= 0) throw std::invalid_argument("slot_bytes must be positive, got " + std::to_string(slot_bytes));
+    if (direct_min_bytes < 0) {
+      throw std::invalid_argument("direct_min_bytes must be >= 0 (0: never zero-copy), got " +
+                                  std::to_string(direct_min_bytes));
+    }
     EngineOptions options;
+    options.direct_min_bytes = static_cast<std::uint64_t>(direct_min_bytes);
     options.num_slots = num_slots;
     options.slot_bytes = static_cast<std::uint64_t>(slot_bytes);
     options.staging = parse_staging(staging);
@@ -73,6 +79,20 @@ class PyEngine {
   PyEngine& operator=(const PyEngine&) = delete;
 
   Engine& engine() { return *engine_; }
+
+  // Start of the caching-allocator segment holding a large send buffer (what
+  // cudaIpcGetMemHandle needs for a zero-copy send), or null: small message,
+  // zero-copy off, or memory the caching allocator does not own.
+  void* allocation_base(const at::Tensor& t, std::uint64_t bytes) {
+    const std::uint64_t threshold = engine_->direct_min_bytes();
+    if (threshold == 0 || bytes < threshold) return nullptr;
+    try {
+      std::size_t size = 0;
+      return c10::cuda::CUDACachingAllocator::getBaseAllocation(t.data_ptr(), &size);
+    } catch (const std::exception&) {
+      return nullptr;
+    }
+  }
 
   PyOp post(OpKind kind, const at::Tensor& t, int peer, std::int64_t tag) {
     const char* verb = kind == OpKind::kSend ? "send" : "receive";
@@ -95,7 +115,8 @@ class PyEngine {
     }
     auto keepalive = std::make_shared<at::Tensor>(t);
     auto op = engine_->post(kind, peer, tag, bytes > 0 ? t.data_ptr() : nullptr, bytes,
-                            std::string(c10::toString(t.scalar_type())), caller, std::move(keepalive));
+                            std::string(c10::toString(t.scalar_type())), caller, std::move(keepalive),
+                            kind == OpKind::kSend ? allocation_base(t, bytes) : nullptr);
     return PyOp(std::move(op), t);
   }
 
@@ -143,8 +164,9 @@ void register_apis(py::module_& m) {
       .def_property_readonly("tensor", &PyOp::tensor);
 
   py::class_<PyEngine>(c, "IpcEngine", "per-process CUDA comm engine: channels, comm streams, worker thread")
-      .def(py::init<int, int, int, std::int64_t, const std::string&>(), py::arg("rank"), py::arg("device"),
-           py::arg("num_slots") = 4, py::arg("slot_bytes") = std::int64_t{4} << 20, py::arg("staging") = "auto")
+      .def(py::init<int, int, int, std::int64_t, const std::string&, std::int64_t>(), py::arg("rank"),
+           py::arg("device"), py::arg("num_slots") = 4, py::arg("slot_bytes") = std::int64_t{4} << 20,
+           py::arg("staging") = "auto", py::arg("direct_min_bytes") = std::int64_t{1} << 20)
       .def_property_readonly("rank", [](PyEngine& e) { return e.engine().rank(); })
       .def_property_readonly("device", [](PyEngine& e) { return e.engine().device(); })
       .def_property_readonly(

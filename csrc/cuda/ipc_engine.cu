@@ -30,7 +30,8 @@ namespace dualpipe::cuda {
 namespace {
 
 constexpr uint64_t kMagic = 0x31304350494B5044ull;  // "DPKIPC01" read as little-endian bytes
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
+constexpr size_t kMaxOpened = 32;  // receiver: peer allocations kept open for zero-copy
 constexpr size_t kPage = 4096;
 
 using Clock = std::chrono::steady_clock;
@@ -44,8 +45,12 @@ struct ChunkDesc {
   int64_t tag;           // the sender's tag
   uint64_t total_bytes;  // size of the whole message
   uint64_t offset;       // byte offset of this chunk in the message
-  uint64_t bytes;        // bytes in this chunk (<= slot_bytes)
+  uint64_t bytes;        // bytes in this chunk (<= slot_bytes unless direct)
   char dtype[kDtypeNameLen];
+  uint32_t direct;                 // 1: zero-copy, the data is at src_handle + src_offset, not in the slot
+  uint32_t reserved;
+  uint64_t src_offset;
+  cudaIpcMemHandle_t src_handle;
 };
 
 // Lives at the start of the receiver-created shared segment. Fields above the
@@ -541,10 +546,11 @@ std::string Engine::channel_status(int peer, bool outgoing) const {
 
 std::shared_ptr<Op> Engine::post(OpKind kind, int peer, int64_t tag, void* ptr, uint64_t bytes,
                                  const std::string& dtype, cudaStream_t caller_stream,
-                                 std::shared_ptr<void> keepalive) {
+                                 std::shared_ptr<void> keepalive, void* alloc_base) {
   if (bytes > 0 && ptr == nullptr) throw std::invalid_argument("null buffer with a non-zero size");
   auto op = std::make_shared<Op>(kind, rank_, peer, tag, static_cast<char*>(ptr), bytes, dtype);
   op->keepalive_ = std::move(keepalive);
+  if (alloc_base != nullptr && alloc_base <= ptr) op->alloc_base_ = static_cast<char*>(alloc_base);
   {
     DeviceGuard guard(device_);
     DPK_CUDA_CHECK(cudaEventCreateWithFlags(&op->ready_event_, cudaEventDisableTiming));
@@ -585,6 +591,20 @@ bool Engine::progress_send(Channel& ch) {
   bool progressed = retire_pending(ch);
   const bool ipc = ch.staging == Staging::kIpc;
   const auto S = static_cast<uint64_t>(ch.num_slots);
+  // Zero-copy sends whose chunk the receiver has consumed: its free event
+  // follows its copy out of our buffer, so our op is done once that event is.
+  // (Should the receiver already have re-recorded the event for a later chunk,
+  // the wait binds to that later record: later on the same stream, so still safe.)
+  const uint64_t freed_now = ch.ctl->freed.load(std::memory_order_acquire);
+  while (!ch.awaiting.empty() && ch.awaiting.front().first < freed_now) {
+    const uint64_t n = ch.awaiting.front().first;
+    std::shared_ptr<Op> op = std::move(ch.awaiting.front().second);
+    ch.awaiting.pop_front();
+    DPK_CUDA_CHECK(cudaStreamWaitEvent(send_stream_, ch.peer_events[n % S], 0));
+    DPK_CUDA_CHECK(cudaEventRecord(op->done_event_, send_stream_));
+    finish_op_locked(*op, "");
+    progressed = true;
+  }
   while (!ch.queue.empty()) {
     Op& op = *ch.queue.front();
     const uint64_t n = ch.next_chunk;
@@ -594,6 +614,36 @@ bool Engine::progress_send(Channel& ch) {
     if (!op.started_) {
       DPK_CUDA_CHECK(cudaStreamWaitEvent(send_stream_, op.ready_event_, 0));
       op.started_ = true;
+      if (ipc && options_.direct_min_bytes > 0 && op.bytes_ >= options_.direct_min_bytes && op.alloc_base_ != nullptr) {
+        // Not every allocation can be exported (e.g. expandable segments):
+        // those sends take the staged path.
+        const cudaError_t r = cudaIpcGetMemHandle(&op.handle_, op.alloc_base_);
+        op.direct_ = r == cudaSuccess;
+        if (r != cudaSuccess) (void)cudaGetLastError();
+      }
+    }
+    ChunkDesc& d = ch.ctl->desc[slot];
+    if (op.direct_) {
+      // "the source is ready": recorded after the producer wait above
+      DPK_CUDA_CHECK(cudaEventRecord(ch.local_events[slot], send_stream_));
+      d.msg_seq = ch.next_msg_seq;
+      d.tag = op.tag_;
+      d.total_bytes = op.bytes_;
+      d.offset = 0;
+      d.bytes = op.bytes_;
+      std::memcpy(d.dtype, op.dtype_, kDtypeNameLen);
+      d.direct = 1;
+      d.src_offset = static_cast<uint64_t>(op.ptr_ - op.alloc_base_);
+      d.src_handle = op.handle_;
+      ch.ctl->published.store(n + 1, std::memory_order_release);
+      ++ch.next_chunk;
+      op.offset_ = op.bytes_;
+      op.chunks_enqueued_.fetch_add(1);
+      ch.awaiting.emplace_back(n, std::move(ch.queue.front()));
+      ch.queue.pop_front();
+      ++ch.next_msg_seq;
+      progressed = true;
+      continue;
     }
     // The receiver has enqueued the drain of chunk n - S; wait for it on the
     // device before overwriting the slot (host staging: freed means drained).
@@ -604,13 +654,13 @@ bool Engine::progress_send(Channel& ch) {
                                      ipc ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost, send_stream_));
     }
     DPK_CUDA_CHECK(cudaEventRecord(ch.local_events[slot], send_stream_));
-    ChunkDesc& d = ch.ctl->desc[slot];
     d.msg_seq = ch.next_msg_seq;
     d.tag = op.tag_;
     d.total_bytes = op.bytes_;
     d.offset = op.offset_;
     d.bytes = bytes;
     std::memcpy(d.dtype, op.dtype_, kDtypeNameLen);
+    d.direct = 0;
     if (ipc) {
       ch.ctl->published.store(n + 1, std::memory_order_release);
     } else {
@@ -630,6 +680,30 @@ bool Engine::progress_send(Channel& ch) {
   return progressed;
 }
 
+char* Engine::open_peer_buffer(Channel& ch, const cudaIpcMemHandle_t& handle) {
+  std::string key(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  auto it = ch.opened.find(key);
+  if (it != ch.opened.end()) {
+    auto pos = std::find(ch.opened_lru.begin(), ch.opened_lru.end(), key);
+    if (pos != ch.opened_lru.end()) ch.opened_lru.erase(pos);
+    ch.opened_lru.push_back(key);
+    return it->second;
+  }
+  if (ch.opened.size() >= kMaxOpened) {
+    // Copies from the mapping may still be queued: drain them first (rare).
+    DPK_CUDA_CHECK(cudaStreamSynchronize(recv_stream_));
+    const std::string victim = ch.opened_lru.front();
+    ch.opened_lru.pop_front();
+    DPK_CUDA_CHECK(cudaIpcCloseMemHandle(ch.opened[victim]));
+    ch.opened.erase(victim);
+  }
+  void* p = nullptr;
+  DPK_CUDA_CHECK(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
+  ch.opened.emplace(key, static_cast<char*>(p));
+  ch.opened_lru.push_back(key);
+  return static_cast<char*>(p);
+}
+
 bool Engine::progress_recv(Channel& ch) {
   bool progressed = retire_pending(ch);
   const bool ipc = ch.staging == Staging::kIpc;
@@ -641,8 +715,9 @@ bool Engine::progress_recv(Channel& ch) {
     ChunkDesc d = ch.ctl->desc[slot];
     d.dtype[kDtypeNameLen - 1] = '\0';
     const bool in_message = ch.current != nullptr || ch.discarding;
-    if (d.msg_seq != ch.next_msg_seq || d.bytes > ch.slot_bytes || d.offset + d.bytes > d.total_bytes ||
-        d.offset != (in_message ? ch.msg_offset : 0)) {
+    const bool direct = d.direct != 0;
+    if (d.msg_seq != ch.next_msg_seq || (!direct && d.bytes > ch.slot_bytes) || d.offset + d.bytes > d.total_bytes ||
+        d.offset != (in_message ? ch.msg_offset : 0) || (direct && (!ipc || in_message || d.bytes != d.total_bytes))) {
       throw std::runtime_error("protocol error on channel from peer " + std::to_string(ch.peer) + ": chunk " +
                                std::to_string(n) + " has message " + std::to_string(d.msg_seq) + " offset " +
                                std::to_string(d.offset) + ", expected message " + std::to_string(ch.next_msg_seq) +
@@ -668,7 +743,24 @@ bool Engine::progress_recv(Channel& ch) {
       }
     }
     if (ipc) DPK_CUDA_CHECK(cudaStreamWaitEvent(recv_stream_, ch.peer_events[slot], 0));
-    if (ch.current != nullptr && d.bytes > 0) {
+    if (ch.current != nullptr && d.bytes > 0 && direct) {
+      char* src = nullptr;
+      try {
+        src = open_peer_buffer(ch, d.src_handle);
+      } catch (const std::exception& e) {
+        // Only this receive fails: the message is consumed without a copy.
+        finish_op_locked(*ch.current, "rank " + std::to_string(rank_) + ": zero-copy receive from peer " +
+                                          std::to_string(ch.peer) + " (tag " + std::to_string(d.tag) +
+                                          ") could not map the sender's buffer: " + e.what() +
+                                          " (set direct_min_bytes=0 on the sender to disable zero-copy)");
+        ch.current.reset();
+        ch.discarding = true;
+      }
+      if (src != nullptr) {
+        DPK_CUDA_CHECK(cudaMemcpyAsync(ch.current->ptr_, src + d.src_offset, d.bytes, cudaMemcpyDeviceToDevice,
+                                       recv_stream_));
+      }
+    } else if (ch.current != nullptr && d.bytes > 0) {
       const char* slot_ptr = ch.slots + static_cast<size_t>(slot) * ch.slot_bytes;
       DPK_CUDA_CHECK(cudaMemcpyAsync(ch.current->ptr_ + d.offset, slot_ptr, d.bytes,
                                      ipc ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice, recv_stream_));
@@ -701,7 +793,10 @@ bool Engine::has_pending_work_locked() const {
   for (const auto* map : {&outgoing_, &incoming_}) {
     for (const auto& kv : *map) {
       const Channel& ch = kv.second;
-      if (ch.ready && (!ch.queue.empty() || !ch.pending.empty() || ch.current != nullptr || ch.discarding)) return true;
+      if (ch.ready && (!ch.queue.empty() || !ch.pending.empty() || !ch.awaiting.empty() || ch.current != nullptr ||
+                       ch.discarding)) {
+        return true;
+      }
     }
   }
   return false;
@@ -724,6 +819,8 @@ void Engine::fail_all_locked(const std::string& why) {
       ch.queue.clear();
       if (ch.current != nullptr) finish_op_locked(*ch.current, why + " [" + ch.current->describe() + "]");
       ch.current.reset();
+      for (auto& entry : ch.awaiting) finish_op_locked(*entry.second, why + " [" + entry.second->describe() + "]");
+      ch.awaiting.clear();
     }
   }
 }
@@ -792,6 +889,9 @@ void Engine::release_imports(Channel& ch, bool streams_idle) {
     if (ch.peer_events[i] != nullptr) cudaEventDestroy(ch.peer_events[i]);
     ch.peer_events[i] = nullptr;
   }
+  for (auto& kv : ch.opened) cudaIpcCloseMemHandle(kv.second);
+  ch.opened.clear();
+  ch.opened_lru.clear();
   if (ch.slots_ipc_opened) cudaIpcCloseMemHandle(ch.slots);
   ch.slots_ipc_opened = false;
   if (ch.host_registered) cudaHostUnregister(ch.slots);

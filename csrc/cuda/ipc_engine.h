@@ -52,6 +52,14 @@
 // same tag. A size or dtype mismatch fails that receive with a message naming
 // both sides and the message is drained without being copied anywhere.
 //
+// Zero-copy sends (ipc staging, messages of at least direct_min_bytes whose
+// buffer can be exported): instead of data, the chunk descriptor carries an
+// IPC handle of the sender's allocation plus the offset; the receiver opens it
+// (cached per allocation), copies straight from the sender's buffer into its
+// own on its comm stream (one copy instead of two), records free_event[slot]
+// and bumps `freed`. The sender's op completes when its comm stream has waited
+// on that free event: only then may the caller reuse the buffer.
+//
 // Threading: one engine-owned worker thread drives every channel (so posting
 // returns at once and both sides can post sends before receives without
 // deadlock); the posting thread only records the ready event and queues.
@@ -69,6 +77,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace dualpipe::cuda {
@@ -87,6 +96,7 @@ struct EngineOptions {
   int32_t num_slots = 4;           // ring depth per channel, 2..kMaxSlots
   uint64_t slot_bytes = 4u << 20;  // bytes per slot (chunk size), > 0
   Staging staging = Staging::kAuto;
+  uint64_t direct_min_bytes = 1u << 20;  // zero-copy sends from this size on (ipc staging); 0: never
 };
 
 // One posted send or receive. Shared by the engine (until its copies are
@@ -128,6 +138,9 @@ class Op {
   char dtype_[kDtypeNameLen] = {};
   cudaEvent_t ready_event_ = nullptr;  // recorded on the caller's stream at post time
   cudaEvent_t done_event_ = nullptr;   // recorded on the comm stream after the last copy
+  char* alloc_base_ = nullptr;         // start of the caller's allocation (zero-copy export), or null
+  bool direct_ = false;                // this send goes zero-copy (decided at its first chunk)
+  cudaIpcMemHandle_t handle_{};        // IPC handle of alloc_base_ when direct_
   uint64_t offset_ = 0;                // bytes enqueued so far (engine thread only)
   bool started_ = false;               // comm stream already waits on ready_event_
   // Keeps the caller's buffer alive until its copies are enqueued (the
@@ -165,6 +178,11 @@ struct Channel {
   uint64_t next_msg_seq = 0;
   std::deque<std::shared_ptr<Op>> queue;  // outgoing: sends in wire order; incoming: posted receives
   std::deque<uint64_t> pending;           // host staging: chunks whose local copy is still running
+  // outgoing: zero-copy sends published as chunk `first`, waiting for the receiver's copy
+  std::deque<std::pair<uint64_t, std::shared_ptr<Op>>> awaiting;
+  // incoming: the peer's allocations opened for zero-copy receives, keyed by handle bytes (LRU order)
+  std::map<std::string, char*> opened;
+  std::deque<std::string> opened_lru;
   std::shared_ptr<Op> current;            // incoming: receive being filled
   uint64_t msg_offset = 0;                // incoming: next expected byte offset in the current message
   bool discarding = false;                // incoming: draining a mismatched message
@@ -200,8 +218,11 @@ class Engine {
   // device, owned by the caller until the op completes). The comm stream
   // first waits for the work already queued on `caller_stream`.
   // `keepalive` (may be null) is held until the op's copies are enqueued.
+  // `alloc_base` (may be null) is the start of the allocation holding `ptr`,
+  // which lets a large send go zero-copy.
   std::shared_ptr<Op> post(OpKind kind, int peer, int64_t tag, void* ptr, uint64_t bytes, const std::string& dtype,
-                           cudaStream_t caller_stream, std::shared_ptr<void> keepalive);
+                           cudaStream_t caller_stream, std::shared_ptr<void> keepalive, void* alloc_base = nullptr);
+  uint64_t direct_min_bytes() const { return options_.direct_min_bytes; }
 
   // Stops the worker, fails unfinished ops, waits up to timeout_s for the
   // comm stream and for peers to detach, then frees everything. Idempotent.
@@ -212,6 +233,7 @@ class Engine {
   bool progress_send(Channel& ch);
   bool progress_recv(Channel& ch);
   bool retire_pending(Channel& ch);
+  char* open_peer_buffer(Channel& ch, const cudaIpcMemHandle_t& handle);
   bool has_pending_work_locked() const;
   void fail_all_locked(const std::string& why);
   void finish_op_locked(Op& op, const std::string& failure);  // empty failure: enqueued

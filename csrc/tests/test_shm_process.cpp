@@ -104,16 +104,18 @@ TEST(ShmProcess, DeadSenderIsReportedByName) {
   const auto cfg = small_config(2, 256);
   auto seg = create_ring_segment(cfg, 5, 6);
   RecvChannel rx(seg, 6, 5, cfg);
-  // The child attaches as the sender, publishes part of a message, then is killed.
+  // The child attaches as the sender, publishes part of a 16 MiB message
+  // (65536 chunks of 256 B), then is killed.
+  constexpr std::size_t kBytes = 16u << 20;
   const pid_t child = fork_child([&] {
     SendChannel tx(seg, 5, 6, cfg);
-    const auto src = payload(100000, 1);
-    tx.post(src.data(), src.size(), 1, 0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const std::vector<unsigned char> src(kBytes, 1);
+    auto s = tx.post(src.data(), src.size(), 1, 0);
+    while (s->bytes_done() < 4096) std::this_thread::yield();
     ::kill(::getpid(), SIGKILL);
     return 0;
   });
-  std::vector<unsigned char> dst(100000);
+  std::vector<unsigned char> dst(kBytes);
   auto r = rx.post(dst.data(), dst.size(), 1, 0, "doomed");
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(r->wait(20.0)) << "a dead peer must not look like a silent one";

@@ -258,7 +258,7 @@ def plot_bandwidth(result: dict[str, Any], path: str | os.PathLike[str]) -> Path
     for k in keys:
         pts = [(r["size_bytes"], r[k]) for r in rows if isinstance(r.get(k), (int, float)) and r[k] > 0]
         if pts:
-            xs, ys = zip(*sorted(pts))
+            xs, ys = zip(*sorted(pts), strict=False)
             ax.plot(xs, ys, marker="o", label=k.removesuffix("_gbps"))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

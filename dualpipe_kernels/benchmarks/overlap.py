@@ -30,8 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from dualpipe_kernels.benchmarks.schedules import _int_list
 
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list (default torch,native)")
-    p.add_argument("--sizes", type=_int_list, default=None,
-                   help="activation bytes per transfer, comma list (default 262144,4194304; quick 65536)")
+    p.add_argument(
+        "--sizes",
+        type=_int_list,
+        default=None,
+        help="activation bytes per transfer, comma list (default 262144,4194304; quick 65536)",
+    )
     p.add_argument("--ranks", type=int, default=2, help="pipeline ranks (default 2)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 8; quick 4)")
     p.add_argument("--f-ms", type=float, default=None, help="forward of one chunk, ms (default 10; quick 2)")
@@ -102,25 +106,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bar.note(f"transports {cfg['transports']}, sizes {cfg['sizes']}, dualpipev {cfg['ranks']} ranks")
     t0 = time.perf_counter()
     per_rank = spawn(_worker, cfg["ranks"], cfg, timeout_s=900, pg_timeout_s=300)
-    sim = float(simulate_sleep("dualpipev", cfg["ranks"], cfg["microbatches"], cfg["f_s"], cfg["b_s"],
-                               cfg["w_s"]).makespan)
+    sim = float(
+        simulate_sleep("dualpipev", cfg["ranks"], cfg["microbatches"], cfg["f_s"], cfg["b_s"], cfg["w_s"]).makespan
+    )
 
     def slowest(key: str, part: str) -> float:
-        return median(max(ts) for ts in zip(*(o[key][part] for o in per_rank)))
+        return median(max(ts) for ts in zip(*(o[key][part] for o in per_rank), strict=False))
 
     rows: list[dict[str, Any]] = []
     for tr in cfg["transports"]:
         err = next((o[tr]["error"] for o in per_rank if tr in o), None)
         for size in cfg["sizes"]:
-            row: dict[str, Any] = {"transport": tr, "ranks": cfg["ranks"], "microbatches": cfg["microbatches"],
-                                   "activation_bytes": size, "simulated_compute_s": sim}
+            row: dict[str, Any] = {
+                "transport": tr,
+                "ranks": cfg["ranks"],
+                "microbatches": cfg["microbatches"],
+                "activation_bytes": size,
+                "simulated_compute_s": sim,
+            }
             if err is not None or f"{tr}/{size}" not in per_rank[0]:
                 row.update(error=err or "not measured", hidden_comm_share=None)
                 rows.append(row)
                 continue
             tc, tm, ts = (slowest(f"{tr}/{size}", p) for p in ("compute", "comm", "both"))
-            row.update(compute_s=tc, comm_s=tm, step_s=ts, compute_vs_simulated=tc / sim,
-                       hidden_comm_share=(tc + tm - ts) / tm if tm > 0 else None)
+            row.update(
+                compute_s=tc,
+                comm_s=tm,
+                step_s=ts,
+                compute_vs_simulated=tc / sim,
+                hidden_comm_share=(tc + tm - ts) / tm if tm > 0 else None,
+            )
             rows.append(row)
     bar.update(f"done in {time.perf_counter() - t0:.1f} s")
     bar.close()
@@ -139,9 +154,25 @@ def to_markdown(result: dict[str, Any]) -> str:
     )
     table = markdown_table(
         result["rows"],
-        ["transport", "activation_bytes", "compute_s", "comm_s", "step_s", "hidden_comm_share",
-         "compute_vs_simulated", "error"],
-        ["transport", "bytes per transfer", "T_compute (s)", "T_comm (s)", "T_step (s)", "comm hidden",
-         "T_compute / simulated", "error"],
+        [
+            "transport",
+            "activation_bytes",
+            "compute_s",
+            "comm_s",
+            "step_s",
+            "hidden_comm_share",
+            "compute_vs_simulated",
+            "error",
+        ],
+        [
+            "transport",
+            "bytes per transfer",
+            "T_compute (s)",
+            "T_comm (s)",
+            "T_step (s)",
+            "comm hidden",
+            "T_compute / simulated",
+            "error",
+        ],
     )
     return head + "\n\n" + table

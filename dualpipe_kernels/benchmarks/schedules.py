@@ -76,8 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--f-ms", type=float, default=None, help="forward of one chunk, ms (default 10; quick 2)")
     p.add_argument("--b-ms", type=float, default=None, help="full backward of one chunk, ms (default 20; quick 4)")
     p.add_argument("--w-ms", type=float, default=None, help="weight-gradient part of B, ms (default 10; quick 2)")
-    p.add_argument("--activation-bytes", type=int, default=None,
-                   help="bytes per micro-batch activation (default 262144; quick 16384)")
+    p.add_argument(
+        "--activation-bytes",
+        type=int,
+        default=None,
+        help="bytes per micro-batch activation (default 262144; quick 16384)",
+    )
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 3; quick 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--transport", choices=("torch", "native"), default="torch")
@@ -248,10 +252,21 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for name in cfg["schedules"]:
         t0 = time.perf_counter()
         try:
-            out["ours"][name] = measure_ours(name, rank, world, n, *costs, cfg["activation_bytes"], steps, warm,
-                                             cfg["transport"], record_timeline=(name == "dualpipev"))
-            out["comm_only"][name] = measure_ours(name, rank, world, n, 0.0, 0.0, 0.0, cfg["activation_bytes"],
-                                                  steps, warm, cfg["transport"])
+            out["ours"][name] = measure_ours(
+                name,
+                rank,
+                world,
+                n,
+                *costs,
+                cfg["activation_bytes"],
+                steps,
+                warm,
+                cfg["transport"],
+                record_timeline=(name == "dualpipev"),
+            )
+            out["comm_only"][name] = measure_ours(
+                name, rank, world, n, 0.0, 0.0, 0.0, cfg["activation_bytes"], steps, warm, cfg["transport"]
+            )
         except Exception as e:  # noqa: BLE001 - one schedule's failure is reported in its row
             out["errors"][name] = f"{type(e).__name__}: {e}".splitlines()[0]
         _note(rank, f"{name} ranks={world} N={n} done in {time.perf_counter() - t0:.1f} s")
@@ -261,8 +276,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 continue
             t0 = time.perf_counter()
             try:
-                out["peers"][peer] = torch_schedule_step_times(peer, rank, world, n, *costs, cfg["activation_bytes"],
-                                                               steps, warm)
+                out["peers"][peer] = torch_schedule_step_times(
+                    peer, rank, world, n, *costs, cfg["activation_bytes"], steps, warm
+                )
             except Exception as e:  # noqa: BLE001 - reported in the peer row
                 out["errors"][peer] = f"{type(e).__name__}: {e}".splitlines()[0]
             _note(rank, f"{peer} ranks={world} N={n} done in {time.perf_counter() - t0:.1f} s")
@@ -270,7 +286,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _per_step_max(per_rank: list[list[float]]) -> list[float]:
-    return [max(ts) for ts in zip(*per_rank)]
+    return [max(ts) for ts in zip(*per_rank, strict=False)]
 
 
 # ---------------------------------------------------------------- suite entry points
@@ -289,8 +305,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n = cfg["microbatches"]
         for name in cfg["schedules"]:
             sim = simulate_sleep(name, ranks, n, cfg["f_s"], cfg["b_s"], cfg["w_s"])
-            row: dict[str, Any] = {"schedule": name, "ranks": ranks, "microbatches": n,
-                                   "simulated_s": float(sim.makespan), "bubble_simulated_s": float(sim.bubble)}
+            row: dict[str, Any] = {
+                "schedule": name,
+                "ranks": ranks,
+                "microbatches": n,
+                "simulated_s": float(sim.makespan),
+                "bubble_simulated_s": float(sim.bubble),
+            }
             err = next((o["errors"][name] for o in per_rank if name in o["errors"]), None)
             if err is not None:
                 row.update(measured_s=None, ratio=None, hidden_comm_share=None, error=err)
@@ -318,20 +339,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ours_name = PEERS[peer][1]
             theirs = median(_per_step_max([o["peers"][peer] for o in per_rank]))
             ours = next((r["measured_s"] for r in rows if r["schedule"] == ours_name and r["ranks"] == ranks), None)
-            peers.append({"name": peer, "schedule": ours_name, "ranks": ranks, "microbatches": n, "step_s": theirs,
-                          "ours_step_s": ours, "ratio": ours / theirs if ours else None})
+            peers.append(
+                {
+                    "name": peer,
+                    "schedule": ours_name,
+                    "ranks": ranks,
+                    "microbatches": n,
+                    "step_s": theirs,
+                    "ours_step_s": ours,
+                    "ratio": ours / theirs if ours else None,
+                }
+            )
         for o in per_rank[:1]:
             for peer, err in o["errors"].items():
                 if peer.startswith("torch."):
-                    peers.append({"name": peer, "schedule": peer, "ranks": ranks, "microbatches": n, "step_s": None,
-                                  "ours_step_s": None, "ratio": None, "error": err})
+                    peers.append(
+                        {
+                            "name": peer,
+                            "schedule": peer,
+                            "ranks": ranks,
+                            "microbatches": n,
+                            "step_s": None,
+                            "ours_step_s": None,
+                            "ratio": None,
+                            "error": err,
+                        }
+                    )
         bar.update(f"ranks={ranks} done")
     bar.close()
     return {
         "rows": rows,
         "peers": peers,
-        "config": {k: cfg[k] for k in ("schedules", "ranks", "microbatches", "f_s", "b_s", "w_s",
-                                       "activation_bytes", "steps", "warmup", "transport")},
+        "config": {
+            k: cfg[k]
+            for k in (
+                "schedules",
+                "ranks",
+                "microbatches",
+                "f_s",
+                "b_s",
+                "w_s",
+                "activation_bytes",
+                "steps",
+                "warmup",
+                "transport",
+            )
+        },
         "targets": _targets(rows, peers),
         "timeline": timeline,
     }
@@ -364,20 +417,46 @@ def to_markdown(result: dict[str, Any]) -> str:
     )
     t1 = markdown_table(
         result["rows"],
-        ["schedule", "ranks", "microbatches", "measured_s", "simulated_s", "ratio", "bubble_measured_s",
-         "bubble_simulated_s", "comm_only_s", "hidden_comm_share", "error"],
-        ["schedule", "ranks", "N", "measured (s)", "simulated (s)", "measured/simulated", "bubble measured (s)",
-         "bubble simulated (s)", "comm alone (s)", "comm hidden", "error"],
+        [
+            "schedule",
+            "ranks",
+            "microbatches",
+            "measured_s",
+            "simulated_s",
+            "ratio",
+            "bubble_measured_s",
+            "bubble_simulated_s",
+            "comm_only_s",
+            "hidden_comm_share",
+            "error",
+        ],
+        [
+            "schedule",
+            "ranks",
+            "N",
+            "measured (s)",
+            "simulated (s)",
+            "measured/simulated",
+            "bubble measured (s)",
+            "bubble simulated (s)",
+            "comm alone (s)",
+            "comm hidden",
+            "error",
+        ],
     )
     parts = [head, "", t1]
     if result.get("peers"):
-        parts += ["", "Side by side with torch.distributed.pipelining (same chunks, same costs); "
-                  "ratio = ours / theirs (below 1: we are faster).", "",
-                  markdown_table(result["peers"],
-                                 ["name", "schedule", "ranks", "microbatches", "step_s", "ours_step_s", "ratio",
-                                  "error"],
-                                 ["peer", "our schedule", "ranks", "N", "their step (s)", "our step (s)",
-                                  "ours/theirs", "error"])]
+        parts += [
+            "",
+            "Side by side with torch.distributed.pipelining (same chunks, same costs); "
+            "ratio = ours / theirs (below 1: we are faster).",
+            "",
+            markdown_table(
+                result["peers"],
+                ["name", "schedule", "ranks", "microbatches", "step_s", "ours_step_s", "ratio", "error"],
+                ["peer", "our schedule", "ranks", "N", "their step (s)", "our step (s)", "ours/theirs", "error"],
+            ),
+        ]
     return "\n".join(parts)
 
 
@@ -396,10 +475,20 @@ def write_plots(result: dict[str, Any], out_dir: str | os.PathLike[str]) -> list
         for i, name in enumerate(sorted({r["schedule"] for r in rows})):
             rs = sorted((r for r in rows if r["schedule"] == name), key=lambda r: r["ranks"])
             colour = f"C{i}"
-            ax.plot([r["ranks"] for r in rs], [r["bubble_measured_s"] * 1e3 for r in rs], "o-", color=colour,
-                    label=f"{name} measured")
-            ax.plot([r["ranks"] for r in rs], [r["bubble_simulated_s"] * 1e3 for r in rs], "x--", color=colour,
-                    label=f"{name} simulated")
+            ax.plot(
+                [r["ranks"] for r in rs],
+                [r["bubble_measured_s"] * 1e3 for r in rs],
+                "o-",
+                color=colour,
+                label=f"{name} measured",
+            )
+            ax.plot(
+                [r["ranks"] for r in rs],
+                [r["bubble_simulated_s"] * 1e3 for r in rs],
+                "x--",
+                color=colour,
+                label=f"{name} simulated",
+            )
         ax.set_xlabel("ranks")
         ax.set_ylabel("bubble: max over ranks of idle time per step (ms)")
         ax.set_xticks(sorted({r["ranks"] for r in rows}))
@@ -420,8 +509,12 @@ def write_plots(result: dict[str, Any], out_dir: str | os.PathLike[str]) -> list
         sim = simulate_sleep(tl["schedule"], tl["ranks"], tl["microbatches"], c["f_s"], c["b_s"], c["w_s"])
         entries = [(r, str(a), t0, t1) for r, a, t0, t1 in schedule_entries(tl["entries"])]
         p = out / "schedules_timeline.png"
-        fig = plot_overlay(sim, entries, p,
-                           title=f"{tl['schedule']} {tl['ranks']}x{tl['microbatches']}: simulated (fill), measured (outline)")
+        fig = plot_overlay(
+            sim,
+            entries,
+            p,
+            title=f"{tl['schedule']} {tl['ranks']}x{tl['microbatches']}: simulated (fill), measured (outline)",
+        )
         plt.close(fig)
         paths.append(p)
         tp = out / "schedules_timeline_trace.json"

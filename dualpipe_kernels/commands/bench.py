@@ -56,8 +56,9 @@ def add_parser(subparsers: Any) -> None:
         description="Run benchmark suites; results go to --out as JSON, Markdown and PNG, stamped with "
         "machine, versions and git revision.",
     )
-    sub = p.add_subparsers(dest="suite", required=True, metavar="{" + ",".join((*SUITES, "all")) + "}",
-                           parser_class=type(p))
+    sub = p.add_subparsers(
+        dest="suite", required=True, metavar="{" + ",".join((*SUITES, "all")) + "}", parser_class=type(p)
+    )
     for name in SUITES:
         mod, err = _import_suite(name)
         doc = (mod.__doc__ or "").strip().splitlines()[0] if mod is not None and mod.__doc__ else ""
@@ -111,7 +112,9 @@ def _run_one(name: str, mod: ModuleType, args: argparse.Namespace) -> dict[str, 
 def run(args: argparse.Namespace) -> int:
     if args.suite != "all":
         if args.suite_error:
-            sys.stderr.write(f"dualpipe-kernels bench: error: suite {args.suite!r} is unavailable: {args.suite_error}\n")
+            sys.stderr.write(
+                f"dualpipe-kernels bench: error: suite {args.suite!r} is unavailable: {args.suite_error}\n"
+            )
             return 1
         mod, _ = _import_suite(args.suite)
         assert mod is not None

@@ -57,8 +57,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default max(4, model stages))")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: one rank per GPU when CUDA GPUs are present, else CPU processes")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: one rank per GPU when CUDA GPUs are present, else CPU processes",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress stays on stderr)")
     p.set_defaults(func=run)
 
@@ -105,8 +109,13 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "lr": args.lr,
         "device": "cuda" if use_cuda else "cpu",
-        "model": {"vocab_size": 256, "seq_len": args.seq_len, "d_model": args.d_model, "n_heads": heads,
-                  "n_layers": layers},
+        "model": {
+            "vocab_size": 256,
+            "seq_len": args.seq_len,
+            "d_model": args.d_model,
+            "n_heads": heads,
+            "n_layers": layers,
+        },
     }
 
 
@@ -198,8 +207,10 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             out["peak_act"].append(int(meter.peak))
             if step == 0:
                 out["grads"] = {
-                    s: {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
-                        for n, p in m.named_parameters()}
+                    s: {
+                        n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
+                        for n, p in m.named_parameters()
+                    }
                     for s, m in modules.items()
                 }
             opt.step()
@@ -210,8 +221,20 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         pipe.close()
     # Communication alone: the same schedule and activation size with zero-cost stages.
     act_bytes = cfg["batch_size"] * gcfg.seq_len * gcfg.d_model * 4
-    comm = measure_ours(cfg["schedule"], rank, world, cfg["microbatches"], 0.0, 0.0, 0.0, act_bytes, steps=3,
-                        warmup=1, transport=cfg["transport"], device=str(dev))
+    comm = measure_ours(
+        cfg["schedule"],
+        rank,
+        world,
+        cfg["microbatches"],
+        0.0,
+        0.0,
+        0.0,
+        act_bytes,
+        steps=3,
+        warmup=1,
+        transport=cfg["transport"],
+        device=str(dev),
+    )
     out["comm_alone"] = comm["times"]
     return out
 
@@ -258,7 +281,8 @@ def _check_first_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> di
         dev = torch.device("cuda", 0) if cfg["device"] == "cuda" else torch.device("cpu")
         mods = {s: m.to(dev) for s, m in stage_modules_for(sched, gcfg, cfg["seed"]).items()}
         ids, tgt = SyntheticTokens(gcfg.vocab_size, gcfg.seq_len, cfg["seed"]).batch(
-            0, cfg["microbatches"] * cfg["batch_size"])
+            0, cfg["microbatches"] * cfg["batch_size"]
+        )
         ref = {m: v.detach().cpu() for m, v in _reference_losses(mods, sched, ids.to(dev), tgt.to(dev)).items()}
     finally:
         torch.set_num_threads(threads)
@@ -273,7 +297,7 @@ def _check_first_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> di
     ref_grads: dict[int, dict[str, Any]] = {}
     for s, m in mods.items():
         ref_grads[s] = {}
-        for name, p in m.named_parameters():
+        for name, _p in m.named_parameters():
             g = None
             for c in copies[sched.model_stage[s]]:
                 gc = dict(mods[c].named_parameters())[name].grad
@@ -292,9 +316,13 @@ def _check_first_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> di
                 if not torch.equal(g, r):
                     grads_ok = False
                     max_diff = max(max_diff, float((g.double() - r.double()).abs().max()))
-    return {"bit_exact_first_step": bool(loss_ok and grads_ok), "first_step_losses_equal": bool(loss_ok),
-            "first_step_grads_equal": bool(grads_ok), "first_step_grad_tensors": compared,
-            "first_step_max_abs_grad_diff": max_diff}
+    return {
+        "bit_exact_first_step": bool(loss_ok and grads_ok),
+        "first_step_losses_equal": bool(loss_ok),
+        "first_step_grads_equal": bool(grads_ok),
+        "first_step_grad_tensors": compared,
+        "first_step_max_abs_grad_diff": max_diff,
+    }
 
 
 # ---------------------------------------------------------------- driver
@@ -306,15 +334,17 @@ def run_demo(cfg: dict[str, Any]) -> dict[str, Any]:
 
     t_start = time.perf_counter()
     backend = "nccl" if cfg["device"] == "cuda" else "gloo"
-    _progress(f"starting {cfg['ranks']} rank processes ({backend}, {cfg['device']}), {cfg['schedule']}, "
-              f"{cfg['microbatches']} micro-batches, {cfg['steps']} steps, transport {cfg['transport']}")
+    _progress(
+        f"starting {cfg['ranks']} rank processes ({backend}, {cfg['device']}), {cfg['schedule']}, "
+        f"{cfg['microbatches']} micro-batches, {cfg['steps']} steps, transport {cfg['transport']}"
+    )
     per_rank = spawn(_rank_main, cfg["ranks"], cfg, backend=backend, timeout_s=600, pg_timeout_s=300)
     _progress("checking the first step against one process")
     check = _check_first_step(cfg, per_rank)
     sched = build_schedule(cfg["schedule"], cfg["ranks"], cfg["microbatches"])
     steps = cfg["steps"]
     losses, times, bub_meas, bub_sim_steps, sim_steps, hidden = [], [], [], [], [], []
-    comm_alone = median(max(ts) for ts in zip(*(o["comm_alone"] for o in per_rank)))
+    comm_alone = median(max(ts) for ts in zip(*(o["comm_alone"] for o in per_rank), strict=False))
     first_costs: dict[str, list[float]] = {}
     for k in range(steps):
         mb_losses: dict[int, Any] = {}
@@ -359,23 +389,35 @@ def run_demo(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _print_table(res: dict[str, Any]) -> None:
-    print(f"dualpipe-kernels demo: {res['schedule']}, {res['ranks']} ranks ({res['device']}), {res['stages']} "
-          f"stages, {res['microbatches']} micro-batches x {res['batch_size']} sequences x "
-          f"{res['model']['seq_len']} tokens, transport {res['transport']}")
+    print(
+        f"dualpipe-kernels demo: {res['schedule']}, {res['ranks']} ranks ({res['device']}), {res['stages']} "
+        f"stages, {res['microbatches']} micro-batches x {res['batch_size']} sequences x "
+        f"{res['model']['seq_len']} tokens, transport {res['transport']}"
+    )
     print("step  loss     step (s)  bubble measured/simulated (ms)  ratio  comm hidden  peak activations (KiB)")
     for k in range(res["steps"]):
         bm, bs = res["bubble_measured"][k] * 1e3, res["bubble_simulated"] * 1e3
         ratio = f"{bm / bs:5.2f}" if bs > 0 else "    -"
         hid = res["hidden_comm_share"][k]
         hid_s = f"{hid:11.2f}" if hid is not None else "          -"
-        print(f"{k + 1:<5} {res['losses'][k]:<8.4f} {res['step_times_s'][k]:<9.3f} {bm:8.2f} / {bs:<8.2f}"
-              f"{'':13} {ratio}  {hid_s}  {res['peak_activation_bytes'][k] / 1024:12.1f}")
-    verdict = "yes" if res["bit_exact_first_step"] else (
-        f"NO (losses equal: {res['first_step_losses_equal']}, max |grad diff| {res['first_step_max_abs_grad_diff']:.3g})")
+        print(
+            f"{k + 1:<5} {res['losses'][k]:<8.4f} {res['step_times_s'][k]:<9.3f} {bm:8.2f} / {bs:<8.2f}"
+            f"{'':13} {ratio}  {hid_s}  {res['peak_activation_bytes'][k] / 1024:12.1f}"
+        )
+    verdict = (
+        "yes"
+        if res["bit_exact_first_step"]
+        else (
+            f"NO (losses equal: {res['first_step_losses_equal']}, "
+            f"max |grad diff| {res['first_step_max_abs_grad_diff']:.3g})"
+        )
+    )
     print(f"first step bit-exact against one process (every loss and gradient, torch.equal): {verdict}")
-    print(f"bubble: max over ranks of idle time; simulated with the per-stage costs measured on step 1. "
-          f"comm hidden = (T_compute + T_comm - T_step) / T_comm with T_comm = {res['comm_alone_s'] * 1e3:.1f} ms "
-          f"(communication alone); total {res['wall_s']:.1f} s")
+    print(
+        f"bubble: max over ranks of idle time; simulated with the per-stage costs measured on step 1. "
+        f"comm hidden = (T_compute + T_comm - T_step) / T_comm with T_comm = {res['comm_alone_s'] * 1e3:.1f} ms "
+        f"(communication alone); total {res['wall_s']:.1f} s"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

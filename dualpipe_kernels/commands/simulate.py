@@ -18,18 +18,17 @@ import argparse
 import json
 import math
 import sys
-from numbers import Real
 from typing import Any
 
-from ..schedules.costs import CommModel, CostModel
+from ..schedules.costs import CommModel, CostModel, Num
 from ..schedules.generators import SCHEDULE_NAMES, build_schedule
 from ..schedules.simulator import SimResult, reference_bubble, simulate
 from ..schedules.validate import validate
 
-_ASCII_MAX_COLUMNS = 200  # print the grid only when a rank's list fits in a terminal-ish width
+_ASCII_MAX_STEPS = 50  # print the grid only when every rank's list is this short (or with --ascii)
 
 
-def _number(text: str) -> Real:
+def _number(text: str) -> Num:
     """An int when the text is integral (so JSON stays exact), else a float; accepts 'inf'."""
     try:
         value = float(text)
@@ -75,7 +74,7 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _summary(res: SimResult, ref: Real | None) -> str:
+def _summary(res: SimResult, ref: Num | None) -> str:
     lines = [
         f"{res.schedule}: {res.ranks} ranks, {res.stages} stages, {res.microbatches} micro-batches",
         f"  makespan {float(res.makespan):g}; busiest rank computes {float(max(res.busy_per_rank)):g} "
@@ -92,6 +91,11 @@ def _summary(res: SimResult, ref: Real | None) -> str:
     )
     lines.append(f"  p2p: {res.num_transfers} transfers, {float(res.p2p_bytes):g} bytes")
     return "\n".join(lines)
+
+
+def _finite_or_none(x: Num | None) -> Num | None:
+    """JSON has no infinity: an unlimited bandwidth is written as null."""
+    return None if x is None or math.isinf(x) else x
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         from ..schedules.trace import write_chrome_trace
 
-        write_chrome_trace(args.trace, res.events, schedule=res.schedule, ranks=res.ranks,
-                           microbatches=res.microbatches)
+        write_chrome_trace(
+            args.trace, res.events, schedule=res.schedule, ranks=res.ranks, microbatches=res.microbatches
+        )
     if args.png:
         from ..schedules.plot import plot_timeline
 
@@ -132,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
         d["costs"] = {"f": args.f, "b": args.b, "w": args.w, "fb": args.f + args.b if args.fb is None else args.fb}
         d["comm"] = {
             "latency": args.comm_latency,
-            "bandwidth": None if math.isinf(args.comm_bandwidth) else args.comm_bandwidth,
+            "bandwidth": _finite_or_none(args.comm_bandwidth),
+            "inter_latency": args.inter_latency,
+            "inter_bandwidth": _finite_or_none(args.inter_bandwidth),
             "activation_bytes": args.activation_bytes,
             "ranks_per_node": args.ranks_per_node,
             "blocking": args.blocking_comm,
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(_summary(res, ref))
     longest = max(len(list(schedule.compute_actions(r))) for r in range(schedule.num_ranks))
-    if args.ascii or longest <= _ASCII_MAX_COLUMNS // 4:
+    if args.ascii or longest <= _ASCII_MAX_STEPS:
         from ..schedules.ascii import to_ascii
 
         print(to_ascii(schedule, comms=False))

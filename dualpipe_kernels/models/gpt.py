@@ -159,7 +159,7 @@ def build_gpt_stages(cfg: GPTConfig, num_stages: int, seed: int = 0) -> list[GPT
             _init_(st.tok_emb, gen)
             with torch.no_grad():
                 st.pos_emb.normal_(0.0, 0.01, generator=gen)
-        for layer, blk in zip(st.layers, st.blocks):
+        for layer, blk in zip(st.layers, st.blocks, strict=False):
             gen = _seeded(seed, 1 + layer)
             for m in blk.modules():
                 _init_(m, gen)

@@ -25,8 +25,9 @@ transfers may be left in the process group).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -180,7 +181,7 @@ class Pipeline(nn.Module):
         model: nn.Sequential,
         partition: Sequence[int] | None = None,
         **kw: Any,
-    ) -> "Pipeline":
+    ) -> Pipeline:
         """Build this rank's stage modules from a full ``nn.Sequential``.
 
         ``partition[m]``: number of layers of model stage ``m`` (default: as even
@@ -468,13 +469,12 @@ class Pipeline(nn.Module):
             if g is None:
                 raise RuntimeError(f"pipeline rank {self.rank}: {b} has no output grads")
             st.roots.pop(kb, None)
-            pairs = [(o, gi) for o, gi in zip(outs, g) if gi is not None]
+            pairs = [(o, gi) for o, gi in zip(outs, g, strict=False) if gi is not None]
             outputs1, grads1 = [o for o, _ in pairs], [gi for _, gi in pairs]
         store = self.weight_grad_store
         with store.enabled_for(b.type is _I):
-            out0, loss0 = type(mf).overlapped_forward_backward(
-                mf, ins0, crit0, labels0, mb_, loss1, outputs1, grads1
-            )
+            hook = type(mf).overlapped_forward_backward  # type: ignore[attr-defined]
+            out0, loss0 = hook(mf, ins0, crit0, labels0, mb_, loss1, outputs1, grads1)
         if b.type is _I:
             store.flush(kb)
         self._forward(st, f.stage, f.microbatch, module_out=out0, loss=loss0)
@@ -594,7 +594,7 @@ class Pipeline(nn.Module):
                 local_done.update((s, t))
                 other = list(self.stage_modules[t].parameters())
                 _check_same_shapes(params, other, s, t)
-                for p, q in zip(params, other):
+                for p, q in zip(params, other, strict=False):
                     if p.grad is None and q.grad is None:
                         continue
                     total = _or_zeros(p) + _or_zeros(q)
@@ -604,13 +604,22 @@ class Pipeline(nn.Module):
             what = f"pipeline rank {self.rank}: mirror-gradient exchange of stage {s} with stage {t}"
             sends.append(
                 BoundarySend(
-                    self._transport, grads, [False] * len(grads), self.to_group_rank[peer], self.tags,
-                    (_DIR_MIRROR, s, 0), f"{what} (to peer pipeline rank {peer})",
+                    self._transport,
+                    grads,
+                    [False] * len(grads),
+                    self.to_group_rank[peer],
+                    self.tags,
+                    (_DIR_MIRROR, s, 0),
+                    f"{what} (to peer pipeline rank {peer})",
                 )
             )
             recv = BoundaryRecv(
-                self._transport, self.to_group_rank[peer], self.tags, (_DIR_MIRROR, t, 0),
-                f"{what} (from peer pipeline rank {peer})", self.device,
+                self._transport,
+                self.to_group_rank[peer],
+                self.tags,
+                (_DIR_MIRROR, t, 0),
+                f"{what} (from peer pipeline rank {peer})",
+                self.device,
             )
             recvs.append((s, recv))
         for s, recv in recvs:
@@ -622,7 +631,7 @@ class Pipeline(nn.Module):
                     f"{len(theirs)}: the two copies of a model stage must be the same module"
                 )
             with torch.no_grad():
-                for p, g in zip(params, theirs):
+                for p, g in zip(params, theirs, strict=False):
                     if g is None:
                         continue
                     if g.shape != p.shape:
@@ -638,7 +647,7 @@ def _or_zeros(p: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
-def _check_same_shapes(a: list[torch.Tensor], b: list[torch.Tensor], s: int, t: int) -> None:
+def _check_same_shapes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], s: int, t: int) -> None:
     if [tuple(p.shape) for p in a] != [tuple(q.shape) for q in b]:
         raise ValueError(f"stages {s} and {t} copy the same model stage but have different parameter shapes")
 
@@ -671,7 +680,7 @@ def _check_modules(
                 f"pipeline rank {rank} holds {len(stages)} stage(s) {list(stages)} of schedule {name!r}; "
                 f"got {len(seq)} module(s)"
             )
-        got = dict(zip(stages, seq))
+        got = dict(zip(stages, seq, strict=False))
     for s, m in got.items():
         if not isinstance(m, nn.Module):
             raise ValueError(f"stage {s}: expected an nn.Module, got {type(m).__name__}")

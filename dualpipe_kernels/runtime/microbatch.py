@@ -9,7 +9,8 @@ of the caller's tensors; the runtime never writes into them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -41,7 +42,8 @@ def split_microbatches(values: Sequence[Any], num_microbatches: int, batch_dim: 
                 raise ValueError(f"batch_dim {batch_dim} out of range for argument {i} of shape {tuple(v.shape)}")
             if v.shape[batch_dim] != size:
                 raise ValueError(
-                    f"argument {i} has {v.shape[batch_dim]} rows along batch_dim {batch_dim}, the first tensor has {size}"
+                    f"argument {i} has {v.shape[batch_dim]} rows along batch_dim {batch_dim}, "
+                    f"the first tensor has {size}"
                 )
             if size < num_microbatches:
                 raise ValueError(

@@ -23,8 +23,8 @@ index) its own tag, so transfers between one pair of ranks never mix.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -102,7 +102,7 @@ def encode_meta(tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[boo
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"a stage boundary carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
     words = [_MAGIC, len(tensors)]
-    for t, g in zip(tensors, grad_flags):
+    for t, g in zip(tensors, grad_flags, strict=False):
         if t is None:
             words.append(_KIND_NONE)
             continue
@@ -167,7 +167,8 @@ class BoundarySend:
         deadline = time.monotonic() + timeout_s
         for h in self._handles:
             h.wait(max(0.001, deadline - time.monotonic()))
-        self._payload = []
+        # Drop every reference to the sent tensors (the transport's work objects hold them too).
+        self._payload, self._handles = [], []
 
 
 class BoundaryRecv:
@@ -213,7 +214,7 @@ class BoundaryRecv:
             self._meta_handle.wait(0.001)
             self._post_data()
 
-    def wait(self, timeout_s: float, stream: "torch.cuda.Stream | None" = None) -> list[torch.Tensor | None]:
+    def wait(self, timeout_s: float, stream: torch.cuda.Stream | None = None) -> list[torch.Tensor | None]:
         """Block (at most ``timeout_s`` in all) until every tensor has arrived; return them.
 
         Tensors whose metadata says "requires grad" come back as leaves with
@@ -231,7 +232,7 @@ class BoundaryRecv:
                 h.wait(max(0.001, deadline - time.monotonic()))
         assert self._metas is not None
         out = self._tensors
-        for t, m in zip(out, self._metas):
+        for t, m in zip(out, self._metas, strict=False):
             if t is not None and m is not None and m.requires_grad:
                 t.requires_grad_(True)
         self._tensors, self._handles = [], []

@@ -8,7 +8,8 @@ gradients of every stage whose micro-batches are summed in the same order).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn

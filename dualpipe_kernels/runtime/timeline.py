@@ -11,8 +11,8 @@ laid over the simulator's timeline.  A recorder lives for one step only.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 __all__ = ["TimelineEntry", "TimelineRecorder"]
 

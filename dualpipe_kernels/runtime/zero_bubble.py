@@ -34,8 +34,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -50,12 +51,12 @@ __all__ = [
 ]
 
 # The store bound to the pipeline step running in this context (None outside a step).
-_BOUND_STORE: contextvars.ContextVar["WeightGradStore | None"] = contextvars.ContextVar(
+_BOUND_STORE: contextvars.ContextVar[WeightGradStore | None] = contextvars.ContextVar(
     "dualpipe_kernels_weight_grad_store", default=None
 )
 
 
-def current_store() -> "WeightGradStore | None":
+def current_store() -> WeightGradStore | None:
     """The WeightGradStore of the pipeline step running now (None when no step is running)."""
     return _BOUND_STORE.get()
 
@@ -109,7 +110,7 @@ class WeightGradStore:
         self._auto = 0
 
     @contextlib.contextmanager
-    def bind(self) -> Iterator["WeightGradStore"]:
+    def bind(self) -> Iterator[WeightGradStore]:
         """Make this store ``current_store()`` for the duration of the block."""
         token = _BOUND_STORE.set(self)
         try:
@@ -132,7 +133,7 @@ def run_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
     Uses the graph edges, not the tensors' data, so it works after the runtime
     freed a sent activation's storage (the reference's ``run_backward``).
     """
-    pairs = [(t, g) for t, g in zip(tensors, grads) if g is not None]
+    pairs = [(t, g) for t, g in zip(tensors, grads, strict=False) if g is not None]
     if not pairs:
         return
     edges = [get_gradient_edge(t) for t, _ in pairs]
@@ -202,7 +203,7 @@ def _run_group(g: _Group) -> None:
         for h in handles:
             h.remove()
     with torch.no_grad():
-        for p, dw in zip(g.params, dws):
+        for p, dw in zip(g.params, dws, strict=False):
             if dw is None:
                 continue
             if p.grad is None:
@@ -215,7 +216,7 @@ def _graph(root_nodes: Sequence[Node]) -> dict[Node, list[Node]]:
     """parents[n]: the nodes that pass gradient into ``n`` (reverse of next_functions), over the root closure."""
     parents: dict[Node, list[Node]] = collections.defaultdict(list)
     seen: set[Node] = set()
-    q = collections.deque()
+    q: collections.deque[Node] = collections.deque()
     for n in root_nodes:
         if n not in seen:
             seen.add(n)
@@ -234,7 +235,7 @@ def _graph(root_nodes: Sequence[Node]) -> dict[Node, list[Node]]:
 
 def _upward(starts: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]:
     out: set[Node] = set()
-    q = collections.deque(n for n in starts if n in parents)
+    q: collections.deque[Node] = collections.deque(n for n in starts if n in parents)
     out.update(q)
     while q:
         n = q.popleft()

@@ -15,15 +15,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from numbers import Real
-from typing import Union
+from typing import TypeAlias
 
 from .ir import Schedule
 
-__all__ = ["CostModel", "CommModel", "StageCosts", "Cost"]
+__all__ = ["CostModel", "CommModel", "StageCosts", "Cost", "Num"]
 
 #: A cost: one number for every stage, or one per stage.
-Cost = Union[Real, Sequence[Real]]
+#: A time or byte count: exact (int, Fraction) or float.
+Num: TypeAlias = int | float | Fraction
+Cost: TypeAlias = Num | Sequence[Num]
 
 
 @dataclass(frozen=True)
@@ -33,16 +36,24 @@ class StageCosts:
     ``fb[s]`` is the cost of an overlapped pair whose F half runs on stage ``s``
     and whose backward half is a full B; when the backward half is an I the
     pair costs ``fb[s] - w[b_stage]`` (the deferred W is paid later by itself).
+    ``fb is None`` (no F&B cost given): a pair costs its halves' sum,
+    ``f[f_stage] + b[b_stage]`` (or ``i[b_stage]``).
     """
 
-    f: tuple[Real, ...]
-    b: tuple[Real, ...]
-    w: tuple[Real, ...]
-    i: tuple[Real, ...]
-    fb: tuple[Real, ...]
+    f: tuple[Num, ...]
+    b: tuple[Num, ...]
+    w: tuple[Num, ...]
+    i: tuple[Num, ...]
+    fb: tuple[Num, ...] | None
+
+    def pair(self, f_stage: int, b_stage: int, full_backward: bool) -> Num:
+        """Cost of an F&B pair: F on ``f_stage`` with a B (``full_backward``) or an I on ``b_stage``."""
+        if self.fb is None:
+            return self.f[f_stage] + (self.b[b_stage] if full_backward else self.i[b_stage])
+        return self.fb[f_stage] if full_backward else self.fb[f_stage] - self.w[b_stage]
 
 
-def _per_stage(name: str, value: Cost, schedule: Schedule) -> list[Real]:
+def _per_stage(name: str, value: Cost, schedule: Schedule) -> list[Num]:
     """Expand a scalar or a per-stage sequence to one value per IR stage.
 
     A sequence may be indexed by IR stage (``len == num_stages``) or, for
@@ -50,8 +61,10 @@ def _per_stage(name: str, value: Cost, schedule: Schedule) -> list[Real]:
     (``len == number of distinct model stages``); copies then share the cost.
     """
     n_stages = schedule.num_stages
-    if isinstance(value, Real):
-        return [value] * n_stages
+    if isinstance(value, (int, float, Fraction, Real)):
+        return [value] * n_stages  # type: ignore[list-item]  # any Real works; Num is what mypy can check
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"cost {name} must be a number or a sequence of numbers, got {value!r}")
     vals = list(value)
     n_model = len(set(schedule.model_stage))
     if len(vals) == n_stages:
@@ -67,7 +80,8 @@ def _per_stage(name: str, value: Cost, schedule: Schedule) -> list[Real]:
 class CostModel:
     """Compute costs per action kind.
 
-    ``fb=None`` means no overlap benefit: a pair costs F + B.  Constraints
+    ``fb=None`` means no overlap benefit: a pair costs its F plus its B.  A
+    per-stage ``fb`` is indexed by the pair's F stage.  Constraints
     (checked by :meth:`resolve`, each a ValueError naming it): F > 0, B > 0,
     0 < W < B (so I = B - W > 0), max(F, B) <= F&B <= F + B.
     """
@@ -81,7 +95,12 @@ class CostModel:
         f = _per_stage("F", self.f, schedule)
         b = _per_stage("B", self.b, schedule)
         w = _per_stage("W", self.w, schedule)
-        fb = [fs + bs for fs, bs in zip(f, b)] if self.fb is None else _per_stage("F&B", self.fb, schedule)
+        given = self.fb is not None
+        fb = (
+            _per_stage("F&B", self.fb, schedule)
+            if self.fb is not None
+            else [fs + bs for fs, bs in zip(f, b, strict=True)]
+        )
         for s in range(schedule.num_stages):
             where = f" (stage {s})" if not isinstance(self.f, Real) or not isinstance(self.b, Real) else ""
             if not f[s] > 0:
@@ -96,8 +115,8 @@ class CostModel:
                 raise ValueError(
                     f"cost F&B must satisfy max(F, B) <= F&B <= F + B, got F&B={fb[s]} F={f[s]} B={b[s]}{where}"
                 )
-        i = [bs - ws for bs, ws in zip(b, w)]
-        return StageCosts(tuple(f), tuple(b), tuple(w), tuple(i), tuple(fb))
+        i = [bs - ws for bs, ws in zip(b, w, strict=True)]
+        return StageCosts(tuple(f), tuple(b), tuple(w), tuple(i), tuple(fb) if given else None)
 
 
 @dataclass(frozen=True)
@@ -120,12 +139,12 @@ class CommModel:
     gradient, which has the same shape, backward).  Units: seconds and bytes/s.
     """
 
-    latency: Real = 0
-    bandwidth: Real = math.inf
-    activation_bytes: Real = 0
+    latency: Num = 0
+    bandwidth: Num = math.inf
+    activation_bytes: Num = 0
     ranks_per_node: int | None = None
-    inter_latency: Real | None = None
-    inter_bandwidth: Real | None = None
+    inter_latency: Num | None = None
+    inter_bandwidth: Num | None = None
     blocking: bool = False
 
     def __post_init__(self) -> None:
@@ -146,7 +165,7 @@ class CommModel:
         rpn = self.ranks_per_node
         return rpn is None or src // rpn == dst // rpn
 
-    def link_time(self, src: int, dst: int) -> tuple[Real, Real]:
+    def link_time(self, src: int, dst: int) -> tuple[Num, Num]:
         """(link occupancy, latency) of one transfer ``src -> dst``."""
         if self.same_node(src, dst):
             lat, bw = self.latency, self.bandwidth

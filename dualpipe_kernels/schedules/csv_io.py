@@ -26,8 +26,8 @@ import io
 import os
 from typing import IO
 
-from .generators import schedule_layout
 from .deps import Topology
+from .generators import schedule_layout
 from .ir import Action, ActionType, Schedule, parse_action
 
 __all__ = ["to_csv", "load_csv", "csv_text", "schedule_to_rows", "schedule_from_rows"]

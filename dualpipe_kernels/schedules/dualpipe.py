@@ -18,7 +18,10 @@ same order on every rank:
 "Phase 0/1" is the reference's rank-local naming of the two stage chunks a rank
 holds.  Reference ``_backward_chunk(enable_zb=True)`` is our I, its
 ``_weight_chunk`` (FIFO pop of WeightGradStore) is our W of the oldest pending
-I, and ``_forward_backward_chunk`` is ``OVERLAP_F_B(F, B)``.
+I, and ``_forward_backward_chunk`` is ``OVERLAP_F_B(F, B)``.  Only the compute
+order is generated here; communication comes from the lowering pass, which
+posts each SEND right after its producer (the reference's middle ranks hold a
+few sends back by one step; the order of computes is the same).
 
 DualPipeV is DualPipe folded: one copy of the model, ``2R`` stage chunks in a
 V (stage ``s`` on rank ``s`` for ``s < R``, else on rank ``2R-1-s``), so its

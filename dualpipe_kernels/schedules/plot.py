@@ -1,4 +1,4 @@
-"""PNG timelines of schedules (matplotlib, Agg backend: no display needed).
+"""PNG timelines of schedules (matplotlib's Agg canvas: no display, no pyplot state).
 
 One row per rank (rank 0 on top).  Compute boxes are coloured by kind (F, B,
 I, W); an F&B pair is drawn as one box split in two, F on top and its
@@ -19,17 +19,14 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
-import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import PatchCollection
+from matplotlib.colors import to_rgb
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
 
-matplotlib.use("Agg")  # headless: must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.collections import PatchCollection  # noqa: E402
-from matplotlib.colors import to_rgb  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.patches import Patch, Rectangle  # noqa: E402
-
-from .simulator import SimEvent, SimResult  # noqa: E402
-from .trace import Timeline, to_events  # noqa: E402
+from .simulator import SimEvent, SimResult
+from .trace import Timeline, to_events
 
 __all__ = ["KIND_COLOURS", "plot_timeline", "plot_overlay", "plot_comparison", "timeline_title", "write_docs_pictures"]
 
@@ -62,14 +59,24 @@ def timeline_title(result: SimResult) -> str:
     )
 
 
-def _figure(events: list[SimEvent], ranks: int) -> tuple[Figure, Any]:
-    """A figure wide enough that the shortest compute box holds a two-digit number (up to 60 in)."""
+def _width(events: list[SimEvent]) -> float:
+    """Figure width (inches) at which the shortest compute box holds a two-digit number (8 to 60 in)."""
     durations = [float(e.end - e.start) for e in events if e.track == "compute" and e.end > e.start]
     span = float(max(e.end for e in events)) - float(min(e.start for e in events))
     shortest = min(durations, default=span) or 1.0
-    width = min(max(1.8 + span / shortest * _BOX_PX / _DPI, 8.0), 60.0)
-    fig, ax = plt.subplots(figsize=(width, _LEGEND_IN + 1.1 + 0.55 * ranks), dpi=_DPI)
-    return fig, ax
+    return min(max(1.8 + span / shortest * _BOX_PX / _DPI, 8.0), 60.0)
+
+
+def _new_figure(width: float, height: float) -> Figure:
+    """A figure drawn by Agg directly: no pyplot, so no global figure registry and no backend switch."""
+    fig = Figure(figsize=(width, height), dpi=_DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _figure(events: list[SimEvent], ranks: int) -> tuple[Figure, Any]:
+    fig = _new_figure(_width(events), _LEGEND_IN + 1.1 + 0.55 * ranks)
+    return fig, fig.subplots()
 
 
 class _Boxes:
@@ -93,20 +100,18 @@ class _Boxes:
         if self.rects:
             coll = PatchCollection(self.rects, facecolors=self.faces, edgecolors=self.edges, linewidths=linewidth)
             self.ax.add_collection(coll)
+        # Called after the layout is final, so the (linear) data-to-pixel scale is fixed.
         fig = self.ax.figure
-        fig.canvas.draw()  # fixes the transform so box sizes in pixels are known
-        to_px = self.ax.transData
+        (x0, y0), (x1, y1) = self.ax.transData.transform([(0.0, 0.0), (1.0, 1.0)])
+        sx, sy = abs(x1 - x0), abs(y1 - y0)
         char_px = fontsize * fig.dpi / 72 * 0.62
         line_px = fontsize * fig.dpi / 72 * 1.05
         for cx, cy, text, w, h in self.labels:
-            (x0, y0), (x1, y1) = to_px.transform([(cx - w / 2, cy - h / 2), (cx + w / 2, cy + h / 2)])
-            if abs(x1 - x0) >= char_px * len(text) + 2 and abs(y1 - y0) >= line_px:
+            if w * sx >= char_px * len(text) + 2 and h * sy >= line_px:
                 self.ax.text(cx, cy, text, ha="center", va="center", fontsize=fontsize, color="black")
 
 
-def _draw(
-    boxes: _Boxes, events: list[SimEvent], has_comm: bool, outline: bool = False, labels: bool = True
-) -> None:
+def _draw(boxes: _Boxes, events: list[SimEvent], has_comm: bool, outline: bool = False, labels: bool = True) -> None:
     top, height = (-0.42, 0.62) if has_comm else (-0.42, 0.84)
     for e in events:
         x, w = float(e.start), float(e.end - e.start)
@@ -166,9 +171,7 @@ def _legend(fig: Figure, has_comm: bool, extra_legend: Sequence[Patch] = (), top
     fig.tight_layout(rect=(0, _LEGEND_IN / h, 1, 1 - top_in / h))
 
 
-def _finish(
-    ax: Any, ranks: int, xmax: float, title: str, has_comm: bool, extra_legend: Sequence[Patch] = ()
-) -> None:
+def _finish(ax: Any, ranks: int, xmax: float, title: str, has_comm: bool, extra_legend: Sequence[Patch] = ()) -> None:
     _style_axis(ax, ranks, xmax, title)
     _legend(ax.figure, has_comm, extra_legend)
 
@@ -219,8 +222,22 @@ def plot_overlay(
     if align_start:
         t0 = min(e.start for e in meas)
         meas = [
-            SimEvent(e.rank, e.action, e.kind, e.start - t0, e.end - t0, e.stage, e.microbatch, e.track, e.peer,
-                     e.stage2, e.microbatch2, e.chunk, e.backward_kind, e.chunk2)
+            SimEvent(
+                e.rank,
+                e.action,
+                e.kind,
+                e.start - t0,
+                e.end - t0,
+                e.stage,
+                e.microbatch,
+                e.track,
+                e.peer,
+                e.stage2,
+                e.microbatch2,
+                e.chunk,
+                e.backward_kind,
+                e.chunk2,
+            )
             for e in meas
         ]
     ranks = 1 + max(max(e.rank for e in sim), max(e.rank for e in meas))
@@ -251,18 +268,19 @@ def plot_comparison(
         raise ValueError("plot_comparison needs at least one result")
     events = [r.events for r in results]
     xmax = max(float(r.makespan) for r in results)
-    every = [e for evs in events for e in evs]
-    ref_fig, _ = _figure(every, 1)  # only for its width
-    width = ref_fig.get_figwidth()
-    plt.close(ref_fig)
+    width = _width([e for evs in events for e in evs])
     heights = [0.55 * r.ranks + 0.6 for r in results]
-    fig, axes = plt.subplots(
-        len(results), 1, figsize=(width, _LEGEND_IN + 0.75 + sum(heights)), dpi=_DPI, sharex=True,
-        gridspec_kw={"height_ratios": heights}, squeeze=False,
+    fig = _new_figure(width, _LEGEND_IN + 0.75 + sum(heights))
+    axes = fig.subplots(
+        len(results),
+        1,
+        sharex=True,
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
     )
     has_comm = any(_has_transfers(evs) for evs in events)
     all_boxes = []
-    for ax, res, evs in zip(axes[:, 0], results, events):
+    for ax, res, evs in zip(axes[:, 0], results, events, strict=True):
         boxes = _Boxes(ax)
         _draw(boxes, evs, has_comm)
         _style_axis(ax, res.ranks, xmax, timeline_title(res))
@@ -293,7 +311,7 @@ def write_docs_pictures(out_dir: str | os.PathLike[str]) -> list[str]:
     written = []
     for name, ranks, n in (("dualpipev", 4, 10), ("dualpipe", 8, 20)):
         path = os.path.join(out_dir, f"{name}_{ranks}x{n}.png")
-        plt.close(plot_timeline(simulate(build_schedule(name, ranks, n), costs), path))
+        plot_timeline(simulate(build_schedule(name, ranks, n), costs), path)
         written.append(path)
     # Same model (8 stages' worth), same 8 devices, 16 micro-batches: DualPipeV's 16 chunks are half stages,
     # so its chunk costs are halved; the others run whole stages.
@@ -302,7 +320,7 @@ def write_docs_pictures(out_dir: str | os.PathLike[str]) -> list[str]:
     results = [simulate(build_schedule(name, 8, 16), whole) for name in ("1f1b", "zb1p", "dualpipe")]
     results.append(simulate(build_schedule("dualpipev", 8, 16), half))
     path = os.path.join(out_dir, "schedules_8ranks_compared.png")
-    plt.close(plot_comparison(results, path, "one model on 8 devices, 16 micro-batches, no comm cost"))
+    plot_comparison(results, path, "one model on 8 devices, 16 micro-batches, no comm cost")
     written.append(path)
     return written
 

@@ -39,19 +39,21 @@ parameters in units of one stage chunk, one micro-batch):
   pair counts its F before its backward frees.
 * ``params_per_rank``: most stage chunks held by one rank.
 * ``critical_path``: a chain of events from time 0 to the makespan, each one
-  started by (ready at the end of) the previous one.
+  ready when the previous one ends (a RECV completes then; a compute or SEND
+  starts then), except a SEND queued behind the previous SEND on its link,
+  which starts when that one leaves the link (before its arrival).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from numbers import Real
 from typing import Any
 
-from .costs import CommModel, CostModel, StageCosts
+from .costs import CommModel, CostModel, Num, StageCosts
 from .ir import Action, ActionType, Schedule
 
 __all__ = ["SimEvent", "SimResult", "simulate", "action_kind", "make_event", "reference_bubble"]
@@ -83,8 +85,8 @@ class SimEvent:
     rank: int
     action: str
     kind: str
-    start: Real
-    end: Real
+    start: Num
+    end: Num
     stage: int
     microbatch: int
     track: str = "compute"
@@ -96,25 +98,44 @@ class SimEvent:
     chunk2: int = 0  # chunk index of the F&B pair's backward stage
 
     @property
-    def duration(self) -> Real:
+    def duration(self) -> Num:
         return self.end - self.start
 
 
-def make_event(rank: int, action: Action, start: Real, end: Real, chunk_of: dict[int, int] | None = None) -> SimEvent:
-    """Build the event of one action (shared by the simulator and measured timelines)."""
-    chunk = chunk_of.get(action.stage, 0) if chunk_of else 0
+def make_event(rank: int, action: Action, start: Num, end: Num, chunk_of: dict[int, int] | None = None) -> SimEvent:
+    """Build the event of one action (shared by the simulator and measured timelines).
+
+    ``chunk_of`` maps the rank's stages to their chunk index (for shading).
+    """
+    chunks = chunk_of or {}
     if action.type is _FB:
         f, b = action.sub_actions
         return SimEvent(
-            rank, str(action), "F&B", start, end, f.stage, f.microbatch, "compute", None, b.stage, b.microbatch, chunk,
-            b.type.value, chunk_of.get(b.stage, 0) if chunk_of else 0,
+            rank=rank,
+            action=str(action),
+            start=start,
+            end=end,
+            kind="F&B",
+            stage=f.stage,
+            microbatch=f.microbatch,
+            stage2=b.stage,
+            microbatch2=b.microbatch,
+            chunk=chunks.get(f.stage, 0),
+            chunk2=chunks.get(b.stage, 0),
+            backward_kind=b.type.value,
         )
-    track = "comm" if action.is_comm else "compute"
     return SimEvent(
-        rank, str(action), action.type.value, start, end, action.stage, action.microbatch, track, action.peer,
-        None, None, chunk,
+        rank=rank,
+        action=str(action),
+        start=start,
+        end=end,
+        kind=action.type.value,
+        stage=action.stage,
+        microbatch=action.microbatch,
+        track="comm" if action.is_comm else "compute",
+        peer=action.peer,
+        chunk=chunks.get(action.stage, 0),
     )
-
 
 
 @dataclass
@@ -122,8 +143,8 @@ class _Timeline:
     """Per-action times of a lowered schedule; ``gid = offsets[rank] + step``."""
 
     schedule: Schedule
-    start: list[Real]
-    end: list[Real]
+    start: list[Num]
+    end: list[Num]
     offsets: list[int]
     critical: list[int]
 
@@ -141,57 +162,68 @@ class SimResult:
     ranks: int
     stages: int
     microbatches: int
-    makespan: Real
-    busy_per_rank: list[Real]
-    idle_per_rank: list[Real]
-    bubble: Real
-    bubble_per_rank: list[Real]
+    makespan: Num
+    busy_per_rank: list[Num]
+    idle_per_rank: list[Num]
+    bubble: Num
+    bubble_per_rank: list[Num]
     bubble_ratio: float
     idle_ratio: float
     peak_activations: int
     peak_activations_per_rank: list[int]
     params_per_rank: int
     params_by_rank: list[int]
-    p2p_bytes: Real
+    p2p_bytes: Num
     num_transfers: int
-    comm_blocked_per_rank: list[Real]
+    comm_blocked_per_rank: list[Num]
     blocking_comm: bool
     _timeline: _Timeline | None = field(default=None, repr=False)
     _replay: Callable[[], SimResult] | None = field(default=None, repr=False)
 
+    def lowered_result(self) -> SimResult:
+        """This result as the lowered engine computes it, with every event (self when it already has them).
+
+        The numbers are identical (tests check it); only the event timeline is added.
+        """
+        if self._timeline is not None:
+            return self
+        if self._replay is None:
+            raise RuntimeError("a SimResult without a timeline must carry its replay")
+        return self._replay()
+
     @property
-    def timeline(self) -> _Timeline:
+    def _events_source(self) -> _Timeline:
         if self._timeline is None:
-            assert self._replay is not None
-            self._timeline = self._replay()._timeline
-        assert self._timeline is not None
+            self._timeline = self.lowered_result()._timeline
+        if self._timeline is None:
+            raise RuntimeError("the lowered engine returned no timeline")
         return self._timeline
 
     def _chunk_maps(self) -> list[dict[int, int]]:
-        sched = self.timeline.schedule
+        sched = self._events_source.schedule
         return [{s: k for k, s in enumerate(sched.stages_of_rank(r))} for r in range(self.ranks)]
 
     @cached_property
     def events(self) -> list[SimEvent]:
         """Every action's interval, rank by rank in lowered-list order (built on first use)."""
-        tl, maps = self.timeline, self._chunk_maps()
+        tl, maps = self._events_source, self._chunk_maps()
         return [tl.event(g, maps) for g in range(len(tl.start))]
 
     @cached_property
     def critical_path(self) -> list[SimEvent]:
-        """Events from time 0 to the makespan; each is ready when the previous one ends."""
-        tl, maps = self.timeline, self._chunk_maps()
+        """Events from time 0 to the makespan, each ready when the previous ends (module docstring)."""
+        tl, maps = self._events_source, self._chunk_maps()
         return [tl.event(g, maps) for g in tl.critical]
 
     @property
     def lowered_schedule(self) -> Schedule:
         """The lowered schedule whose events these are."""
-        return self.timeline.schedule
+        return self._events_source.schedule
 
     def to_dict(self, events: bool = False, critical_path: bool = True) -> dict[str, Any]:
         """JSON-ready dict (exact ints stay ints); ``events=True`` adds every event."""
 
-        def num(x: Real) -> float | int:
+        def num(x: Num) -> float | int:
             return x if isinstance(x, int) else float(x)
 
         d: dict[str, Any] = {
@@ -216,7 +248,9 @@ class SimResult:
             "blocking_comm": self.blocking_comm,
         }
         if critical_path:
-            d["critical_path"] = [e.action if e.track == "compute" else f"{e.rank}:{e.action}" for e in self.critical_path]
+            d["critical_path"] = [
+                e.action if e.track == "compute" else f"{e.rank}:{e.action}" for e in self.critical_path
+            ]
         if events:
             d["events"] = [
                 {"rank": e.rank, "action": e.action, "kind": e.kind, "start": num(e.start), "end": num(e.end)}
@@ -266,11 +300,11 @@ class _Links:
 
     def __init__(self, comm: CommModel, n_ranks: int) -> None:
         self.comm = comm
-        self.free: list[dict[int, Real]] = [{} for _ in range(n_ranks)]
+        self.free: list[dict[int, Num]] = [{} for _ in range(n_ranks)]
         self.last: list[dict[int, int]] = [{} for _ in range(n_ranks)]  # gid of the link's latest send
-        self.cost: dict[tuple[int, int], tuple[Real, Real]] = {}
+        self.cost: dict[tuple[int, int], tuple[Num, Num]] = {}
 
-    def send(self, src: int, dst: int, t: Real, gid: int = -1) -> tuple[Real, Real, int]:
+    def send(self, src: int, dst: int, t: Num, gid: int = -1) -> tuple[Num, Num, int]:
         """Post a transfer at ``t``: (link start, arrival, gid of the send it queued behind or -1)."""
         c = self.cost.get((src, dst))
         if c is None:
@@ -287,9 +321,9 @@ class _Links:
 def _result(
     sched: Schedule,
     comm: CommModel,
-    makespan: Real,
-    busy: list[Real],
-    blocked: list[Real],
+    makespan: Num,
+    busy: list[Num],
+    blocked: list[Num],
     peak: list[int],
     n_sends: int,
     timeline: _Timeline | None,
@@ -333,15 +367,15 @@ def _deadlock(sched: Schedule, pos: list[int]) -> None:
 
 def _run_lowered(sched: Schedule, sc: StageCosts, comm: CommModel) -> SimResult:
     """Walk the lowered lists, recording every action's start and end."""
-    fc, bc, wc, ic, fbc = sc.f, sc.b, sc.w, sc.i, sc.fb
+    fc, bc, wc, ic, pair_cost = sc.f, sc.b, sc.w, sc.i, sc.pair
     n_ranks, n_mb = sched.num_ranks, sched.num_microbatches
     acts = sched.actions
     offsets = [0] * (n_ranks + 1)
     for r in range(n_ranks):
         offsets[r + 1] = offsets[r] + len(acts[r])
     total = offsets[n_ranks]
-    start: list[Real] = [0] * total
-    end: list[Real] = [0] * total
+    start: list[Num] = [0] * total
+    end: list[Num] = [0] * total
     pred = [-1] * total  # the event whose end made this one ready (critical path)
 
     nxt, prv = _neighbour_tables(sched)
@@ -350,15 +384,15 @@ def _run_lowered(sched: Schedule, sc: StageCosts, comm: CommModel) -> SimResult:
     blocking = comm.blocking
     links = _Links(comm, n_ranks)
 
-    clock: list[Real] = [0] * n_ranks
+    clock: list[Num] = [0] * n_ranks
     pos = [0] * n_ranks
     last = [-1] * n_ranks  # gid of the event that set each rank's clock
-    busy: list[Real] = [0] * n_ranks
-    blocked: list[Real] = [0] * n_ranks
+    busy: list[Num] = [0] * n_ranks
+    blocked: list[Num] = [0] * n_ranks
     live = [0] * n_ranks
     peak = [0] * n_ranks
     # transfer key ((receiving stage * N + mb) * 2 + is_grad) -> (arrival time, send gid)
-    arrivals: list[tuple[Real, int] | None] = [None] * (2 * sched.num_stages * n_mb)
+    arrivals: list[tuple[Num, int] | None] = [None] * (2 * sched.num_stages * n_mb)
     waiting: dict[int, int] = {}  # transfer key -> rank blocked on it
     n_sends = 0
     ready = list(range(n_ranks - 1, -1, -1))
@@ -380,7 +414,7 @@ def _run_lowered(sched: Schedule, sc: StageCosts, comm: CommModel) -> SimResult:
                     pk = lv
             elif ty is _FB:
                 fa, ba = a.sub_actions
-                d = fbc[fa.stage] if ba.type is _B else fbc[fa.stage] - wc[ba.stage]
+                d = pair_cost(fa.stage, ba.stage, ba.type is _B)
                 if lv + 1 > pk:  # the F counts before the backward frees
                     pk = lv + 1
             elif ty is _B:
@@ -443,7 +477,7 @@ def _run_lowered(sched: Schedule, sc: StageCosts, comm: CommModel) -> SimResult:
 
     _deadlock(sched, pos)
     crit_end = max(range(total), key=end.__getitem__) if total else -1
-    makespan: Real = end[crit_end] if total else 0
+    makespan: Num = end[crit_end] if total else 0
     critical: list[int] = []
     g = crit_end
     while g >= 0:
@@ -476,7 +510,7 @@ def _run_direct(sched: Schedule, sc: StageCosts, comm: CommModel, replay: Callab
     Hot loop: tables replace every per-action lookup that can be precomputed,
     and the plain F / B / I sends are written out rather than called.
     """
-    fc, bc, wc, ic, fbc = sc.f, sc.b, sc.w, sc.i, sc.fb
+    fc, bc, wc, ic, pair_cost = sc.f, sc.b, sc.w, sc.i, sc.pair
     n_ranks, n_mb = sched.num_ranks, sched.num_microbatches
     acts = sched.actions
     src_f, dst_f, src_b, dst_b = _cross_tables(sched)
@@ -485,9 +519,9 @@ def _run_direct(sched: Schedule, sc: StageCosts, comm: CommModel, replay: Callab
     blocking = comm.blocking
     instant = comm.is_free and not blocking  # every transfer arrives when it is posted
     # Per source rank, per destination rank: when the link is free again, its occupancy and latency.
-    link_free: list[dict[int, Real]] = [{} for _ in range(n_ranks)]
-    link_occ: list[dict[int, Real]] = [{} for _ in range(n_ranks)]
-    link_lat: list[dict[int, Real]] = [{} for _ in range(n_ranks)]
+    link_free: list[dict[int, Num]] = [{} for _ in range(n_ranks)]
+    link_occ: list[dict[int, Num]] = [{} for _ in range(n_ranks)]
+    link_lat: list[dict[int, Num]] = [{} for _ in range(n_ranks)]
     for tables in (dst_f, dst_b):
         for table in tables:
             for s, o in enumerate(table):
@@ -496,18 +530,18 @@ def _run_direct(sched: Schedule, sc: StageCosts, comm: CommModel, replay: Callab
                     link_free[src][dst] = 0
                     link_occ[src][dst], link_lat[src][dst] = comm.link_time(src, dst)
     # Key of the data a stage produces: ((stage * N + mb) * 2 + is_grad); value: arrival at its remote consumer.
-    arrivals: list[Real | None] = [None] * (2 * sched.num_stages * n_mb)
+    arrivals: list[Num | None] = [None] * (2 * sched.num_stages * n_mb)
     waiting: dict[int, int] = {}
-    clock: list[Real] = [0] * n_ranks
+    clock: list[Num] = [0] * n_ranks
     pos = [0] * n_ranks
-    busy: list[Real] = [0] * n_ranks
-    blocked: list[Real] = [0] * n_ranks
+    busy: list[Num] = [0] * n_ranks
+    blocked: list[Num] = [0] * n_ranks
     live = [0] * n_ranks
     peak = [0] * n_ranks
     n_sends = 0
     ready = list(range(n_ranks - 1, -1, -1))
 
-    def post(r: int, dst: int, key: int, t: Real) -> Real:
+    def post(r: int, dst: int, key: int, t: Num) -> Num:
         """Post one transfer from rank ``r`` at ``t``; returns the rank's clock afterwards."""
         nonlocal n_sends
         n_sends += 1
@@ -529,7 +563,7 @@ def _run_direct(sched: Schedule, sc: StageCosts, comm: CommModel, replay: Callab
             return arr
         return t
 
-    def pair(r: int, a: Action, t: Real) -> Real | None:
+    def pair(r: int, a: Action, t: Num) -> Num | None:
         """Run an F&B pair at ``t`` (its receives, compute, sends); None when an input is missing."""
         fa, ba = a.sub_actions
         pf, pb = mb_path[fa.microbatch], mb_path[ba.microbatch]
@@ -542,7 +576,7 @@ def _run_direct(sched: Schedule, sc: StageCosts, comm: CommModel, replay: Callab
         if x1 is None or x2 is None:
             waiting[k1 if x1 is None else k2] = r
             return None
-        t = max(t, x1, x2) + (fbc[fa.stage] if ba.type is _B else fbc[fa.stage] - wc[ba.stage])
+        t = max(t, x1, x2) + pair_cost(fa.stage, ba.stage, ba.type is _B)
         o = dst_f[pf][fa.stage]
         if o >= 0:
             t = post(r, s2r[o], (fa.stage * n_mb + fa.microbatch) << 1, t)
@@ -610,7 +644,7 @@ def _run_direct(sched: Schedule, sc: StageCosts, comm: CommModel, replay: Callab
                     break
                 t = t1
                 fa, ba = a.sub_actions
-                d = fbc[fa.stage] if ba.type is _B else fbc[fa.stage] - wc[ba.stage]
+                d = pair_cost(fa.stage, ba.stage, ba.type is _B)
                 bsy += d
                 if lv + 1 > pk:  # the F counts before the backward frees
                     pk = lv + 1
@@ -621,11 +655,11 @@ def _run_direct(sched: Schedule, sc: StageCosts, comm: CommModel, replay: Callab
 
     _deadlock(sched, pos)
     # Every transfer is consumed by a compute on its receiver, so no event ends after the last rank's clock.
-    makespan: Real = max(clock) if clock else 0
+    makespan: Num = max(clock) if clock else 0
     return _result(sched, comm, makespan, busy, blocked, peak, n_sends, None, replay)
 
 
-def reference_bubble(name: str, ranks: int, costs: CostModel) -> Real | None:
+def reference_bubble(name: str, ranks: int, costs: CostModel) -> Num | None:
     """The reference table's bubble (DESIGN.md) for uniform costs, or None.
 
     None when the schedule has no row in the table or the costs are per stage.

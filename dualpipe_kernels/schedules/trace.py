@@ -17,17 +17,17 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
-from numbers import Real
-from typing import Any, Union
+from typing import Any
 
+from .costs import Num
 from .ir import Action, parse_action
 from .simulator import SimEvent, make_event
 
 __all__ = ["TimelineEntry", "to_events", "chrome_trace", "chrome_trace_compare", "write_chrome_trace"]
 
 #: A measured timeline entry: (rank, action or its string, start, end), times in seconds.
-TimelineEntry = tuple[int, Union[Action, str], Real, Real]
-Timeline = Iterable[Union[SimEvent, TimelineEntry]]
+TimelineEntry = tuple[int, Action | str, Num, Num]
+Timeline = Iterable[SimEvent | TimelineEntry]
 
 _TID = {"compute": 0, "comm": 1}
 
@@ -87,9 +87,13 @@ def _trace_events(events: list[SimEvent], time_scale: float, pid_offset: int, la
 
 
 def chrome_trace(timeline: Timeline, time_scale: float = 1e6, label: str = "", **metadata: Any) -> dict[str, Any]:
-    """Trace dict for one timeline.  ``time_scale``: trace microseconds per time unit (1e6 for seconds)."""
+    """Trace dict for one timeline.
+
+    ``time_scale``: trace microseconds per time unit (1e6 for seconds).  Keyword
+    ``metadata`` (schedule name, costs...) goes to the format's ``otherData``.
+    """
     events = to_events(timeline)
-    return {"traceEvents": _trace_events(events, time_scale, 0, label), "displayTimeUnit": "ms", "metadata": metadata}
+    return {"traceEvents": _trace_events(events, time_scale, 0, label), "displayTimeUnit": "ms", "otherData": metadata}
 
 
 def chrome_trace_compare(
@@ -100,7 +104,7 @@ def chrome_trace_compare(
     meas = to_events(measured)
     offset = 1 + max((e.rank for e in sim), default=-1)
     events = _trace_events(sim, time_scale, 0, "simulated") + _trace_events(meas, time_scale, offset, "measured")
-    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata}
 
 
 def write_chrome_trace(

@@ -299,9 +299,12 @@ def _dry_run(schedule: Schedule, topo: Topology) -> None:
 
     Data keys: ``stage * N + mb`` for an activation, ``S * N + stage * N + mb``
     for an input gradient.  ``done`` marks data computed, ``avail`` data posted
-    to its consumer's rank (the SEND; without comm actions the SEND lowering
+    to its consumer's rank (the SEND; without comm actions, the SEND lowering
     would put right after the compute), ``received`` data a RECV took in.
-    On any problem the slow static checks run to name it precisely.
+    A rank blocks only where the lowered form has a RECV; anything else that is
+    not ready can never become ready.  On any problem the slow static checks
+    run to name it precisely.  This loop is the validator's hot path (10^5-10^6
+    actions), hence written out inline.
     """
     N, S = topo.num_microbatches, topo.num_stages
     SN = S * N
@@ -318,60 +321,6 @@ def _dry_run(schedule: Schedule, topo: Topology) -> None:
     blocked_on = [-1] * R
     ptr = [0] * R
     work = list(range(R - 1, -1, -1))
-
-    def need(c: Action, r: int) -> int:
-        """Check ``c`` may run now on rank ``r``; return the cross-rank data key it reads (-1: none)."""
-        t, s, m = c.type, c.stage, c.microbatch
-        if not (0 <= m < N and 0 <= s < S and on_t[mbp[m]][s] and s2r[s] == r):
-            raise _Stuck
-        k = s * N + m
-        if t is _F:
-            if done[k]:
-                raise _Stuck
-            src = prv_t[mbp[m]][s]
-            dk = src * N + m
-        elif t is _B or t is _I:
-            if done[SN + k] or not done[k]:
-                raise _Stuck
-            src = nxt_t[mbp[m]][s]
-            dk = SN + src * N + m
-        elif t is _W:
-            if g_kind[k] != 2 or w_done[k]:
-                raise _Stuck
-            return -1
-        else:
-            raise _Stuck
-        if src < 0:
-            return -1
-        if s2r[src] == r:
-            if not done[dk]:
-                raise _Stuck  # produced later on this very rank: it can never run
-            return -1
-        if lowered and not received[dk]:
-            raise _Stuck  # no RECV before it
-        return dk
-
-    def produce(c: Action) -> int:
-        """Mark ``c`` done; return the data key it produced (-1 for W)."""
-        nonlocal n_f, n_g, n_i, n_w
-        t, k = c.type, c.stage * N + c.microbatch
-        if t is _F:
-            n_f += 1
-            done[k] = 1
-            return k
-        if t is _W:
-            n_w += 1
-            w_done[k] = 1
-            return -1
-        n_g += 1
-        if t is _I:
-            n_i += 1
-            g_kind[k] = 2
-        else:
-            g_kind[k] = 1
-        done[SN + k] = 1
-        return SN + k
-
     try:
         while work:
             r = work.pop()
@@ -380,46 +329,99 @@ def _dry_run(schedule: Schedule, topo: Topology) -> None:
             while i < n:
                 a = acts[i]
                 t = a.type
-                if t is _PAIR:
-                    f, b = a.sub_actions
-                    if f.stage == b.stage and f.microbatch == b.microbatch:
-                        raise _Stuck
-                    k1, k2 = need(f, r), need(b, r)
-                    wait = k1 if k1 >= 0 and not avail[k1] else (k2 if k2 >= 0 and not avail[k2] else -1)
-                    if wait >= 0:
-                        waiting.setdefault(wait, []).append(r)
-                        blocked_on[r] = wait
-                        break
-                    produced: tuple[int, ...] = (produce(f), produce(b))
-                elif t in _COMM:
+                if t in _COMM:
                     if not lowered:
                         raise _Stuck
-                    key, _ = _comm_key(topo, a)
+                    # comm_pairs has checked these; the key arithmetic is _comm_key's, inline
+                    st, m = a.stage, a.microbatch
+                    if t is _RECV_F:
+                        key = prv_t[mbp[m]][st] * N + m
+                    elif t is _RECV_B:
+                        key = SN + nxt_t[mbp[m]][st] * N + m
+                    else:
+                        key = st * N + m + (SN if t is _SEND_B else 0)
                     if t is _RECV_F or t is _RECV_B:
                         if not avail[key]:
                             waiting.setdefault(key, []).append(r)
                             blocked_on[r] = key
                             break
                         received[key] = 1
-                        produced = ()
                     else:
                         if not done[key]:
                             raise _Stuck  # SEND before the compute that makes the data
                         avail[key] = 1
-                        for w in waiting.pop(key, ()):
-                            work.append(w)
-                        produced = ()
+                        if key in waiting:
+                            work.extend(waiting.pop(key))
+                    i += 1
+                    continue
+                if t is _PAIR:
+                    cs = a.sub_actions
+                    if cs[0].stage == cs[1].stage and cs[0].microbatch == cs[1].microbatch:
+                        raise _Stuck
                 else:
-                    k1 = need(a, r)
-                    if k1 >= 0 and not avail[k1]:
-                        waiting.setdefault(k1, []).append(r)
-                        blocked_on[r] = k1
+                    cs = (a,)
+                # 1. may every half run now?  (-1: yes; else the cross-rank data to wait for)
+                wait = -1
+                for c in cs:
+                    ct, st, m = c.type, c.stage, c.microbatch
+                    if not (0 <= m < N and 0 <= st < S):
+                        raise _Stuck
+                    p = mbp[m]
+                    if not on_t[p][st] or s2r[st] != r:
+                        raise _Stuck
+                    k = st * N + m
+                    if ct is _F:
+                        if done[k]:
+                            raise _Stuck
+                        src = prv_t[p][st]
+                        dk = src * N + m
+                    elif ct is _B or ct is _I:
+                        if done[SN + k] or not done[k]:
+                            raise _Stuck
+                        src = nxt_t[p][st]
+                        dk = SN + src * N + m
+                    elif ct is _W:
+                        if g_kind[k] != 2 or w_done[k]:
+                            raise _Stuck
+                        continue
+                    else:
+                        raise _Stuck
+                    if src < 0:
+                        continue
+                    if s2r[src] == r:
+                        if not done[dk]:
+                            raise _Stuck  # made later on this very rank: can never run
+                    elif lowered:
+                        if not received[dk]:
+                            raise _Stuck  # no RECV before it
+                    elif not done[dk]:
+                        wait = dk
                         break
-                    produced = (produce(a),)
-                if not lowered and waiting:
-                    for key in produced:
-                        for w in waiting.pop(key, ()):
-                            work.append(w)
+                if wait >= 0:
+                    waiting.setdefault(wait, []).append(r)
+                    blocked_on[r] = wait
+                    break
+                # 2. run it
+                for c in cs:
+                    ct = c.type
+                    k = c.stage * N + c.microbatch
+                    if ct is _F:
+                        n_f += 1
+                    elif ct is _W:
+                        n_w += 1
+                        w_done[k] = 1
+                        continue
+                    else:
+                        n_g += 1
+                        if ct is _I:
+                            n_i += 1
+                            g_kind[k] = 2
+                        else:
+                            g_kind[k] = 1
+                        k += SN
+                    done[k] = 1
+                    if waiting and not lowered and k in waiting:
+                        work.extend(waiting.pop(k))
                 i += 1
             ptr[r] = i
     except _Stuck:
@@ -430,7 +432,9 @@ def _dry_run(schedule: Schedule, topo: Topology) -> None:
     expected = sum(len(schedule.paths[p]) for p in mbp)
     stuck = [r for r in range(R) if ptr[r] < len(schedule.actions[r])]
     if stuck or n_f != expected or n_g != expected or n_w != n_i:
-        _explain(schedule, topo)
+        _explain(schedule, topo)  # missing actions explain a stall better than the stall itself
+        if not stuck:
+            raise ScheduleError(f"{schedule.name}: validator bug: counts differ but the static pass finds nothing")
         raise _deadlock(schedule, topo, stuck[0], ptr, blocked_on)
 
 

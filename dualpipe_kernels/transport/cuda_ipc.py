@@ -7,7 +7,9 @@ for flow control (protocol: ``csrc/cuda/ipc_engine.h``).  Copies run on the
 engine's comm streams (copy engines, no SMs); an engine-owned worker thread
 drives them, so ``isend``/``irecv`` return at once.  Where CUDA IPC is not
 possible the ring lives in pinned host memory instead (``staging="host"``:
-D2H into the slot, H2D out of it).
+D2H into the slot, H2D out of it).  Sends of at least ``direct_min_bytes``
+(ipc staging) go zero-copy: the receiver maps the sender's buffer through an
+IPC handle and copies straight into its own, one copy instead of two.
 
 Rendezvous goes through a ``torch.distributed`` store (the default group's
 store unless one is passed): each receiver publishes the name of its channel's
@@ -75,7 +77,7 @@ def cuda_ipc_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _validate_options(num_slots: int, slot_bytes: int, staging: str, timeout_s: float) -> None:
+def _validate_options(num_slots: int, slot_bytes: int, staging: str, timeout_s: float, direct_min_bytes: int) -> None:
     if not isinstance(num_slots, int) or not 2 <= num_slots <= 16:
         raise ValueError(f"num_slots must be an int in [2, 16] (double buffering at least), got {num_slots!r}")
     if not isinstance(slot_bytes, int) or slot_bytes <= 0 or slot_bytes % 256:
@@ -84,6 +86,8 @@ def _validate_options(num_slots: int, slot_bytes: int, staging: str, timeout_s: 
         raise ValueError(f"staging must be one of {STAGINGS}, got {staging!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    if not isinstance(direct_min_bytes, int) or direct_min_bytes < 0:
+        raise ValueError(f"direct_min_bytes must be an int >= 0 (0: never zero-copy), got {direct_min_bytes!r}")
 
 
 class CudaIpcHandle(Handle):
@@ -150,11 +154,14 @@ class CudaIpcTransport(Transport):
             group); ignored when ``rank``/``world_size``/``store`` are given.
         rank, world_size, store: explicit rendezvous without a process group.
         device: this rank's CUDA device (default: the current device).
-        peers: group ranks to open channels with (default: all others).
+        peers: group ranks to open channels with (default: all others); must
+            be symmetric (if b is in a's list, a is in b's).
         num_slots, slot_bytes: ring geometry of each incoming channel; a message
             is split into ``slot_bytes`` chunks pipelined over the ring.  Device
             memory used: ``len(peers) * num_slots * slot_bytes``.
         staging: "auto" | "ipc" | "host" (see module docstring).
+        direct_min_bytes: sends at least this large go zero-copy where the
+            buffer can be exported (ipc staging); 0 turns zero-copy off.
         timeout_s: default for every wait and for the rendezvous.
         key_prefix: store key namespace (default derived from the group name).
     """
@@ -173,11 +180,12 @@ class CudaIpcTransport(Transport):
         num_slots: int = 4,
         slot_bytes: int = 4 << 20,
         staging: str = "auto",
+        direct_min_bytes: int = 1 << 20,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         key_prefix: str | None = None,
     ) -> None:
         super().__init__(timeout_s=timeout_s)
-        _validate_options(num_slots, slot_bytes, staging, timeout_s)
+        _validate_options(num_slots, slot_bytes, staging, timeout_s, direct_min_bytes)
         self._engine: Any = None
         mod = native_cuda_module()
         if not torch.cuda.is_available():
@@ -214,7 +222,7 @@ class CudaIpcTransport(Transport):
         generation = store.add(f"{prefix}/generation/{rank}", 1)
         self._prefix = f"{prefix}/{generation}"
 
-        self._engine = mod.IpcEngine(rank, self.device.index, num_slots, slot_bytes, staging)
+        self._engine = mod.IpcEngine(rank, self.device.index, num_slots, slot_bytes, staging, direct_min_bytes)
         try:
             self._rendezvous(store, sorted(peers))
         except BaseException:

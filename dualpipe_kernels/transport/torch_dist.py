@@ -12,8 +12,8 @@ the runtime works on one GPU with several ranks, not for speed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ class _WorkHandle(Handle):
     def __init__(
         self,
         work: dist.Work | None,
-        owner: "TorchDistTransport",
+        owner: TorchDistTransport,
         peer: int,
         what: str,
         finish: Callable[[], None] | None = None,
@@ -64,6 +64,7 @@ class _WorkHandle(Handle):
             raise TransportError(f"{self._describe()} failed: {exc}") from exc
         self._done = True
         self._keep = None
+        self._work = None  # the work object references the tensor
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
@@ -74,7 +75,7 @@ class _WorkHandle(Handle):
         assert self._work is not None
         return bool(self._work.is_completed())
 
-    def wait_stream(self, stream: "torch.cuda.Stream | None" = None) -> None:
+    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         # NCCL work.wait() without a timeout makes the current stream wait on the
         # transfer's event and returns at once; every other case waits on the host.
         if self._owner.device_native and self._finish is None and not self._done:
@@ -145,6 +146,7 @@ class TorchDistTransport(Transport):
             work = dist.irecv(buf, group=self.group, group_src=peer, tag=tag)
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
+
         def finish() -> None:
             tensor.copy_(buf)
 
