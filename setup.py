@@ -187,7 +187,9 @@ def _build_ext_class(plan: BuildPlan):
         def finalize_options(self) -> None:
             super().finalize_options()
             flavour = "cuda" if plan.with_cuda else "cpu"
-            self.build_temp = str(ROOT / "build" / f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}-{flavour}")
+            self.build_temp = str(
+                ROOT / "build" / f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}-{flavour}"
+            )
 
     return IncrementalBuildExtension.with_options(use_ninja=True)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 _COMMANDS = ("simulate", "bench", "demo")
 
@@ -25,7 +25,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dualpipe-kernels", description="DualPipe pipeline-parallel schedules, runtime and benchmarks")
+    parser = _Parser(
+        prog="dualpipe-kernels", description="DualPipe pipeline-parallel schedules, runtime and benchmarks"
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in _COMMANDS:
         importlib.import_module(f"dualpipe_kernels.commands.{name}").add_parser(sub)
@@ -42,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `dualpipe-kernels simulate ... | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -488,7 +488,8 @@ def run_configs(rank: int, world_size: int, configs: Sequence[RunConfig], timeou
     for cfg in configs:
         if cfg.world != world_size:
             raise ValueError(f"config {cfg.key} needs {cfg.world} processes, world size is {world_size}")
-        members = list(cfg.subgroup) if cfg.subgroup else list(range(world_size))
+        # torch orders a group's ranks by world rank, whatever order new_group() was given
+        members = sorted(cfg.subgroup) if cfg.subgroup else list(range(world_size))
         group = dist.new_group(members) if (cfg.subgroup or failed) else None  # collective: every rank calls it
         try:
             res = _run_one(cfg, rank, group, members, timeout_s)
@@ -806,7 +807,7 @@ def configs_for_world(world: int) -> list[RunConfig]:
             RunConfig("dualpipe", r, n_d, reversed_mapping=True),
             RunConfig("dualpipe", r, n_d, api="compat", reversed_mapping=True),
             RunConfig("dualpipev", 2, 6, subgroup=(1, 3)),
-            RunConfig("dualpipev", 2, 6, api="compat", model="example", subgroup=(3, 0)),
+            RunConfig("dualpipev", 2, 6, api="compat", model="example", subgroup=(0, 3), reversed_mapping=True),
             RunConfig("dualpipe", r, 10, api="port", model="example"),
             RunConfig("dualpipev", r, 10, api="port", model="example"),
         ]

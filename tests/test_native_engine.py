@@ -75,7 +75,7 @@ def _many_in_flight_out_of_order_waits(rank: int) -> None:
         order = torch.randperm(len(sh), generator=torch.Generator().manual_seed(rank)).tolist()
         for k in order:
             sh[k].wait()
-        for k, (n, b) in enumerate(zip(sizes, recvs)):
+        for k, (n, b) in enumerate(zip(sizes, recvs, strict=True)):
             assert torch.equal(b, _payload(n, seed=50_000 * peer + k)), f"message {k} ({n} B) differs"
         assert all(h.is_completed() for h in rh + sh)
 
@@ -130,7 +130,9 @@ def _mismatch(rank: int, kind: str) -> None:
             with pytest.raises(TransportError, match="receiver reported"):
                 t.isend(src, 1, tag=6, what="after mismatch").wait(5.0)
         else:
-            dst = torch.full((26,) if kind == "size" else (25,), -7.0, dtype=torch.float32 if kind == "size" else torch.int32)
+            dst = torch.full(
+                (26,) if kind == "size" else (25,), -7.0, dtype=torch.float32 if kind == "size" else torch.int32
+            )
             h = t.irecv(dst, 0, tag=5, what="receiver side")
             with pytest.raises(TransportError) as ei:
                 h.wait(10.0)

@@ -106,8 +106,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bar.note(f"transports {cfg['transports']}, sizes {cfg['sizes']}, dualpipev {cfg['ranks']} ranks")
     t0 = time.perf_counter()
     per_rank = spawn(_worker, cfg["ranks"], cfg, timeout_s=900, pg_timeout_s=300)
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
+
+    cfg["sleep_overshoot_s"] = over = sleep_overshoot(cfg["f_s"], repeats=10)
     sim = float(
-        simulate_sleep("dualpipev", cfg["ranks"], cfg["microbatches"], cfg["f_s"], cfg["b_s"], cfg["w_s"]).makespan
+        simulate_sleep(
+            "dualpipev", cfg["ranks"], cfg["microbatches"], cfg["f_s"], cfg["b_s"], cfg["w_s"], over
+        ).makespan
     )
 
     def slowest(key: str, part: str) -> float:

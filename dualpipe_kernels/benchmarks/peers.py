@@ -50,7 +50,7 @@ def torch_schedule_step_times(
     import torch.distributed as dist
     from torch.distributed import pipelining as pp
 
-    from dualpipe_kernels.benchmarks._sleepers import SleepStage, sleep_batch, sleep_criterion
+    from dualpipe_kernels.benchmarks.sleep_stages import SleepStage, sleep_batch, sleep_criterion
 
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}; choose one of {', '.join(PEERS)}")

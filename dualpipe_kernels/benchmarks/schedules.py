@@ -130,33 +130,28 @@ def chunks_per_stage(schedule: Any) -> int:
     return (2 * schedule.num_ranks) // n_model
 
 
-def simulate_sleep(name: str, ranks: int, microbatches: int, f_s: float, b_s: float, w_s: float) -> Any:
-    """SimResult of ``name`` on the common model with free communication (F&B = F + B: no overlap hook)."""
+def simulate_sleep(
+    name: str, ranks: int, microbatches: int, f_s: float, b_s: float, w_s: float, overshoot_s: float = 0.0
+) -> Any:
+    """SimResult of ``name`` on the common model with free communication (F&B = F + B: no overlap hook).
+
+    ``overshoot_s``: what each ``time.sleep`` adds to the requested time on this machine
+    (``sleep_stages.sleep_overshoot``); F and W are one sleep each, B two (its I and W halves).
+    """
     from dualpipe_kernels.schedules.costs import CostModel
     from dualpipe_kernels.schedules.generators import build_schedule
     from dualpipe_kernels.schedules.simulator import simulate
 
     sched = build_schedule(name, ranks, microbatches)
     k = chunks_per_stage(sched)
-    return simulate(sched, CostModel(f=k * f_s, b=k * b_s, w=k * w_s))
+    o = max(0.0, overshoot_s)
+    return simulate(sched, CostModel(f=k * f_s + o, b=k * b_s + 2 * o, w=k * w_s + o))
 
 
 def _pipeline_cls() -> Any:
     from dualpipe_kernels.runtime import Pipeline
 
     return Pipeline
-
-
-def _sleep_stage_cls() -> Any:
-    """H6's sleep stages when present, else this package's fallback (same semantics)."""
-    try:
-        from dualpipe_kernels.benchmarks.sleep_stages import SleepStage  # type: ignore[attr-defined]
-
-        return SleepStage
-    except ImportError:
-        from dualpipe_kernels.benchmarks._sleepers import SleepStage
-
-        return SleepStage
 
 
 def measure_ours(
@@ -183,13 +178,12 @@ def measure_ours(
     import torch
     import torch.distributed as dist
 
-    from dualpipe_kernels.benchmarks._sleepers import sleep_batch, sleep_criterion
+    from dualpipe_kernels.benchmarks.sleep_stages import SleepStage, sleep_batch, sleep_criterion
     from dualpipe_kernels.schedules.generators import build_schedule
 
     sched = build_schedule(name, ranks, microbatches)
     k = chunks_per_stage(sched)
-    stage_cls = _sleep_stage_cls()
-    modules = {s: stage_cls(k * f_s, k * b_s, k * w_s).to(device) for s in sched.stages_of_rank(rank)}
+    modules = {s: SleepStage(k * f_s, k * b_s, k * w_s).to(device) for s in sched.stages_of_rank(rank)}
     pipe = _pipeline_cls()(sched, modules, transport=transport, record_timeline=True)
     x = sleep_batch(microbatches, activation_bytes).to(device)
     labels = torch.zeros(x.shape[0], device=device)
@@ -292,9 +286,11 @@ def _per_step_max(per_rank: list[list[float]]) -> list[float]:
 # ---------------------------------------------------------------- suite entry points
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualpipe_kernels.benchmarks.common import Progress, median
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
     from dualpipe_kernels.runtime.launch import spawn
 
     cfg = _resolve(args)
+    cfg["sleep_overshoot_s"] = over = sleep_overshoot(cfg["f_s"], repeats=10 if cfg["steps"] < 2 else 20)
     rows: list[dict[str, Any]] = []
     peers: list[dict[str, Any]] = []
     timeline: dict[str, Any] | None = None
@@ -304,13 +300,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         per_rank = spawn(_worker, ranks, cfg, timeout_s=900, pg_timeout_s=300)
         n = cfg["microbatches"]
         for name in cfg["schedules"]:
-            sim = simulate_sleep(name, ranks, n, cfg["f_s"], cfg["b_s"], cfg["w_s"])
+            sim = simulate_sleep(name, ranks, n, cfg["f_s"], cfg["b_s"], cfg["w_s"], over)
             row: dict[str, Any] = {
                 "schedule": name,
                 "ranks": ranks,
                 "microbatches": n,
                 "simulated_s": float(sim.makespan),
                 "bubble_simulated_s": float(sim.bubble),
+                "simulated_nominal_s": float(
+                    simulate_sleep(name, ranks, n, cfg["f_s"], cfg["b_s"], cfg["w_s"]).makespan
+                ),
             }
             err = next((o["errors"][name] for o in per_rank if name in o["errors"]), None)
             if err is not None:
@@ -383,6 +382,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "steps",
                 "warmup",
                 "transport",
+                "sleep_overshoot_s",
             )
         },
         "targets": _targets(rows, peers),
@@ -413,7 +413,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"Sleep-timed stages: F={c.get('f_s', 0) * 1e3:g} ms, B={c.get('b_s', 0) * 1e3:g} ms, "
         f"W={c.get('w_s', 0) * 1e3:g} ms per chunk (2 x ranks chunks), {c.get('activation_bytes')} bytes per "
         f"activation, transport {c.get('transport')}, median of {c.get('steps')} steps. "
-        "ratio = measured / simulated step time (simulator: same costs, free communication)."
+        "ratio = measured / simulated step time (simulator: same costs plus the measured overshoot of each "
+        f"time.sleep, {c.get('sleep_overshoot_s', 0) * 1e6:.0f} us, free communication)."
     )
     t1 = markdown_table(
         result["rows"],
@@ -506,7 +507,9 @@ def write_plots(result: dict[str, Any], out_dir: str | os.PathLike[str]) -> list
         from dualpipe_kernels.schedules.trace import write_chrome_trace
 
         c = result["config"]
-        sim = simulate_sleep(tl["schedule"], tl["ranks"], tl["microbatches"], c["f_s"], c["b_s"], c["w_s"])
+        sim = simulate_sleep(
+            tl["schedule"], tl["ranks"], tl["microbatches"], c["f_s"], c["b_s"], c["w_s"], c.get("sleep_overshoot_s", 0)
+        )
         entries = [(r, str(a), t0, t1) for r, a, t0, t1 in schedule_entries(tl["entries"])]
         p = out / "schedules_timeline.png"
         fig = plot_overlay(

@@ -241,28 +241,11 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- reference
 def _reference_losses(modules: dict[int, Any], schedule: Any, ids: Any, tgt: Any) -> dict[int, Any]:
-    """Single-process run of every micro-batch in order (H5's run_reference when present)."""
+    """Single-process run of every micro-batch in order: forward through its stages, loss, backward."""
     from dualpipe_kernels.models.gpt import gpt_loss
+    from dualpipe_kernels.runtime.reference import run_reference
 
-    try:
-        from dualpipe_kernels.runtime.reference import run_reference
-    except ImportError:
-        run_reference = None
-    if run_reference is not None:
-        return run_reference(modules, schedule, (ids,), (tgt,), gpt_loss)
-    import torch
-
-    n = schedule.num_microbatches
-    xs, ts = torch.tensor_split(ids, n), torch.tensor_split(tgt, n)
-    losses = {}
-    for m in range(n):
-        x = xs[m]
-        for s in schedule.path(m):
-            x = modules[s](x)
-        loss = gpt_loss(x, ts[m])
-        loss.backward()
-        losses[m] = loss.detach()
-    return losses
+    return run_reference(modules, schedule, (ids,), (tgt,), gpt_loss)
 
 
 def _check_first_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,16 +1,19 @@
 """Schedules as data: IR, generators, validator, lowering to comms, exporters.
 
-Pure Python: no torch.distributed, no processes.  The simulator, chrome trace
-and PNG exporters (simulator.py, trace.py, plot.py) are re-exported here by the
-lead once they land.
+Pure Python: no torch.distributed, no processes.  The PNG exporter
+(``schedules.plot``) is not imported here so that importing the package does
+not import matplotlib.
 """
 
 from .ascii import to_ascii
+from .costs import CommModel, CostModel
 from .csv_io import load_csv, to_csv
 from .deps import Dep, DepKind, Topology, dependencies, dependency_keys, produced_keys
 from .generators import SCHEDULE_NAMES, build_schedule, schedule_layout
 from .ir import COMM_TYPES, COMPUTE_TYPES, Action, ActionType, Schedule, format_actions, parse_action, parse_actions
 from .lowering import lower_comms
+from .simulator import SimEvent, SimResult, reference_bubble, simulate
+from .trace import chrome_trace, chrome_trace_compare, to_events, write_chrome_trace
 from .validate import CommPair, ScheduleError, comm_pairs, validate
 
 __all__ = [
@@ -18,7 +21,17 @@ __all__ = [
     "ActionType",
     "COMM_TYPES",
     "COMPUTE_TYPES",
+    "CommModel",
     "CommPair",
+    "CostModel",
+    "SimEvent",
+    "SimResult",
+    "chrome_trace",
+    "chrome_trace_compare",
+    "reference_bubble",
+    "simulate",
+    "to_events",
+    "write_chrome_trace",
     "Dep",
     "DepKind",
     "SCHEDULE_NAMES",

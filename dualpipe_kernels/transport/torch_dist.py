@@ -4,6 +4,14 @@ Peers are *group ranks* of ``group``.  Tags keep several transfers between the
 same pair apart (gloo matches on them; NCCL matches in posting order, so with
 NCCL both sides must post a pair's transfers in the same order).
 
+gloo's send/recv work objects only report completion from ``wait()``
+(``is_completed()`` stays False until then), and a gloo wait that times out
+closes the connection.  So each gloo transfer is waited on by a small pool of
+daemon *waiter threads* (blocked in C++ with the GIL released), which turns
+completion into an event the runtime can poll without blocking: that is what
+lets it post a data receive the moment its metadata is in, and free a sent
+activation the moment its send is done.
+
 CUDA tensors over a backend that cannot move them (gloo) are staged through a
 host buffer: the send copies to the host before posting, the receive copies to
 the device when it is waited on.  That path blocks the host; it exists so that
@@ -12,8 +20,10 @@ the runtime works on one GPU with several ranks, not for speed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import queue
+import threading
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,63 +32,136 @@ from dualpipe_kernels.transport.base import DEFAULT_TIMEOUT_S, Handle, Transport
 
 __all__ = ["TorchDistTransport"]
 
+_MAX_WAITERS = 64
+
 
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
 
 
+class _Completion:
+    """Set by a waiter thread when its work finished (``error`` holds what the wait raised)."""
+
+    __slots__ = ("event", "error")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+
+class _WaiterPool:
+    """Daemon threads that block in ``work.wait`` so completion can be polled (they never delay process exit)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout = timedelta(seconds=timeout_s)
+        self._tasks: queue.SimpleQueue[tuple[dist.Work, _Completion] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+
+    def submit(self, work: dist.Work) -> _Completion:
+        done = _Completion()
+        with self._lock:
+            if self._idle == 0 and len(self._threads) < _MAX_WAITERS:
+                t = threading.Thread(target=self._loop, name="dpk-torchdist-waiter", daemon=True)
+                self._threads.append(t)
+                self._idle += 1
+                t.start()
+        self._tasks.put((work, done))
+        return done
+
+    def _loop(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            with self._lock:
+                self._idle -= 1
+            work, done = task
+            try:
+                work.wait(self._timeout)
+            except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits on the handle
+                done.error = exc
+            done.event.set()
+            del work, task
+            with self._lock:
+                self._idle += 1
+
+    def close(self) -> None:
+        with self._lock:
+            n = len(self._threads)
+        for _ in range(n):
+            self._tasks.put(None)
+
+
 class _WorkHandle(Handle):
-    """Wraps a ``dist.Work``; ``finish`` runs once after the transfer is complete (host-staged copies)."""
+    """One transfer.  ``finish`` runs once after completion (host-staged receive copies)."""
 
     def __init__(
         self,
-        work: dist.Work | None,
+        work: dist.Work,
         owner: TorchDistTransport,
         peer: int,
         what: str,
         finish: Callable[[], None] | None = None,
         keep: torch.Tensor | None = None,
     ) -> None:
-        self._work = work
-        self._keep = keep  # a host staging copy that must outlive the send
         self._owner = owner
         self._peer = peer
         self._what = what
         self._finish = finish
-        self._done = work is None
+        self._keep = keep  # a host staging copy that must outlive the send
+        self._done = False
+        # NCCL works report completion themselves; gloo's need a waiter thread.
+        self._work: dist.Work | None = work
+        self._completion = None if owner.device_native_nccl else owner.waiters.submit(work)
 
     def _describe(self) -> str:
         return f"rank {self._owner.rank} <-> peer rank {self._peer}: {self._what or 'transfer'}"
+
+    def _complete(self) -> None:
+        self._done = True
+        self._keep = None
+        self._work = None  # the work object references the tensor
+        self._completion = None
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
 
     def wait(self, timeout: float | None = None) -> None:
         if self._done:
             return
         limit = self._owner.timeout_s if timeout is None else timeout
-        assert self._work is not None
-        try:
-            self._work.wait(timedelta(seconds=limit))
-        except RuntimeError as exc:
+        if self._completion is not None:
+            if not self._completion.event.wait(limit):
+                raise TransportTimeout(f"{self._describe()} timed out after {limit:.1f} s")
+            exc = self._completion.error
+        else:
+            assert self._work is not None
+            exc = None
+            try:
+                self._work.wait(timedelta(seconds=limit))
+            except RuntimeError as e:
+                exc = e
+        if exc is not None:
             if _is_timeout(exc):
                 raise TransportTimeout(f"{self._describe()} timed out after {limit:.1f} s ({exc})") from exc
             raise TransportError(f"{self._describe()} failed: {exc}") from exc
-        self._done = True
-        self._keep = None
-        self._work = None  # the work object references the tensor
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
+        self._complete()
 
     def is_completed(self) -> bool:
         if self._done:
             return True
+        if self._completion is not None:
+            return self._completion.event.is_set()
         assert self._work is not None
         return bool(self._work.is_completed())
 
     def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         # NCCL work.wait() without a timeout makes the current stream wait on the
         # transfer's event and returns at once; every other case waits on the host.
-        if self._owner.device_native and self._finish is None and not self._done:
+        if self._owner.device_native_nccl and self._finish is None and not self._done:
             assert self._work is not None
             if stream is not None:
                 with torch.cuda.stream(stream):
@@ -111,8 +194,12 @@ class TorchDistTransport(Transport):
         self._rank = dist.get_rank(self.group)
         self._size = dist.get_world_size(self.group)
         backend = str(dist.get_backend(self.group)).lower()
-        # Can the backend move tensors of self.device without a host copy?
-        self.device_native = self.device.type == "cpu" or (self.device.type == "cuda" and "nccl" in backend)
+        # NCCL moves CUDA tensors itself (and its works report completion); with
+        # gloo, CUDA tensors are staged through the host.
+        self.device_native_nccl = self.device.type == "cuda" and "nccl" in backend
+        self.device_native = self.device.type == "cpu" or self.device_native_nccl
+        # The waiters' own limit is generous: a caller's wait enforces its timeout.
+        self.waiters = _WaiterPool(max(timeout_s, 1.0) * 4)
         self._closed = False
 
     @property
@@ -134,6 +221,7 @@ class TorchDistTransport(Transport):
             work = dist.isend(buf, group=self.group, group_dst=peer, tag=tag)
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
+        assert work is not None
         return _WorkHandle(work, self, peer, what, keep=None if buf is tensor else buf)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
@@ -146,6 +234,7 @@ class TorchDistTransport(Transport):
             work = dist.irecv(buf, group=self.group, group_src=peer, tag=tag)
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
+        assert work is not None
 
         def finish() -> None:
             tensor.copy_(buf)
@@ -153,4 +242,6 @@ class TorchDistTransport(Transport):
         return _WorkHandle(work, self, peer, what, finish if staged else None)
 
     def close(self) -> None:
-        self._closed = True
+        if not self._closed:
+            self._closed = True
+            self.waiters.close()

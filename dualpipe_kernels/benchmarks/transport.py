@@ -1,0 +1,252 @@
+"""Point-to-point bandwidth and latency between two processes: native shared memory vs torch.distributed gloo.
+
+Two spawned CPU processes (one thread each) bounce a message back and forth
+(ping-pong) for every size; the one-way time is half the median round trip,
+bandwidth = size / one-way time.  The ceiling is a single-thread copy of the
+same size (``dst.copy_(src)`` with one torch thread) measured on rank 0 in the
+same run.  Every row carries the ratios the targets are stated in:
+native / gloo bandwidth (target >= 5 at >= 1 MiB), native / memcpy (target
+>= 0.5 at >= 1 MiB) and native / gloo latency (target <= 0.2 for the smallest
+size).  Numbers from a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dualpipe_kernels.benchmarks.common import markdown_table
+
+NAME = "transport"
+KIB = 1024
+MIB = 1024 * 1024
+#: message sizes of a full run: 4 KiB, 16 KiB, ..., 64 MiB (powers of 4)
+DEFAULT_SIZES = tuple(4 * KIB * 4**k for k in range(8))
+QUICK_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 4 * MIB)
+#: target thresholds (see the module docstring)
+BW_TARGET_SIZE = 1 * MIB
+BW_VS_GLOO_TARGET = 5.0
+BW_VS_MEMCPY_TARGET = 0.5
+LATENCY_RATIO_TARGET = 0.2
+#: bytes moved per size and method (both ways), which sets the repetition count
+BYTES_PER_SIZE = 96 * MIB
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min-size", type=int, default=None, help="smallest message in bytes (default 4096)")
+    parser.add_argument("--max-size", type=int, default=None, help="largest message in bytes (default 64 MiB)")
+    parser.add_argument("--max-reps", type=int, default=200, help="ping-pongs per size at most (default 200)")
+    parser.add_argument("--min-reps", type=int, default=5, help="ping-pongs per size at least (default 5)")
+    parser.add_argument("--num-slots", type=int, default=None, help="native ring slots (default: transport default)")
+    parser.add_argument(
+        "--slot-bytes", type=int, default=None, help="native slot size in bytes (default: transport default)"
+    )
+
+
+def _sizes(args: argparse.Namespace) -> list[int]:
+    sizes = list(QUICK_SIZES if getattr(args, "quick", False) else DEFAULT_SIZES)
+    lo = args.min_size if args.min_size is not None else sizes[0]
+    hi = args.max_size if args.max_size is not None else sizes[-1]
+    if lo <= 0 or hi < lo:
+        raise ValueError(f"need 0 < --min-size <= --max-size, got {lo}, {hi}")
+    picked = [s for s in sizes if lo <= s <= hi]
+    return picked or [lo]
+
+
+def _reps(size: int, args: argparse.Namespace) -> int:
+    lo, hi = (2, 20) if getattr(args, "quick", False) else (args.min_reps, args.max_reps)
+    if lo < 1 or hi < lo:
+        raise ValueError(f"need 1 <= --min-reps <= --max-reps, got {lo}, {hi}")
+    return max(lo, min(hi, BYTES_PER_SIZE // (2 * size)))
+
+
+def _pingpong(rank: int, send: Any, recv: Any, out_buf: torch.Tensor, in_buf: torch.Tensor, reps: int) -> list[float]:
+    """Round-trip times in seconds (rank 0 measures; rank 1 echoes). Two warm-up rounds first."""
+    times = []
+    for i in range(reps + 2):
+        if rank == 0:
+            t0 = time.perf_counter()
+            send(out_buf)
+            recv(in_buf)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        else:
+            recv(in_buf)
+            send(in_buf)
+    return times
+
+
+def _memcpy_seconds(size: int, reps: int) -> float:
+    """Median time of one single-thread copy of ``size`` bytes (warm buffers)."""
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.zeros(size, dtype=torch.uint8)
+    times = []
+    for i in range(reps + 2):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _worker(rank: int, world_size: int, sizes: list[int], reps: list[int], native_kw: dict[str, int]) -> list[dict]:
+    from dualpipe_kernels.transport.native import NativeTransport
+
+    torch.set_num_threads(1)
+    peer = 1 - rank
+    native = NativeTransport(timeout_s=120.0, **native_kw)
+    rows = []
+    try:
+        for size, n in zip(sizes, reps, strict=True):
+            out_buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+            in_buf = torch.zeros(size, dtype=torch.uint8)
+            row: dict[str, Any] = {"size_bytes": size, "reps": n}
+
+            def nsend(t: torch.Tensor) -> None:
+                native.isend(t, peer, tag=1).wait()
+
+            def nrecv(t: torch.Tensor) -> None:
+                native.irecv(t, peer, tag=1).wait()
+
+            def gsend(t: torch.Tensor) -> None:
+                dist.send(t, dst=peer, tag=2)
+
+            def grecv(t: torch.Tensor) -> None:
+                dist.recv(t, src=peer, tag=2)
+
+            dist.barrier()
+            native_rtt = _pingpong(rank, nsend, nrecv, out_buf, in_buf, n)
+            if rank == 0:
+                row["native_bit_exact"] = bool(torch.equal(in_buf, out_buf))
+            in_buf.zero_()
+            dist.barrier()
+            gloo_rtt = _pingpong(rank, gsend, grecv, out_buf, in_buf, n)
+            if rank == 0:
+                row["gloo_bit_exact"] = bool(torch.equal(in_buf, out_buf))
+            dist.barrier()  # rank 1 idles while rank 0 measures the ceiling
+            if rank == 0:
+                memcpy_s = _memcpy_seconds(size, n)
+                native_s = statistics.median(native_rtt) / 2
+                gloo_s = statistics.median(gloo_rtt) / 2
+                row.update(
+                    native_gbps=size / native_s / 1e9,
+                    gloo_gbps=size / gloo_s / 1e9,
+                    memcpy_gbps=size / memcpy_s / 1e9,
+                    native_latency_us=native_s * 1e6,
+                    gloo_latency_us=gloo_s * 1e6,
+                )
+                row["native_vs_gloo"] = row["native_gbps"] / row["gloo_gbps"]
+                row["native_vs_memcpy"] = row["native_gbps"] / row["memcpy_gbps"]
+                row["latency_ratio"] = row["native_latency_us"] / row["gloo_latency_us"]
+                rows.append(row)
+            dist.barrier()
+    finally:
+        native.close()
+    return rows
+
+
+def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    big = [r for r in rows if r["size_bytes"] >= BW_TARGET_SIZE]
+    small = min(rows, key=lambda r: r["size_bytes"])
+    return {
+        "bandwidth_vs_gloo": {
+            "target": f">= {BW_VS_GLOO_TARGET} at >= {BW_TARGET_SIZE} B",
+            "worst": min((r["native_vs_gloo"] for r in big), default=None),
+            "met": bool(big) and all(r["native_vs_gloo"] >= BW_VS_GLOO_TARGET for r in big),
+        },
+        "bandwidth_vs_memcpy": {
+            "target": f">= {BW_VS_MEMCPY_TARGET} at >= {BW_TARGET_SIZE} B",
+            "worst": min((r["native_vs_memcpy"] for r in big), default=None),
+            "met": bool(big) and all(r["native_vs_memcpy"] >= BW_VS_MEMCPY_TARGET for r in big),
+        },
+        "latency_vs_gloo": {
+            "target": f"<= {LATENCY_RATIO_TARGET} at {small['size_bytes']} B",
+            "value": small["latency_ratio"],
+            "met": small["latency_ratio"] <= LATENCY_RATIO_TARGET,
+        },
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the suite in two spawned processes; returns ``{"rows": [...], "targets": {...}, "config": {...}}``."""
+    from dualpipe_kernels.runtime.launch import spawn
+    from dualpipe_kernels.transport.native import DEFAULT_NUM_SLOTS, DEFAULT_SLOT_BYTES
+
+    sizes = _sizes(args)
+    reps = [_reps(s, args) for s in sizes]
+    native_kw = {
+        "num_slots": args.num_slots or DEFAULT_NUM_SLOTS,
+        "slot_bytes": args.slot_bytes or DEFAULT_SLOT_BYTES,
+    }
+    t0 = time.perf_counter()
+    rows = spawn(_worker, 2, sizes, reps, native_kw, timeout_s=600.0)[0]
+    return {
+        "rows": rows,
+        "targets": _targets(rows),
+        "config": {
+            **native_kw,
+            "method": "ping-pong between 2 processes, one-way time = median round trip / 2; "
+            "memcpy = single-thread torch copy_ on rank 0 in the same run",
+            "threads_per_process": 1,
+        },
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    cols = [
+        "size_bytes",
+        "native_gbps",
+        "gloo_gbps",
+        "memcpy_gbps",
+        "native_vs_gloo",
+        "native_vs_memcpy",
+        "native_latency_us",
+        "gloo_latency_us",
+        "latency_ratio",
+    ]
+    heads = [
+        "size (B)",
+        "native GB/s",
+        "gloo GB/s",
+        "memcpy GB/s (ceiling)",
+        "native / gloo",
+        "native / memcpy",
+        "native latency (us)",
+        "gloo latency (us)",
+        "native / gloo latency",
+    ]
+    lines = [markdown_table(result["rows"], cols, heads), ""]
+    for name, t in result.get("targets", {}).items():
+        got = t.get("worst", t.get("value"))
+        shown = "-" if got is None else f"{got:.3g}"
+        lines.append(f"- {name}: {shown} (target {t['target']}): {'met' if t['met'] else 'NOT met'}")
+    cfg = result.get("config", {})
+    lines.append(
+        f"\nnative ring: {cfg.get('num_slots')} slots x {cfg.get('slot_bytes')} B; {cfg.get('method', '')}. "
+        "Timings on a shared machine are noisy."
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suite without the CLI: ``python -m dualpipe_kernels.benchmarks.transport [--json] [--quick]``."""
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result) if args.json else to_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
