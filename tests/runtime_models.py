@@ -834,7 +834,7 @@ COS_TOL = 1e-13
 
 def cos_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """1 - 2 sum(xy) / (sum(xx) + sum(yy)) in float64 (0 for identical tensors, 0 when both are zero)."""
-    x, y = x.double(), y.double()
+    x, y = x.detach().double(), y.detach().double()
     den = float((x * x).sum() + (y * y).sum())
     return 0.0 if den == 0.0 else 1.0 - 2.0 * float((x * y).sum()) / den
 
@@ -1065,10 +1065,11 @@ def example_port(rank: int, world_size: int, which: str, num_chunks: int) -> dic
         )
         if which == "dualpipe":  # the example sums the mirror copies itself
             for p0, p1 in zip(local[0].parameters(), local[1].parameters(), strict=True):
-                p0all = torch.empty(r, *p0.shape)
-                p1all = torch.empty(r, *p1.shape)
-                dist.all_gather_into_tensor(p0all, p0.grad)
-                dist.all_gather_into_tensor(p1all, p1.grad)
+                # (the example uses all_gather_into_tensor on NCCL; gloo takes a list)
+                p0all = [torch.empty_like(p0) for _ in range(r)]
+                p1all = [torch.empty_like(p1) for _ in range(r)]
+                dist.all_gather(p0all, p0.grad.detach().contiguous())
+                dist.all_gather(p1all, p1.grad.detach().contiguous())
                 p0.grad += p1all[r - 1 - rank]
                 p1.grad += p0all[r - 1 - rank]
         checks["grad_cos_diff"] = max(

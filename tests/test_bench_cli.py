@@ -110,3 +110,31 @@ def test_results_writer_and_helpers(tmp_path: Path) -> None:
     bar.update("two", advance=3)
     lines = buf.getvalue().splitlines()
     assert len(lines) == 2 and "1/4" in lines[0] and "4/4" in lines[1] and "#" * 24 in lines[1]
+
+
+def test_bench_all_gives_each_suite_its_defaults_plus_the_common_options() -> None:
+    for name in ("schedules", "overlap"):
+        mod, err = bench._import_suite(name)
+        assert mod is not None, err
+        common = argparse.Namespace(json=True, out="somewhere", quick=True, no_plots=True)
+        ns = bench._suite_args(mod, common)
+        assert (ns.json, ns.out, ns.quick, ns.no_plots) == (True, "somewhere", True, True)
+        assert ns.suite == name
+    assert bench._suite_args(bench._import_suite("schedules")[0], common).schedules == [
+        "dualpipev",
+        "dualpipe",
+        "1f1b",
+        "zb1p",
+    ]
+
+
+def test_bandwidth_plot_from_transport_rows(tmp_path: Path) -> None:
+    from dualpipe_kernels.benchmarks.common import plot_bandwidth
+
+    rows = [
+        {"size_bytes": s, "native_gbps": s / 1e5, "gloo_gbps": s / 3e5, "memcpy_gbps": 10.0}
+        for s in (1 << 10, 1 << 16, 1 << 20)
+    ]
+    path = plot_bandwidth({"rows": rows}, tmp_path / "bw.png")
+    assert path is not None and path.stat().st_size > 5000
+    assert plot_bandwidth({"rows": []}, tmp_path / "none.png") is None

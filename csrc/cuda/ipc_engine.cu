@@ -50,6 +50,7 @@ struct ChunkDesc {
   uint32_t direct;                 // 1: zero-copy, the data is at src_handle + src_offset, not in the slot
   uint32_t reserved;
   uint64_t src_offset;
+  uint64_t src_base;  // sender's address of the allocation (cache key when handles differ)
   cudaIpcMemHandle_t src_handle;
 };
 
@@ -634,6 +635,7 @@ bool Engine::progress_send(Channel& ch) {
       std::memcpy(d.dtype, op.dtype_, kDtypeNameLen);
       d.direct = 1;
       d.src_offset = static_cast<uint64_t>(op.ptr_ - op.alloc_base_);
+      d.src_base = reinterpret_cast<uint64_t>(op.alloc_base_);
       d.src_handle = op.handle_;
       ch.ctl->published.store(n + 1, std::memory_order_release);
       ++ch.next_chunk;
@@ -680,27 +682,47 @@ bool Engine::progress_send(Channel& ch) {
   return progressed;
 }
 
-char* Engine::open_peer_buffer(Channel& ch, const cudaIpcMemHandle_t& handle) {
-  std::string key(reinterpret_cast<const char*>(&handle), sizeof(handle));
-  auto it = ch.opened.find(key);
-  if (it != ch.opened.end()) {
-    auto pos = std::find(ch.opened_lru.begin(), ch.opened_lru.end(), key);
-    if (pos != ch.opened_lru.end()) ch.opened_lru.erase(pos);
-    ch.opened_lru.push_back(key);
-    return it->second;
+char* Engine::open_peer_buffer(Channel& ch, const cudaIpcMemHandle_t& handle, uint64_t src_base) {
+  const std::string key(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  const uint64_t now = ++ch.map_clock;
+  for (PeerMapping& m : ch.opened) {
+    if (m.key == key) {
+      m.last_use = now;
+      return m.ptr;
+    }
   }
   if (ch.opened.size() >= kMaxOpened) {
-    // Copies from the mapping may still be queued: drain them first (rare).
+    // Unmap the least recently used allocation (with its aliases). Copies
+    // from it may still be queued: drain them first (rare).
+    auto lru = std::min_element(ch.opened.begin(), ch.opened.end(),
+                                [](const PeerMapping& a, const PeerMapping& b) { return a.last_use < b.last_use; });
+    char* victim = lru->ptr;
     DPK_CUDA_CHECK(cudaStreamSynchronize(recv_stream_));
-    const std::string victim = ch.opened_lru.front();
-    ch.opened_lru.pop_front();
-    DPK_CUDA_CHECK(cudaIpcCloseMemHandle(ch.opened[victim]));
-    ch.opened.erase(victim);
+    DPK_CUDA_CHECK(cudaIpcCloseMemHandle(victim));
+    ch.opened.erase(std::remove_if(ch.opened.begin(), ch.opened.end(),
+                                   [victim](const PeerMapping& m) { return m.ptr == victim; }),
+                    ch.opened.end());
   }
   void* p = nullptr;
-  DPK_CUDA_CHECK(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
-  ch.opened.emplace(key, static_cast<char*>(p));
-  ch.opened_lru.push_back(key);
+  const cudaError_t r = cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess);
+  if (r == cudaErrorAlreadyMapped) {
+    // The same allocation, exported again under other handle bytes.
+    (void)cudaGetLastError();
+    for (const PeerMapping& m : ch.opened) {
+      if (src_base != 0 && m.src_base == src_base) {
+        char* ptr = m.ptr;
+        ch.opened.push_back(PeerMapping{key, src_base, ptr, now});
+        return ptr;
+      }
+    }
+  }
+  check_cuda(r, "cudaIpcOpenMemHandle(sender buffer)", __FILE__, __LINE__);
+  // An older mapping with the same sender address belongs to a freed
+  // allocation: never alias to it again.
+  for (PeerMapping& m : ch.opened) {
+    if (m.src_base == src_base) m.src_base = 0;
+  }
+  ch.opened.push_back(PeerMapping{key, src_base, static_cast<char*>(p), now});
   return static_cast<char*>(p);
 }
 
@@ -746,7 +768,7 @@ bool Engine::progress_recv(Channel& ch) {
     if (ch.current != nullptr && d.bytes > 0 && direct) {
       char* src = nullptr;
       try {
-        src = open_peer_buffer(ch, d.src_handle);
+        src = open_peer_buffer(ch, d.src_handle, d.src_base);
       } catch (const std::exception& e) {
         // Only this receive fails: the message is consumed without a copy.
         finish_op_locked(*ch.current, "rank " + std::to_string(rank_) + ": zero-copy receive from peer " +
@@ -889,9 +911,12 @@ void Engine::release_imports(Channel& ch, bool streams_idle) {
     if (ch.peer_events[i] != nullptr) cudaEventDestroy(ch.peer_events[i]);
     ch.peer_events[i] = nullptr;
   }
-  for (auto& kv : ch.opened) cudaIpcCloseMemHandle(kv.second);
+  std::vector<char*> mapped;
+  for (const PeerMapping& m : ch.opened) {
+    if (std::find(mapped.begin(), mapped.end(), m.ptr) == mapped.end()) mapped.push_back(m.ptr);
+  }
+  for (char* ptr : mapped) cudaIpcCloseMemHandle(ptr);
   ch.opened.clear();
-  ch.opened_lru.clear();
   if (ch.slots_ipc_opened) cudaIpcCloseMemHandle(ch.slots);
   ch.slots_ipc_opened = false;
   if (ch.host_registered) cudaHostUnregister(ch.slots);

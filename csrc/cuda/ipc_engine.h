@@ -157,6 +157,17 @@ class Op {
 
 struct CtlBlock;  // shared-memory control block (ipc_engine.cu)
 
+// A peer allocation mapped for zero-copy receives. CUDA lets a process map an
+// allocation only once, so mappings are cached by handle bytes, and by the
+// sender's base address for the case where the same allocation arrives under
+// different handle bytes (cudaErrorAlreadyMapped).
+struct PeerMapping {
+  std::string key;        // the cudaIpcMemHandle_t bytes
+  uint64_t src_base = 0;  // sender's address of the allocation (0: superseded, never aliased)
+  char* ptr = nullptr;    // where it is mapped here
+  uint64_t last_use = 0;
+};
+
 struct Channel {
   int peer = -1;
   bool outgoing = false;
@@ -180,9 +191,9 @@ struct Channel {
   std::deque<uint64_t> pending;           // host staging: chunks whose local copy is still running
   // outgoing: zero-copy sends published as chunk `first`, waiting for the receiver's copy
   std::deque<std::pair<uint64_t, std::shared_ptr<Op>>> awaiting;
-  // incoming: the peer's allocations opened for zero-copy receives, keyed by handle bytes (LRU order)
-  std::map<std::string, char*> opened;
-  std::deque<std::string> opened_lru;
+  // incoming: the peer's allocations mapped for zero-copy receives (at most kMaxOpened, LRU)
+  std::vector<PeerMapping> opened;
+  uint64_t map_clock = 0;
   std::shared_ptr<Op> current;            // incoming: receive being filled
   uint64_t msg_offset = 0;                // incoming: next expected byte offset in the current message
   bool discarding = false;                // incoming: draining a mismatched message
@@ -233,7 +244,7 @@ class Engine {
   bool progress_send(Channel& ch);
   bool progress_recv(Channel& ch);
   bool retire_pending(Channel& ch);
-  char* open_peer_buffer(Channel& ch, const cudaIpcMemHandle_t& handle);
+  char* open_peer_buffer(Channel& ch, const cudaIpcMemHandle_t& handle, uint64_t src_base);
   bool has_pending_work_locked() const;
   void fail_all_locked(const std::string& why);
   void finish_op_locked(Op& op, const std::string& failure);  // empty failure: enqueued

@@ -169,7 +169,7 @@ def measure_ours(
     record_timeline: bool = False,
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """Run ``name`` on this rank's sleep chunks with our runtime; return per-step times (s) and busy time (s).
+    """Run ``name`` on this rank's sleep chunks with our runtime; return per-step wall times (s) and busy time (s).
 
     Must run inside a rank process whose default group holds the ``ranks`` pipeline ranks.
     Returns ``{"times": [...], "busy": [...], "timeline": [...]}`` for the measured steps;
@@ -193,10 +193,12 @@ def measure_ours(
     try:
         for step in range(warmup + steps):
             dist.barrier()
+            t0 = time.perf_counter()  # wall time around step(), as for the torch peers
             res = pipe.step(x, labels=(labels,), criterion=sleep_criterion)
+            dt = time.perf_counter() - t0
             if step < warmup:
                 continue
-            times.append(float(res.step_time_s))
+            times.append(dt)
             busy.append(busy_time(res.timeline))
             if record_timeline:
                 timeline = [(int(r), str(a), float(t0), float(t1)) for r, a, t0, t1 in res.timeline]

@@ -39,7 +39,7 @@ from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, TagSpace
 from dualpipe_kernels.runtime.timeline import TimelineEntry, TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import DeferredWeightGrad, WeightGradStore, backward_full, backward_input
 from dualpipe_kernels.schedules.ir import Action, ActionType, Schedule
-from dualpipe_kernels.transport import Transport, TransportError, make_transport
+from dualpipe_kernels.transport import Transport, make_transport
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -509,22 +509,16 @@ class Pipeline(nn.Module):
         if k in st.recvs or (st.forward_only and a.type is _RECV_B):
             return
         peer, key, _ = self._peer_and_key(a)
-        try:
-            st.recvs[k] = BoundaryRecv(
-                self._transport, self.to_group_rank[peer], self.tags, key, self._what(a, peer), self.device
-            )
-        except TransportError as exc:
-            raise TransportError(f"{self._what(a, peer)}: {exc}") from exc
+        # Transport errors already name this rank, the peer, the action and the micro-batch (``what``).
+        st.recvs[k] = BoundaryRecv(
+            self._transport, self.to_group_rank[peer], self.tags, key, self._what(a, peer), self.device
+        )
 
     def _complete_recv(self, st: _StepState, a: Action) -> None:
         self._post_recv(st, a)
         recv = st.recvs.pop((a.type, a.stage, a.microbatch))
-        peer, _, _ = self._peer_and_key(a)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        try:
-            tensors = recv.wait(self.timeout_s, stream)
-        except TransportError as exc:
-            raise type(exc)(f"{self._what(a, peer)} failed: {exc}") from exc
+        tensors = recv.wait(self.timeout_s, stream)
         if a.type is _RECV_F:
             if st.forward_only:
                 for t in tensors:
@@ -543,12 +537,9 @@ class Pipeline(nn.Module):
             tensors = st.to_send_b.pop(key)
             flags = [False] * len(tensors)
         peer, tkey, _ = self._peer_and_key(a)
-        try:
-            send = BoundarySend(
-                self._transport, tensors, flags, self.to_group_rank[peer], self.tags, tkey, self._what(a, peer)
-            )
-        except TransportError as exc:
-            raise type(exc)(f"{self._what(a, peer)} failed: {exc}") from exc
+        send = BoundarySend(
+            self._transport, tensors, flags, self.to_group_rank[peer], self.tags, tkey, self._what(a, peer)
+        )
         keep = st.hook_outputs.get(key, ()) if direction == _DIR_F else ()
         st.sends.append((send, tuple(keep)))
 
@@ -556,10 +547,7 @@ class Pipeline(nn.Module):
         pending = []
         for send, hooked in st.sends:
             if block or send.is_completed():
-                try:
-                    send.wait(self.timeout_s)
-                except TransportError as exc:
-                    raise type(exc)(f"{send.what} failed: {exc}") from exc
+                send.wait(self.timeout_s)
                 for t in hooked:
                     # The reference's memory trick: the hook path keeps output tensors
                     # (for outputs1), so drop their storage once sent.

@@ -6,11 +6,12 @@ NCCL both sides must post a pair's transfers in the same order).
 
 gloo's send/recv work objects only report completion from ``wait()``
 (``is_completed()`` stays False until then), and a gloo wait that times out
-closes the connection.  So each gloo transfer is waited on by a small pool of
-daemon *waiter threads* (blocked in C++ with the GIL released), which turns
-completion into an event the runtime can poll without blocking: that is what
-lets it post a data receive the moment its metadata is in, and free a sent
-activation the moment its send is done.
+closes the connection.  So a gloo transfer whose completion is *polled*
+(``is_completed``) is handed to a small pool of daemon *waiter threads*
+(blocked in C++ with the GIL released), which turns completion into an event
+the runtime can poll without blocking: that is what lets it post a data
+receive the moment its metadata is in, and free a sent activation the moment
+its send is done.  Transfers that are only ever waited on cost no thread.
 
 CUDA tensors over a backend that cannot move them (gloo) are staged through a
 host buffer: the send copies to the host before posting, the receive copies to
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from dualpipe_kernels.transport.base import DEFAULT_TIMEOUT_S, Handle, Transport
 
 __all__ = ["TorchDistTransport"]
 
-_MAX_WAITERS = 64
+_MAX_WAITERS = 1024
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -58,12 +59,18 @@ class _WaiterPool:
         self._tasks: queue.SimpleQueue[tuple[dist.Work, _Completion] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._idle = 0
+        self._idle = 0  # threads not blocked in a wait
+        self._queued = 0  # works submitted but not yet taken by a thread
 
     def submit(self, work: dist.Work) -> _Completion:
         done = _Completion()
         with self._lock:
-            if self._idle == 0 and len(self._threads) < _MAX_WAITERS:
+            # Every queued work needs its own free thread: a work queued behind a
+            # blocked one would never be seen complete (and its waiter would hang).
+            self._queued += 1
+            if self._idle < self._queued:
+                if len(self._threads) >= _MAX_WAITERS:
+                    raise TransportError(f"more than {_MAX_WAITERS} transfers in flight on one transport")
                 t = threading.Thread(target=self._loop, name="dpk-torchdist-waiter", daemon=True)
                 self._threads.append(t)
                 self._idle += 1
@@ -77,6 +84,7 @@ class _WaiterPool:
             if task is None:
                 return
             with self._lock:
+                self._queued -= 1
                 self._idle -= 1
             work, done = task
             try:
@@ -113,9 +121,11 @@ class _WorkHandle(Handle):
         self._finish = finish
         self._keep = keep  # a host staging copy that must outlive the send
         self._done = False
-        # NCCL works report completion themselves; gloo's need a waiter thread.
         self._work: dist.Work | None = work
-        self._completion = None if owner.device_native_nccl else owner.waiters.submit(work)
+        # NCCL works report completion themselves; a gloo work gets a waiter
+        # thread the first time someone polls it (a handle only ever waited on
+        # directly costs no thread).
+        self._completion: _Completion | None = None
 
     def _describe(self) -> str:
         return f"rank {self._owner.rank} <-> peer rank {self._peer}: {self._what or 'transfer'}"
@@ -153,10 +163,13 @@ class _WorkHandle(Handle):
     def is_completed(self) -> bool:
         if self._done:
             return True
-        if self._completion is not None:
-            return self._completion.event.is_set()
-        assert self._work is not None
-        return bool(self._work.is_completed())
+        if self._owner.device_native_nccl:
+            assert self._work is not None
+            return bool(self._work.is_completed())
+        if self._completion is None:
+            assert self._work is not None
+            self._completion = self._owner.waiters.submit(self._work)
+        return self._completion.event.is_set()
 
     def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         # NCCL work.wait() without a timeout makes the current stream wait on the
