@@ -134,7 +134,6 @@ def rank_main(rank: int, store_path: str, args: argparse.Namespace, out: Any) ->
             row = measure_size(t, rank, size, barrier, args)
             if row is not None:
                 rows.append(row)
-            torch.cuda.empty_cache()
         overlap = run_overlap(t, rank, barrier, args)
         barrier()
         staging = t.staging_with(1 - rank)

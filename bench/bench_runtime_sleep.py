@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Runtime step time on sleep-timed stages vs the simulator, and the share of communication hidden.
 
-Usage: python bench/bench_runtime_sleep.py [--ranks 4 --microbatches 16 --f 0.01 --b 0.02 --w 0.01
+Usage: python bench/bench_runtime_sleep.py [--ranks 4 --microbatches 16 --f 0.03 --b 0.06 --w 0.03
                                             --activation-bytes 1048576 --steps 5 --transport torch] [--json]
 
 Also available as a bench suite: ``dualpipe_kernels.benchmarks.runtime_sleep``

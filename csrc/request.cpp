@@ -3,6 +3,7 @@
 #include <sstream>
 #include <thread>
 
+#include "process_liveness.h"
 #include "shm_ring.h"
 
 namespace dualpipe::shm {
@@ -49,8 +50,16 @@ std::string Request::error() const {
 std::string Request::timeout_message(double timeout_s) const {
   std::ostringstream s;
   s << describe(info_) << ": timed out after " << timeout_s << " s (" << bytes_done() << " of " << info_.nbytes
-    << " B moved; peer pid " << info_.peer_pid << " is alive but has not "
-    << (info_.direction == Direction::kSend ? "drained the ring)" : "sent a matching message)");
+    << " B moved; ";
+  const std::string dead = info_.peer_pid > 0 ? process_dead_reason(info_.peer_pid) : "";
+  if (info_.peer_pid <= 0) {
+    s << "the peer never attached to the ring)";
+  } else if (!dead.empty()) {
+    s << "peer pid " << info_.peer_pid << " " << dead << ")";
+  } else {
+    s << "peer pid " << info_.peer_pid << " is alive but has not "
+      << (info_.direction == Direction::kSend ? "drained the ring)" : "sent a matching message)");
+  }
   return s.str();
 }
 

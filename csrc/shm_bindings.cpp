@@ -6,6 +6,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 
 #include "shm_bindings.h"
@@ -23,10 +25,22 @@ namespace {
 }
 
 void wait_or_raise(const Request& r, double timeout_s) {
-  bool finished;
-  {
-    py::gil_scoped_release nogil;
-    finished = r.wait(timeout_s);
+  // Wait in slices so that Ctrl-C (a pending Python signal) interrupts a long wait.
+  constexpr double kSliceS = 0.1;
+  const auto start = std::chrono::steady_clock::now();
+  bool finished = false;
+  while (!finished) {
+    double slice = kSliceS;
+    if (timeout_s >= 0) {
+      const double left = timeout_s - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (left <= 0) break;
+      slice = std::min(slice, left);
+    }
+    {
+      py::gil_scoped_release nogil;
+      finished = r.wait(slice);
+    }
+    if (!finished && PyErr_CheckSignals() != 0) throw py::error_already_set();
   }
   if (!finished) raise(PyExc_TimeoutError, r.timeout_message(timeout_s));
   if (r.state() == Request::State::kFailed) raise(PyExc_RuntimeError, r.error());

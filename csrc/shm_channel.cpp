@@ -27,6 +27,16 @@ Side other(Side s) { return s == Side::kSender ? Side::kReceiver : Side::kSender
 
 }  // namespace
 
+std::uint64_t pipeline_chunk_bytes(std::uint64_t nbytes, std::uint64_t slot_bytes) {
+  // Aim for >= kPipelineDepth chunks so that a message of a few slots still
+  // overlaps the sender's copy-in with the receiver's copy-out; chunks stay
+  // page multiples (aligned copies) and no smaller than kMinChunk (per-chunk
+  // handshakes cost about a microsecond).
+  constexpr std::uint64_t kPipelineDepth = 8, kPage = 4096, kMinChunk = 16 * 1024;
+  const std::uint64_t want = (nbytes / kPipelineDepth + kPage - 1) / kPage * kPage;
+  return std::min(slot_bytes, std::max(want, kMinChunk));
+}
+
 void ChannelConfig::validate() const {
   if (num_slots < 2) throw std::invalid_argument("num_slots must be >= 2 (double buffering), got " +
                                                  std::to_string(num_slots));
@@ -53,7 +63,8 @@ Channel::Channel(Side side, std::shared_ptr<ShmSegment> segment, int self_rank, 
       ring_(RingView::attach(segment_->data(), segment_->size())),
       self_rank_(self_rank),
       peer_rank_(peer_rank),
-      cfg_(std::move(cfg)) {
+      cfg_(std::move(cfg)),
+      owner_pid_(static_cast<int>(::getpid())) {
   cfg_.validate();
   RingHeader* h = ring_.header();
   h->pid[idx(side_)].store(static_cast<std::int32_t>(::getpid()), std::memory_order_release);
@@ -68,6 +79,13 @@ void Channel::close() {
     if (closed_) return;
     closed_ = true;
     stop_.store(true, std::memory_order_release);
+  }
+  if (static_cast<int>(::getpid()) != owner_pid_) {
+    // A forked child: the worker thread does not exist here (joining it is
+    // undefined) and the ring belongs to the parent, whose peer must not see
+    // "closed". Leak the thread handle instead of destroying a joinable one.
+    if (worker_.joinable()) new std::thread(std::move(worker_));
+    return;
   }
   cv_.notify_all();
   RingHeader* h = ring_.header();
@@ -212,7 +230,7 @@ std::string SendChannel::run(Request& req) {
   RingHeader* h = ring_.header();
   if (std::string e = ring_.error(); !e.empty()) return "channel broken: " + e;
   const std::uint64_t nbytes = req.info().nbytes;
-  const std::uint64_t slot = ring_.slot_bytes();
+  const std::uint64_t slot = pipeline_chunk_bytes(nbytes, ring_.slot_bytes());
   const std::uint32_t slots = ring_.num_slots();
   std::uint64_t offset = 0;
   do {  // at least one chunk: a 0-byte message still carries its header

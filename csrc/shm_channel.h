@@ -47,6 +47,10 @@ struct ChannelConfig {
   void validate() const;
 };
 
+//! Payload bytes per chunk the sender uses for a message of `nbytes`: at most
+//! one slot, smaller for mid-sized messages so that they are still pipelined.
+std::uint64_t pipeline_chunk_bytes(std::uint64_t nbytes, std::uint64_t slot_bytes);
+
 //! A fresh ring segment for the pair src -> dst, initialised and mapped.
 std::shared_ptr<ShmSegment> create_ring_segment(const ChannelConfig& cfg, int src_rank, int dst_rank);
 
@@ -57,7 +61,8 @@ class Channel {
   virtual ~Channel() = default;
 
   //! Stop the worker, fail every unfinished request, mark our end closed.
-  //! Idempotent. Derived destructors call it.
+  //! Idempotent. Derived destructors call it. In a forked child (which has no
+  //! worker thread and is not the ring's owner) it only forgets the thread.
   void close();
 
   int self_rank() const { return self_rank_; }
@@ -97,6 +102,7 @@ class Channel {
   bool busy_ = false;              // guarded by mu_: the worker is running a request
   std::string broken_;             // guarded by mu_: once set, every new post fails with it
   std::thread worker_;
+  const int owner_pid_;            // a forked child inherits the object but not the thread or the ring role
 };
 
 class SendChannel final : public Channel {

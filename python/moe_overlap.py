@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dualpipe_kernels.runtime import Pipeline
+from dualpipe_kernels.runtime import Pipeline, run_backward
 from dualpipe_kernels.schedules.generators import build_schedule
 
 
@@ -149,8 +149,10 @@ class OverlappedMoEStage(MoEStage):
             try:
                 if loss1 is not None:
                     loss1.backward()
-                elif outputs1:
-                    torch.autograd.backward(outputs1, grad_tensors=output_grads1)
+                else:
+                    # The runtime may have freed the outputs' storage once they were sent (as the
+                    # reference does); run_backward goes through their graph edges, not their data.
+                    run_backward(outputs1, output_grads1)
             except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
                 errors.append(e)
 

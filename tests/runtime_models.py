@@ -736,17 +736,20 @@ def many_steps(rank: int, world_size: int, schedule_name: str, api: str, steps: 
             pipe.step(*x, labels=label, criterion=mse_criterion)
 
         close = pipe.close
-    tensors, rss = [], []
+    tensors: dict[int, int] = {}  # step -> live tensors after it (every 5th step: a gc scan costs ~0.1 s)
+    rss: list[int] = []
+    t0 = time.perf_counter()
     try:
-        for _ in range(steps):
+        for i in range(1, steps + 1):
             step()
             _sgd(mods, lr=1e-3)
-            tensors.append(live_tensors())
+            if i % 5 == 0:
+                tensors[i] = live_tensors()
             rss.append(rss_bytes())
     finally:
         close()
     dist.barrier()
-    return {"tensors": tensors, "rss": rss}
+    return {"tensors": tensors, "rss": rss, "seconds": time.perf_counter() - t0}
 
 
 def lifecycle(rank: int, world_size: int, steps: int) -> dict[str, Any]:
@@ -1088,3 +1091,48 @@ def example_port(rank: int, world_size: int, which: str, num_chunks: int) -> dic
     finally:
         model.close()
     return checks
+
+
+# --------------------------------------------------------------------------------------------
+# compat on CUDA (tests marked gpu)
+# --------------------------------------------------------------------------------------------
+def cuda_compat(rank: int, world_size: int, which: str, num_chunks: int) -> dict[str, bool]:
+    """Rank function: compat DualPipe/DualPipeV with CUDA modules (gloo between ranks sharing GPU 0).
+
+    Same checks as the CPU configurations, against a single-process run on the same GPU.
+    """
+    from dualpipe_kernels import compat
+
+    torch.use_deterministic_algorithms(True)
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    cfg = RunConfig(which, world_size, num_chunks, api="compat", model="example")
+    schedule = build_schedule_for(cfg)
+    stages = {s: m.to(dev) for s, m in make_all_stages(cfg, schedule).items()}
+    ref_stages = {s: m.to(dev) for s, m in make_all_stages(cfg, schedule).items()}
+    mbs = [(tuple(t.to(dev) for t in x), tuple(t.to(dev) for t in y)) for x, y in microbatches_of(cfg)]
+    ref_losses, _ = reference_step(ref_stages, schedule, mbs, example_criterion)
+    s0, s1 = rank, 2 * world_size - 1 - rank
+    model = (compat.DualPipeV if which == "dualpipev" else compat.DualPipe)((stages[s0], stages[s1]))
+    if which == "dualpipev":
+        x, label = make_tensors(cfg.model, cfg.rows, cfg.seed + 1)
+        feeds, mine = rank == 0, list(range(num_chunks))
+    else:
+        (x0, l0), (x1, l1) = compat_dualpipe_batches(cfg)
+        x, label = (x0, l0) if rank == 0 else (x1, l1)
+        feeds = rank in (0, world_size - 1)
+        mine = list(range(num_chunks // 2, num_chunks)) if rank == 0 else list(range(num_chunks // 2))
+    x = tuple(t.to(dev) for t in x) if feeds else (None,)
+    label = tuple(t.to(dev) for t in label) if feeds else (None,)
+    try:
+        loss, _ = model.step(*x, num_chunks=num_chunks, criterion=example_criterion, labels=label)
+    finally:
+        model.close()
+    out = {"loss_on_cuda": loss is None or loss.device.type == "cuda"}
+    out["loss_equal"] = (loss is None) if not feeds else torch.equal(loss, torch.stack([ref_losses[m] for m in mine]))
+    out["grads_equal"] = all(
+        torch.equal(p.grad, q.grad)
+        for s in (s0, s1)
+        for p, q in zip(stages[s].parameters(), ref_stages[s].parameters(), strict=True)
+    )
+    return out

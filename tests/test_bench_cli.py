@@ -138,3 +138,16 @@ def test_bandwidth_plot_from_transport_rows(tmp_path: Path) -> None:
     path = plot_bandwidth({"rows": rows}, tmp_path / "bw.png")
     assert path is not None and path.stat().st_size > 5000
     assert plot_bandwidth({"rows": []}, tmp_path / "none.png") is None
+
+
+def test_building_the_cli_imports_no_suite_and_no_torch() -> None:
+    code = (
+        "import sys; from dualpipe_kernels.cli import build_parser; build_parser(); "
+        "suites = {'dualpipe_kernels.benchmarks.' + n for n in ('schedules', 'overlap', 'transport')}; "
+        "bad = [m for m in sys.modules if m == 'torch' or m in suites]; "
+        "assert not bad, bad"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

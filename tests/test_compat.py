@@ -17,9 +17,10 @@ import inspect
 
 import pytest
 import torch
-from runtime_models import check_config, configs_for_world
+from runtime_models import check_config, configs_for_world, cuda_compat
 
 from dualpipe_kernels import compat
+from dualpipe_kernels.runtime.launch import spawn
 
 CONFIGS = [c for w in (1, 2, 3, 4) for c in configs_for_world(w) if c.model == "example" and c.api != "port"]
 
@@ -110,3 +111,14 @@ def test_run_backward_accumulates():
     y = w * 3
     compat.run_backward([y], [torch.ones(3)])
     assert torch.equal(w.grad, torch.full((3,), 5.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("which,world,chunks", [("dualpipev", 2, 6), ("dualpipe", 2, 6)])
+def test_compat_on_cuda(which, world, chunks):
+    """CUDA stage modules (the reference only runs there): bit-exact against one process on the same GPU."""
+    per_rank = spawn(cuda_compat, world, which, chunks, timeout_s=240, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    for rank, c in enumerate(per_rank):
+        assert all(c.values()), f"rank {rank}: {c}"

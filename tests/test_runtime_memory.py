@@ -6,8 +6,8 @@ Two ranks run DualPipeV through the native API (toy stages) and through compat
 (``runtime_models.many_steps``, inside the shared ``lifecycle_run``).  After
 ``WARMUP`` steps (allocator and transport buffers settle):
 
-* the number of gc-tracked torch.Tensor objects is the same after every step
-  (tolerance ``TENSOR_TOL`` = 0);
+* the number of gc-tracked torch.Tensor objects (counted every 5th step) is
+  the same from step 10 to step 50 (tolerance ``TENSOR_TOL`` = 0);
 * RSS grows by at most ``RSS_TOL_BYTES`` = 4 MiB over the remaining 40 steps
   (leaking one step's activations would add ~0.5 MB per step, ~20 MB in all).
 """
@@ -26,8 +26,9 @@ RSS_TOL_BYTES = 4 << 20
 def test_no_growth_over_50_steps(api, lifecycle_run):
     for rank, res in enumerate(lifecycle_run):
         run = res[f"memory_{api}"]
-        assert len(run["tensors"]) == 50
-        tensors, rss = run["tensors"][WARMUP:], run["rss"][WARMUP:]
+        assert len(run["rss"]) == 50
+        tensors = [n for step, n in run["tensors"].items() if step >= WARMUP]
+        rss = run["rss"][WARMUP - 1 :]
         assert max(tensors) - min(tensors) <= TENSOR_TOL, f"rank {rank}: live tensors per step {run['tensors']}"
         growth = rss[-1] - rss[0]
         assert growth <= RSS_TOL_BYTES, f"rank {rank}: RSS grew {growth / 2**20:.2f} MiB over 40 steps (limit 4 MiB)"

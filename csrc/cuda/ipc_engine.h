@@ -58,7 +58,8 @@
 // (cached per allocation), copies straight from the sender's buffer into its
 // own on its comm stream (one copy instead of two), records free_event[slot]
 // and bumps `freed`. The sender's op completes when its comm stream has waited
-// on that free event: only then may the caller reuse the buffer.
+// on that free event: only then may the caller reuse the buffer. The
+// receiver keeps up to 32 sender allocations mapped (LRU; ipc_engine.cu).
 //
 // Threading: one engine-owned worker thread drives every channel (so posting
 // returns at once and both sides can post sends before receives without

@@ -223,6 +223,15 @@ TEST(ShmChannel, LocalCloseFailsQueuedRequests) {
   EXPECT_EQ(r3->state(), Request::State::kFailed);
 }
 
+TEST(ShmChannel, PipelineChunkSize) {
+  constexpr std::uint64_t kSlot = 256 * 1024;
+  EXPECT_EQ(pipeline_chunk_bytes(0, kSlot), 16u * 1024);         // floor
+  EXPECT_EQ(pipeline_chunk_bytes(kSlot, kSlot), 32u * 1024);     // one slot's worth: 8 chunks
+  EXPECT_EQ(pipeline_chunk_bytes(100000, kSlot), 16u * 1024);    // page multiple, floor
+  EXPECT_EQ(pipeline_chunk_bytes(64u << 20, kSlot), kSlot);      // large: whole slots
+  EXPECT_EQ(pipeline_chunk_bytes(1u << 20, 64), 64u);            // never above the slot
+}
+
 TEST(ShmChannel, ConfigIsValidated) {
   ChannelConfig c;
   c.num_slots = 1;

@@ -192,6 +192,27 @@ TEST(ShmProcess, SegmentsAreUnlinkedOnDestructionAndStaleOnesSwept) {
   EXPECT_FALSE(segment_listed(stale));
 }
 
+TEST(ShmProcess, ForkedChildClosingDoesNotDisturbParent) {
+  testing::LocalPair p(small_config(2, 64));
+  auto roundtrip = [&](std::uint32_t seed) {
+    const auto src = payload(1000, seed);  // > slot: goes through both worker threads
+    std::vector<unsigned char> dst(src.size());
+    auto r = p.rx->post(dst.data(), dst.size(), 1, 0);
+    auto s = p.tx->post(src.data(), src.size(), 1, 0);
+    return s->wait(10.0) && r->wait(10.0) && r->state() == Request::State::kDone && dst == src;
+  };
+  ASSERT_TRUE(roundtrip(1));
+  // A forked child (think DataLoader worker) inherits both channels; closing them there
+  // must neither touch the parent's threads nor mark the parent's ring ends closed.
+  const pid_t child = fork_child([&] {
+    p.tx->close();
+    p.rx->close();
+    return 0;
+  });
+  EXPECT_EQ(wait_exit_code(child), 0);
+  EXPECT_TRUE(roundtrip(2));
+}
+
 TEST(ShmEngine, TwoEnginesInOneProcess) {
   const auto cfg = small_config(2, 1024);
   Engine a(0, cfg), b(1, cfg);

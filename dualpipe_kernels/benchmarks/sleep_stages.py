@@ -5,11 +5,11 @@ schedule takes depends on its order and on communication only, and the
 simulator's cost model is known: F for a forward, I = B - W for the
 input-gradient backward, W for the weight-gradient backward (seconds).
 
-The two backward halves are separate autograd nodes (``out = input_path(x) +
-weight_path(weight)``), so a runtime that splits the backward into its input
-and weight parts (autograd restricted to the inputs, then to the parameters)
-runs the I sleep and the W sleep at the times its schedule says; a plain full
-backward runs both.
+The two backward halves are separate autograd nodes (``out = input_part(x) +
+weight_part(weight)``); the W sleep is deferred through the running
+pipeline's WeightGradStore (``runtime.zero_bubble.current_store()``) when the
+schedule splits the backward, so the I action sleeps I and the W action W; a
+plain full backward sleeps both.
 
 Activations are float32 ``[rows, cols]`` tensors whose size per micro-batch the
 caller sets (``sleep_batch``); their values are zeros and do not matter.
@@ -51,7 +51,14 @@ class _InputPart(torch.autograd.Function):
 
 
 class _WeightPart(torch.autograd.Function):
-    """A one-element weight broadcast to ``like``'s shape; backward sleeps ``w_s`` seconds."""
+    """A one-element weight broadcast to ``like``'s shape; its weight-gradient work sleeps ``w_s`` seconds.
+
+    The runtime computes the gradient of a parameter behind a custom autograd
+    function in the I pass (it cannot split such a function's graph), so the W
+    sleep goes through the running pipeline's WeightGradStore, as the
+    reference's zero-bubble linears do: deferred to the schedule's W action
+    when the store is enabled, slept at once otherwise.
+    """
 
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, like: torch.Tensor, w_s: float) -> torch.Tensor:  # type: ignore[override]
@@ -60,7 +67,14 @@ class _WeightPart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        _sleep(ctx.w_s)
+        from dualpipe_kernels.runtime.zero_bubble import current_store
+
+        w_s = ctx.w_s
+        store = current_store()
+        if store is not None and store.enabled:
+            store.put(lambda: _sleep(w_s))
+        else:
+            _sleep(w_s)
         return torch.zeros(1, dtype=grad.dtype, device=grad.device), None, None
 
 

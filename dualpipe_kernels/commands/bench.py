@@ -4,8 +4,9 @@ Each suite is one module ``dualpipe_kernels.benchmarks.<name>`` exposing
 ``NAME``, ``add_arguments(parser)``, ``run(args) -> dict`` (JSON-ready, with a
 ``"rows"`` list) and ``to_markdown(result) -> str``; optionally
 ``write_plots(result, out_dir) -> list[path]``.  Adding a suite is adding its
-module name to :data:`SUITES`.  A suite whose module cannot be imported is still
-listed; running it gives a one-line error naming the import failure.
+module name to :data:`SUITES`.  Suite modules are imported only when their suite
+is parsed or run; one that cannot be imported is still listed, and running it
+gives a one-line error naming the import failure.
 
 Common options (every suite and ``all``): ``--json`` (print the result object on
 stdout; progress goes to stderr), ``--out DIR`` (default ``bench/results``),
@@ -26,6 +27,12 @@ from dualpipe_kernels.benchmarks.common import DEFAULT_OUT_DIR, plot_bandwidth, 
 
 #: Registered suites, in the order ``bench all`` runs them.
 SUITES = ("schedules", "overlap", "transport")
+#: One line per suite for ``bench --help`` (kept here so listing them imports nothing).
+SUITE_HELP = {
+    "schedules": "step time and bubble of each schedule on sleep-timed stages vs the simulator, and torch's peers",
+    "overlap": "share of communication hidden behind compute, per transport",
+    "transport": "point-to-point bandwidth and latency: native shared memory vs gloo vs memcpy",
+}
 
 _COMMON = ("json", "out", "quick", "no_plots")
 
@@ -49,6 +56,39 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", dest="no_plots", action="store_true", help="skip the PNG plots")
 
 
+def _lazy_parser_class(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
+    """A parser class that imports its suite and adds the suite's options only when it is used.
+
+    Building the CLI therefore imports no suite (and no torch): ``dualpipe-kernels simulate`` stays
+    fast, and a suite that cannot be imported fails only when someone runs it, with a clear message.
+    """
+
+    class _SuiteParser(base):  # type: ignore[valid-type, misc]
+        def __init__(self, *args: Any, suite_name: str | None = None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._suite_name = suite_name
+            self._loaded = suite_name is None
+
+        def _load(self) -> None:
+            if self._loaded:
+                return
+            self._loaded = True
+            mod, err = _import_suite(self._suite_name or "")
+            if mod is not None:
+                mod.add_arguments(self)
+            self.set_defaults(suite_error=err)
+
+        def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+            self._load()
+            return super().parse_known_args(args, namespace)
+
+        def format_help(self) -> str:
+            self._load()
+            return super().format_help()
+
+    return _SuiteParser
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench",
@@ -57,16 +97,17 @@ def add_parser(subparsers: Any) -> None:
         "machine, versions and git revision.",
     )
     sub = p.add_subparsers(
-        dest="suite", required=True, metavar="{" + ",".join((*SUITES, "all")) + "}", parser_class=type(p)
+        dest="suite",
+        required=True,
+        metavar="{" + ",".join((*SUITES, "all")) + "}",
+        parser_class=_lazy_parser_class(type(p)),
     )
     for name in SUITES:
-        mod, err = _import_suite(name)
-        doc = (mod.__doc__ or "").strip().splitlines()[0] if mod is not None and mod.__doc__ else ""
-        sp = sub.add_parser(name, help=doc if mod is not None else f"(unavailable: {err})", conflict_handler="resolve")
+        sp = sub.add_parser(
+            name, help=SUITE_HELP.get(name, f"bench suite {name}"), conflict_handler="resolve", suite_name=name
+        )
         _add_common(sp)
-        if mod is not None:
-            mod.add_arguments(sp)
-        sp.set_defaults(func=run, suite_error=err)
+        sp.set_defaults(func=run, suite_error=None)
     sa = sub.add_parser("all", help="run every suite in turn")
     _add_common(sa)
     sa.set_defaults(func=run, suite_error=None)
@@ -118,7 +159,13 @@ def run(args: argparse.Namespace) -> int:
             return 1
         mod, _ = _import_suite(args.suite)
         assert mod is not None
-        result = _run_one(args.suite, mod, args)
+        from dualpipe_kernels.runtime.launch import RanksFailed
+
+        try:
+            result = _run_one(args.suite, mod, args)
+        except RanksFailed as e:  # the per-rank errors, without the parent's traceback
+            sys.stderr.write(f"dualpipe-kernels bench {args.suite}: failed: {e}\n")
+            return 1
         if args.json:
             print(json.dumps(result, default=str))
         else:

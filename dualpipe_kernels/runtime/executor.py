@@ -545,8 +545,12 @@ class Pipeline(nn.Module):
 
     def _reap_sends(self, st: _StepState, block: bool) -> None:
         pending = []
+        stop = False
         for send, hooked in st.sends:
-            if block or send.is_completed():
+            # Sends complete roughly in posting order: stop polling at the first
+            # one still in flight (it is polled again at the next action).
+            stop = stop or (not block and not send.is_completed())
+            if not stop:
                 send.wait(self.timeout_s)
                 for t in hooked:
                     # The reference's memory trick: the hook path keeps output tensors

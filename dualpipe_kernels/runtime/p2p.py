@@ -13,8 +13,9 @@ does not know their shapes in advance, so every message is two-phase:
 
 The receiver posts the metadata receive early (as soon as the executor looks
 ahead to it) and posts the data receives the moment the metadata has arrived
-(:meth:`BoundaryRecv.progress`), so data receives are in flight before the
-compute that needs them.  Sends are posted by the executor and waited lazily.
+(from the transport's completion callback where it has one, otherwise from
+:meth:`BoundaryRecv.progress` between actions), so data receives are in flight
+before the compute that needs them.  Sends are posted by the executor and waited lazily.
 
 Tags: ``TagSpace`` gives every (direction, consumer stage, micro-batch, tensor
 index) its own tag, so transfers between one pair of ranks never mix.
@@ -22,6 +23,7 @@ index) its own tag, so transfers between one pair of ranks never mix.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -190,23 +192,43 @@ class BoundaryRecv:
         self._key = key
         self._device = device
         self._meta_buf = torch.empty(META_LEN, dtype=torch.int64)
-        self._meta_handle = transport.irecv(self._meta_buf, peer, tags.tag(key[0], key[1], key[2], 0), what)
         self._metas: list[TensorMeta | None] | None = None
         self._tensors: list[torch.Tensor | None] = []
         self._handles: list[Handle] = []
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._meta_handle = transport.irecv(self._meta_buf, peer, tags.tag(key[0], key[1], key[2], 0), what)
+        # Transports that can call back on completion (TorchDist over gloo) post
+        # the data receives from their waiter thread the moment the metadata is
+        # in; the others rely on progress() between actions.
+        add_callback = getattr(self._meta_handle, "add_done_callback", None)
+        if add_callback is not None:
+            add_callback(self._on_meta)
+
+    def _on_meta(self, error: BaseException | None) -> None:
+        if error is not None:
+            return  # the owner's wait reports it, with its own timeout
+        try:
+            self._post_data()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the owner's thread
+            self._error = exc
 
     def _post_data(self) -> None:
-        self._metas = decode_meta(self._meta_buf)
-        direction, stage, mb = self._key
-        for i, m in enumerate(self._metas):
-            if m is None:
-                self._tensors.append(None)
-                continue
-            t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
-            self._tensors.append(t)
-            if t.numel() > 0:
-                tag = self._tags.tag(direction, stage, mb, i + 1)
-                self._handles.append(self._transport.irecv(t, self._peer, tag, f"{self.what} tensor {i}"))
+        with self._lock:
+            if self._metas is not None:
+                return
+            metas = decode_meta(self._meta_buf)
+            direction, stage, mb = self._key
+            for i, m in enumerate(metas):
+                if m is None:
+                    self._tensors.append(None)
+                    continue
+                t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
+                self._tensors.append(t)
+                if t.numel() > 0:
+                    tag = self._tags.tag(direction, stage, mb, i + 1)
+                    self._handles.append(self._transport.irecv(t, self._peer, tag, f"{self.what} tensor {i}"))
+            self._metas = metas
 
     def progress(self) -> None:
         """Post the data receives if the metadata has arrived (non-blocking)."""
@@ -225,6 +247,8 @@ class BoundaryRecv:
         if self._metas is None:
             self._meta_handle.wait(timeout_s)
             self._post_data()
+        if self._error is not None:
+            raise self._error
         for h in self._handles:
             if self._device.type == "cuda":
                 h.wait_stream(stream)

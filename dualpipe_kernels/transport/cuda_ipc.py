@@ -23,6 +23,13 @@ stream wait on the transfer's CUDA event with no host synchronisation (the
 host only waits until the engine has queued the copies, which needs the peer's
 matching post); ``wait(timeout)`` blocks the host.
 
+Zero-copy caveat: the receiver keeps up to 32 of the sender's caching-allocator
+segments mapped (LRU).  If the sender returns such a segment to the driver
+(``torch.cuda.empty_cache()``) while it is mapped, the pages stay alive until
+the receiver unmaps them, but CUDA documents freeing an exported allocation
+before the importer closes it as undefined; pass ``direct_min_bytes=0`` where
+that matters.
+
 Ownership: a send buffer must not be modified, and a receive buffer not read,
 before the handle completes (host: ``wait``; device: ``wait_stream``).  The
 engine holds a reference to each tensor until its copies are queued and marks

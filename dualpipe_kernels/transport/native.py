@@ -111,7 +111,9 @@ class NativeTransport(Transport):
     Construction is collective over the group.  ``num_slots`` (>= 2) and
     ``slot_bytes`` size each ring; ``spin_us`` is how long a waiting thread
     spins before it sleeps; ``liveness_interval_s`` how often a sleeping wait
-    checks that the peer process still exists.
+    checks that the peer process still exists.  ``host_id`` names this host
+    for grouping peers (default: the hostname); ranks with different host ids
+    talk through torch.distributed.
     """
 
     name = "native"
@@ -125,6 +127,7 @@ class NativeTransport(Transport):
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         spin_us: float = 50.0,
         liveness_interval_s: float = 0.05,
+        host_id: str | None = None,
     ) -> None:
         super().__init__(timeout_s)
         if not dist.is_initialized():
@@ -152,7 +155,7 @@ class NativeTransport(Transport):
         )
         try:
             shm.sweep_stale_segments()
-            hosts = self._rendezvous(_group_store(self.group))
+            hosts = self._rendezvous(_group_store(self.group), host_id or socket.gethostname())
         except BaseException:
             self._engine.close()
             raise
@@ -175,13 +178,13 @@ class NativeTransport(Transport):
             ) from None
         return store.get(key)
 
-    def _rendezvous(self, store: dist.Store) -> list[str]:
-        """Exchange hostnames and ring names with every same-host peer; returns each rank's hostname."""
+    def _rendezvous(self, store: dist.Store, host_id: str) -> list[str]:
+        """Exchange host ids and ring names with every same-host peer; returns each rank's host id."""
         # Each rank counts the transports it built on this store; ranks build them in the
         # same order, so the counts agree and two transports never share keys.
         generation = store.add(f"{_STORE_PREFIX}/generation/{self._rank}", 1)
         prefix = f"{_STORE_PREFIX}/{generation}"
-        store.set(f"{prefix}/host/{self._rank}", socket.gethostname())
+        store.set(f"{prefix}/host/{self._rank}", host_id)
         hosts = [
             self._wait_key(store, f"{prefix}/host/{p}", f"rank {p}'s hostname").decode() for p in range(self._size)
         ]
@@ -221,7 +224,8 @@ class NativeTransport(Transport):
             raise ValueError(f"rank {self._rank}: tensor must be contiguous ({what})")
 
     def _track(self, request: Any, tensor: torch.Tensor) -> NativeHandle:
-        if len(self._inflight) >= 64:
+        # Drop finished transfers at once: a tensor kept here would pin its memory.
+        if self._inflight:
             self._inflight = [(r, t) for r, t in self._inflight if not r.query()]
         if not request.query():
             self._inflight.append((request, tensor))

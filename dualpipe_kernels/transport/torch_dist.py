@@ -42,13 +42,34 @@ def _is_timeout(exc: BaseException) -> bool:
 
 
 class _Completion:
-    """Set by a waiter thread when its work finished (``error`` holds what the wait raised)."""
+    """Set by a waiter thread when its work finished (``error`` holds what the wait raised).
 
-    __slots__ = ("event", "error")
+    ``callbacks`` run on the waiter thread right after completion (or at once
+    when added after it), with the error or None.
+    """
+
+    __slots__ = ("event", "error", "callbacks", "lock")
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.error: BaseException | None = None
+        self.callbacks: list[Callable[[BaseException | None], None]] = []
+        self.lock = threading.Lock()
+
+    def finish(self, error: BaseException | None) -> None:
+        with self.lock:
+            self.error = error
+            self.event.set()
+            callbacks, self.callbacks = self.callbacks, []
+        for cb in callbacks:
+            cb(error)
+
+    def add_callback(self, cb: Callable[[BaseException | None], None]) -> None:
+        with self.lock:
+            if not self.event.is_set():
+                self.callbacks.append(cb)
+                return
+        cb(self.error)
 
 
 class _WaiterPool:
@@ -87,11 +108,15 @@ class _WaiterPool:
                 self._queued -= 1
                 self._idle -= 1
             work, done = task
+            error: BaseException | None = None
             try:
                 work.wait(self._timeout)
             except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits on the handle
-                done.error = exc
-            done.event.set()
+                error = exc
+            try:
+                done.finish(error)
+            except BaseException:  # noqa: BLE001 - a callback's failure is its owner's to report
+                pass
             del work, task
             with self._lock:
                 self._idle += 1
@@ -170,6 +195,25 @@ class _WorkHandle(Handle):
             assert self._work is not None
             self._completion = self._owner.waiters.submit(self._work)
         return self._completion.event.is_set()
+
+    def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> bool:
+        """Run ``fn(error_or_None)`` on a waiter thread once the transfer is done.
+
+        An optional extension of the Handle interface (the runtime checks for
+        it): it lets a metadata receive post its data receives the moment it
+        completes, without waiting for the main thread.  Returns False where
+        unsupported (NCCL), in which case the caller polls instead.
+        """
+        if self._owner.device_native_nccl:
+            return False
+        if self._completion is None:
+            if self._done:
+                fn(None)
+                return True
+            assert self._work is not None
+            self._completion = self._owner.waiters.submit(self._work)
+        self._completion.add_callback(fn)
+        return True
 
     def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         # NCCL work.wait() without a timeout makes the current stream wait on the

@@ -1,0 +1,132 @@
+"""NativeTransport as the runtime sees it: rendezvous, groups, fallback to torch.distributed.
+
+Three spawned processes run every scenario (one group of processes for the
+whole file); each rank reports "ok" or its traceback per scenario.  A rank
+with a different ``host_id`` stands in for a peer on another host: it must be
+reached through torch.distributed while same-host peers go through shared
+memory.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dualpipe_kernels.runtime.launch import spawn
+from dualpipe_kernels.transport import make_transport
+from dualpipe_kernels.transport.native import NativeTransport
+
+WORLD = 3
+WAIT_S = 30.0
+
+
+def _data(src: int, dst: int, n: int = 1000) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float64) * (src + 1) + 1000 * dst
+
+
+def _all_pairs(t: NativeTransport, ranks: list[int], me: int) -> None:
+    """Every ordered pair of ``ranks`` (group ranks) exchanges a distinct tensor; check each."""
+    handles, bufs = [], {}
+    for p in ranks:
+        if p == me:
+            continue
+        bufs[p] = torch.empty(1000, dtype=torch.float64)
+        handles.append(t.irecv(bufs[p], p, tag=3, what=f"from {p}"))
+        handles.append(t.isend(_data(me, p), p, tag=3, what=f"to {p}"))
+    for h in handles:
+        h.wait()
+    for p, b in bufs.items():
+        assert torch.equal(b, _data(p, me)), f"rank {me}: wrong data from {p}"
+
+
+def _make_transport_native(rank: int) -> None:
+    with make_transport("native", None, torch.device("cpu"), WAIT_S) as t:
+        assert isinstance(t, NativeTransport) and t.name == "native"
+        assert t.rank == rank and sorted(t.local_peers) == [p for p in range(WORLD) if p != rank]
+        _all_pairs(t, list(range(WORLD)), rank)
+
+
+def _other_host_falls_back(rank: int) -> None:
+    host = "host-b" if rank == 2 else "host-a"
+    with NativeTransport(timeout_s=WAIT_S, host_id=host) as t:
+        expected_local = {0: (1,), 1: (0,), 2: ()}[rank]
+        assert t.local_peers == expected_local, t.local_peers
+        _all_pairs(t, list(range(WORLD)), rank)
+
+
+def _subgroup_uses_group_ranks(rank: int) -> None:
+    group = dist.new_group([1, 2])  # collective over the world
+    if rank == 0:
+        return
+    with NativeTransport(group, timeout_s=WAIT_S) as t:
+        me = dist.get_rank(group)
+        assert t.rank == me == rank - 1
+        _all_pairs(t, [0, 1], me)
+
+
+def _two_transports_do_not_mix(rank: int) -> None:
+    a = NativeTransport(timeout_s=WAIT_S)
+    b = NativeTransport(timeout_s=WAIT_S)
+    try:
+        peer = (rank + 1) % WORLD
+        src = (rank - 1) % WORLD
+        ra, rb = torch.empty(1000, dtype=torch.float64), torch.empty(1000, dtype=torch.float64)
+        # Same tag on both transports: they must not see each other's messages.
+        hs = [b.irecv(rb, src, tag=1), a.irecv(ra, src, tag=1)]
+        hs += [a.isend(_data(rank, peer), peer, tag=1), b.isend(_data(rank, peer) * -1, peer, tag=1)]
+        for h in hs:
+            h.wait()
+        assert torch.equal(ra, _data(src, rank)) and torch.equal(rb, _data(src, rank) * -1)
+    finally:
+        a.close()
+        b.close()
+
+
+def _rejects_bad_arguments(rank: int) -> None:
+    with pytest.raises(ValueError, match="num_slots must be >= 2"):
+        NativeTransport(num_slots=1)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        NativeTransport(timeout_s=0)
+    with NativeTransport(timeout_s=WAIT_S) as t:
+        with pytest.raises(ValueError, match="peer must be another rank"):
+            t.isend(torch.zeros(2), WORLD, tag=0)
+        with pytest.raises(ValueError, match="CPU tensors"):
+            t.isend(torch.zeros(2, device="meta"), (rank + 1) % WORLD, tag=0)
+
+
+SCENARIOS: dict[str, Callable[[int], None]] = {
+    "make_transport_native": _make_transport_native,
+    "other_host_falls_back": _other_host_falls_back,
+    "subgroup_uses_group_ranks": _subgroup_uses_group_ranks,
+    "two_transports_do_not_mix": _two_transports_do_not_mix,
+    "rejects_bad_arguments": _rejects_bad_arguments,
+}
+
+
+def _run(rank: int, world_size: int) -> dict[str, str]:
+    out = {}
+    for name, fn in SCENARIOS.items():
+        try:
+            fn(rank)
+            out[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported per scenario
+            out[name] = traceback.format_exc()
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return spawn(_run, WORLD, timeout_s=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_scenario(results: list[dict[str, Any]], name: str) -> None:
+    for rank, res in enumerate(results):
+        assert res[name] == "ok", f"rank {rank}:\n{res[name]}"
