@@ -224,6 +224,7 @@ class _DualPipeBase(nn.Module):
     """Shared constructor and step of DualPipe and DualPipeV (``_SCHEDULE`` tells them apart)."""
 
     _SCHEDULE = ""
+    _pipe: Any  # the runtime Pipeline for the current num_chunks (kept out of the module tree; see __init__)
 
     def __init__(
         self,

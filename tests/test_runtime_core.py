@@ -24,6 +24,7 @@ from torch.autograd.graph import get_gradient_edge
 from dualpipe_kernels.runtime import Pipeline, run_backward, run_reference, spawn, spawn_outcomes
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore, backward_full, backward_input, current_store
 from dualpipe_kernels.schedules.generators import build_schedule
+from dualpipe_kernels.schedules.trace import to_events
 
 HIDDEN = 8
 
@@ -134,17 +135,41 @@ def _check(rank: int, name: str, make: Any, batch: int, n: int, **kw: Any) -> di
         "inference": all(torch.equal(inf.losses[m], ref_losses[m]) for m in loss_stages)
         and inf.outputs is not None
         and all(torch.equal(inf.outputs[m][0], ref_outputs[m][0]) for m in loss_stages),
-        "timeline": len(res.timeline) > 0
-        and all(e[0] == rank and 0.0 <= e[2] <= e[3] <= res.step_time_s for e in res.timeline),
+        "timeline": len(res.timeline) == len(pipe.schedule.actions[rank])
+        and all(e[0] == rank and 0.0 <= e[2] <= e[3] <= res.step_time_s for e in res.timeline)
+        and len(to_events(res.timeline)) == len(res.timeline),
         "hook": not isinstance(next(iter(mine.values())), _HookStage)
         or name == "1f1b"
         or sum(m.hook_calls for m in mine.values()) > 0,
     }
 
 
+def _from_sequential(rank: int) -> dict[str, bool]:
+    """DualPipe built from one nn.Sequential (uneven partition); mirror copies summed by the runtime."""
+    sched = build_schedule("dualpipe", 2, 4)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(HIDDEN, HIDDEN) for _ in range(5)])
+    ref_model = copy.deepcopy(model)
+    pipe = Pipeline.from_sequential(sched, model, partition=[3, 2], timeout_s=30.0)
+    torch.manual_seed(1)
+    x, t = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
+    res = pipe.step(x, labels=(t,), criterion=_criterion)
+    pieces = [ref_model[:3], ref_model[3:]]
+    ref = {s: pieces[sched.model_stage[s]] for s in range(sched.num_stages)}
+    ref_losses = run_reference(ref, sched, (x,), (t,), _criterion)
+    pipe.close()
+    mine = {s: m for s, m in pipe.stage_modules.items()}
+    return {
+        "layers": [len(mine[s]) for s in sorted(mine)] == ([3, 2] if rank == 0 else [2, 3]),
+        "losses": len(res.losses) == 2 and all(torch.equal(v, ref_losses[m]) for m, v in res.losses.items()),
+        "grads": _grads_match(mine, ref, exact=False),
+    }
+
+
 def _core_worker(rank: int, world_size: int) -> dict[str, dict[str, bool]]:
     torch.use_deterministic_algorithms(True)
     out = {
+        "from_sequential": _from_sequential(rank),
         "1f1b": _check(rank, "1f1b", _mlp, batch=10, n=4),
         "dualpipev": _check(rank, "dualpipev", _mlp, batch=11, n=4),  # uneven: last micro-batch smaller
         "dualpipe": _check(rank, "dualpipe", _mlp, batch=8, n=4),
@@ -162,7 +187,8 @@ def core_results() -> list[dict[str, dict[str, bool]]]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "case", ["1f1b", "dualpipev", "dualpipe", "zb1p", "dualpipev_hook_store", "dualpipev_hook_refmode"]
+    "case",
+    ["1f1b", "dualpipev", "dualpipe", "zb1p", "dualpipev_hook_store", "dualpipev_hook_refmode", "from_sequential"],
 )
 def test_two_ranks_match_reference(core_results: list[dict[str, dict[str, bool]]], case: str) -> None:
     for rank, res in enumerate(core_results):

@@ -18,8 +18,13 @@ calibrated first) and free communication: ``ratio = T_step / simulated``
 (target 1 +- 5% when one transfer takes under half a chunk's compute); and
 the share of communication hidden, ``(T_compute + T_comm - T_step) / T_comm``
 (1: all hidden; 0: none).  One transfer's time is measured alone too (a
-ping-pong of one activation between two ranks, halved) and reported as a
-fraction of F.
+torch.distributed send/recv ping-pong of one activation between ranks 0 and
+1, halved, whatever ``--transport``) and reported as a fraction of F.
+
+A second prediction feeds the simulator each compute kind's *measured*
+median duration (from the runtime's timeline of the compute-only run: sleep
++ overshoot + the runtime's per-action overhead), so ``ratio_measured_costs``
+isolates what the schedule's gaps and unhidden communication add.
 
 CPU timings are noisy on a shared machine: read ratios, not absolute times.
 """
@@ -268,6 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "t_comm_s": t_comm,
         "hidden_comm_share": (t_compute + t_comm - t_step) / t_comm if t_comm > 0 else None,
         "transfer_s": transfer,
+        "transfer_method": "torch.distributed send/recv ping-pong / 2, ranks 0 and 1",
         "transfer_over_f": transfer / args.f,
         "within_5pct": abs(t_step / simulated - 1.0) <= 0.05,
         "target_applies": transfer < 0.5 * args.f,

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slot-bytes", type=int, default=None, help="native slot size in bytes (default: transport default)"
     )
+    parser.add_argument(
+        "--spin-us", type=float, default=None, help="native spin before sleeping, in us (default: transport default)"
+    )
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
@@ -94,7 +97,7 @@ def _memcpy_seconds(size: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, world_size: int, sizes: list[int], reps: list[int], native_kw: dict[str, int]) -> list[dict]:
+def _worker(rank: int, world_size: int, sizes: list[int], reps: list[int], native_kw: dict[str, Any]) -> list[dict]:
     from dualpipe_kernels.transport.native import NativeTransport
 
     torch.set_num_threads(1)
@@ -179,10 +182,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     sizes = _sizes(args)
     reps = [_reps(s, args) for s in sizes]
-    native_kw = {
+    native_kw: dict[str, Any] = {
         "num_slots": args.num_slots or DEFAULT_NUM_SLOTS,
         "slot_bytes": args.slot_bytes or DEFAULT_SLOT_BYTES,
     }
+    if args.spin_us is not None:
+        native_kw["spin_us"] = args.spin_us
     t0 = time.perf_counter()
     rows = spawn(_worker, 2, sizes, reps, native_kw, timeout_s=600.0)[0]
     return {

@@ -169,6 +169,7 @@ class Pipeline(nn.Module):
         self.mirror_of = _mirrors(schedule)
         self._actions = list(schedule.actions[self.rank])
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
+        self._owns_transport = not isinstance(transport, Transport)
         self._broken: str | None = None
         types = {type(m) for m in self.stage_modules.values()}
         self.overlap_hook = len(types) == 1 and hasattr(next(iter(types)), "overlapped_forward_backward")
@@ -219,8 +220,9 @@ class Pipeline(nn.Module):
         return cls(schedule, modules, **kw)
 
     def close(self) -> None:
-        """Release the transport. Idempotent."""
-        self._transport.close()
+        """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
+        if self._owns_transport:
+            self._transport.close()
 
     # ---- the step ---------------------------------------------------------
     def step(
@@ -271,8 +273,8 @@ class Pipeline(nn.Module):
                 self._run(state, rec)
                 self._finish_sends(state)
                 if not forward_only and self.sync_mirror_grads and self.mirror_of:
-                    with rec.span("SYNC_MIRROR_GRADS"):
-                        self._sync_mirrors()
+                    # Not a schedule action, so not in the timeline (entries must parse as actions).
+                    self._sync_mirrors()
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             raise
