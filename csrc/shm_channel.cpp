@@ -106,6 +106,21 @@ void Channel::ensure_worker() {
   if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
 }
 
+void Channel::spin_for_post(std::unique_lock<std::mutex>& lk) {
+  const std::uint32_t seen = post_count_.load(std::memory_order_relaxed);
+  lk.unlock();
+  const auto spin_until = Clock::now() + seconds(cfg_.spin_us * 1e-6);
+  for (int i = 0; post_count_.load(std::memory_order_relaxed) == seen && !stop_.load(std::memory_order_relaxed);
+       ++i) {
+    if ((i & 63) == 63) {
+      if (Clock::now() >= spin_until) break;
+      std::this_thread::yield();
+    }
+    cpu_relax();
+  }
+  lk.lock();
+}
+
 TransferInfo Channel::make_info(Direction d, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
                                 std::string what) const {
   TransferInfo info;
@@ -204,6 +219,7 @@ std::shared_ptr<Request> SendChannel::post(const void* src, std::uint64_t nbytes
     return req;
   }
   queue_.push_back(req);
+  post_count_.fetch_add(1, std::memory_order_relaxed);
   ensure_worker();
   lk.unlock();
   cv_.notify_one();
@@ -251,7 +267,9 @@ void SendChannel::worker_loop() {
     std::shared_ptr<Request> req;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_.load(std::memory_order_relaxed) || !queue_.empty(); });
+      auto ready = [&] { return stop_.load(std::memory_order_relaxed) || !queue_.empty(); };
+      if (!ready()) spin_for_post(lk);
+      cv_.wait(lk, ready);
       if (stop_.load(std::memory_order_relaxed)) return;  // close() fails what is left
       req = queue_.front();
       queue_.pop_front();
@@ -344,6 +362,7 @@ std::shared_ptr<Request> RecvChannel::post(void* dst, std::uint64_t nbytes, std:
     return req;
   }
   posted_.push_back(req);
+  post_count_.fetch_add(1, std::memory_order_relaxed);
   ensure_worker();
   lk.unlock();
   cv_.notify_one();
@@ -448,7 +467,9 @@ void RecvChannel::worker_loop() {
   for (;;) {
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_.load(std::memory_order_relaxed) || (!posted_.empty() && broken_.empty()); });
+      auto ready = [&] { return stop_.load(std::memory_order_relaxed) || (!posted_.empty() && broken_.empty()); };
+      if (!ready()) spin_for_post(lk);
+      cv_.wait(lk, ready);
       if (stop_.load(std::memory_order_relaxed)) return;
       busy_ = true;
     }

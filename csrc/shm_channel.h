@@ -79,6 +79,10 @@ class Channel {
   std::string wait_ring(std::atomic<std::uint32_t>* word, std::atomic<std::uint32_t>* waiters, Ready ready);
   //! Start the worker thread if needed. Caller holds mu_.
   void ensure_worker();
+  //! Worker only, holding `lk` and finding nothing to do: spin up to spin_us for a new
+  //! post before the caller sleeps on cv_ (a back-to-back post then costs no wake-up).
+  //! Returns with `lk` held again.
+  void spin_for_post(std::unique_lock<std::mutex>& lk);
   //! Fail everything still queued (caller holds mu_).
   virtual void fail_pending_locked(const std::string& why) = 0;
   virtual void worker_loop() = 0;
@@ -98,6 +102,7 @@ class Channel {
   std::mutex mu_;
   std::condition_variable cv_;     // worker sleeps here when it has nothing to do
   std::atomic<bool> stop_{false};  // read by the worker inside ring waits without mu_
+  std::atomic<std::uint32_t> post_count_{0};  // bumped (under mu_) by every post the worker must serve
   bool closed_ = false;            // guarded by mu_
   bool busy_ = false;              // guarded by mu_: the worker is running a request
   std::string broken_;             // guarded by mu_: once set, every new post fails with it

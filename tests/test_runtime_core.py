@@ -37,6 +37,10 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.Tanh(), nn.Linear(2 * HIDDEN, HIDDEN))
 
 
+def _deep() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(HIDDEN, HIDDEN) for _ in range(40)])
+
+
 class _LinearFunc(torch.autograd.Function):
     """A linear whose weight gradient may be deferred through the running pipeline's store."""
 
@@ -173,6 +177,9 @@ def _core_worker(rank: int, world_size: int) -> dict[str, dict[str, bool]]:
         "1f1b": _check(rank, "1f1b", _mlp, batch=10, n=4),
         "dualpipev": _check(rank, "dualpipev", _mlp, batch=11, n=4),  # uneven: last micro-batch smaller
         "dualpipe": _check(rank, "dualpipe", _mlp, batch=8, n=4),
+        # 80 parameters per stage: more than one boundary message carries, so the
+        # mirror-gradient exchange must pack them.
+        "dualpipe_many_params": _check(rank, "dualpipe", _deep, batch=8, n=4),
         "zb1p": _check(rank, "zb1p", _mlp, batch=8, n=4),
         "dualpipev_hook_store": _check(rank, "dualpipev", _HookStage, batch=8, n=4),
         "dualpipev_hook_refmode": _check(rank, "dualpipev", _HookStage, batch=8, n=4, zero_bubble="store"),
@@ -188,7 +195,16 @@ def core_results() -> list[dict[str, dict[str, bool]]]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "case",
-    ["1f1b", "dualpipev", "dualpipe", "zb1p", "dualpipev_hook_store", "dualpipev_hook_refmode", "from_sequential"],
+    [
+        "1f1b",
+        "dualpipev",
+        "dualpipe",
+        "dualpipe_many_params",
+        "zb1p",
+        "dualpipev_hook_store",
+        "dualpipev_hook_refmode",
+        "from_sequential",
+    ],
 )
 def test_two_ranks_match_reference(core_results: list[dict[str, dict[str, bool]]], case: str) -> None:
     for rank, res in enumerate(core_results):

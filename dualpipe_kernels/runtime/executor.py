@@ -24,6 +24,7 @@ transfers may be left in the process group).
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -99,16 +100,23 @@ def _as_tuple(out: Any, stage: int) -> tuple[Any, ...]:
 class Pipeline(nn.Module):
     """Runs ``schedule`` on this process's pipeline rank with its stage modules.
 
-    See ``/work/runtime_api.md``-style contract in the package docs:
-    ``Pipeline(schedule, modules, group=None, rank_mapping=None, transport="torch",
-    batch_dim=0, timeout_s=120.0, sync_mirror_grads=True, record_timeline=False)``;
-    ``step(*inputs, labels=(), criterion=None, return_outputs=False) -> StepResult``.
+    ``schedule``: compute-only (lowered here with ``lower_comms``) or lowered.
     ``modules``: ``{stage: module}`` for ``schedule.stages_of_rank(rank)`` (or a
-    sequence in that order).  ``rank_mapping[group_rank]`` is the pipeline rank
-    of a group member (identity when None).  ``recv_lookahead``: how many compute
-    actions ahead receives are posted.  ``zero_bubble``: ``"split"`` (I/W graph
-    split, default) or ``"store"`` (the reference's behaviour: I runs the full
-    backward with the WeightGradStore enabled, W only pops the store).
+    sequence in that order).  ``group``: the process group (default group when
+    None); ``rank_mapping[group_rank]`` is the pipeline rank of a group member
+    (identity when None).  ``transport``: ``"torch"``, ``"native"`` or a
+    Transport instance (a given instance is not closed by :meth:`close`).
+    ``timeout_s``: every wait.  ``sync_mirror_grads``: DualPipe only, sum the
+    gradients of the two copies of a model stage at the end of the step.
+    ``record_timeline``: fill ``StepResult.timeline``.  ``recv_lookahead``: how
+    many compute actions ahead receives are posted.  ``zero_bubble``:
+    ``"split"`` (I/W autograd-graph split, default) or ``"store"`` (the
+    reference's behaviour: I runs the full backward with the WeightGradStore
+    enabled, W only pops the store).  ``device``: where received tensors go
+    (default: the device of the modules' parameters).
+
+    The module is an ``nn.Module`` holding the stage modules (``parameters()``,
+    ``zero_grad()`` work on it); ``stage_modules`` maps stage -> module.
     """
 
     def __init__(
@@ -164,10 +172,14 @@ class Pipeline(nn.Module):
         self.recv_lookahead = recv_lookahead
         self.zero_bubble = zero_bubble
         self.device = torch.device(device) if device is not None else _module_device(self.stage_modules)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Receive buffers may be allocated on a transport thread, whose current device differs.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.tags = TagSpace(schedule.num_stages, schedule.num_microbatches)
         self.weight_grad_store = WeightGradStore()
         self.mirror_of = _mirrors(schedule)
         self._actions = list(schedule.actions[self.rank])
+        self._window_end = _window_ends(self._actions, recv_lookahead)
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
         self._broken: str | None = None
@@ -293,16 +305,13 @@ class Pipeline(nn.Module):
         acts = self._actions
         next_post = 0
         for i, a in enumerate(acts):
-            # Post receives up to `recv_lookahead` compute actions ahead.
-            computes = 0
-            while next_post < len(acts):
+            # Post the receives of the next `recv_lookahead` compute actions after
+            # this one (double buffering with the default 2: while compute i runs,
+            # the data of computes i+1 and i+2 is already on its way).
+            end = self._window_end[i]
+            while next_post < end:
                 b = acts[next_post]
-                if b.is_compute:
-                    if next_post >= i and computes >= self.recv_lookahead:
-                        break
-                    if next_post >= i:
-                        computes += 1
-                elif b.type in (_RECV_F, _RECV_B):
+                if b.type in (_RECV_F, _RECV_B):
                     self._post_recv(st, b)
                 next_post += 1
             for r in st.recvs.values():
@@ -594,13 +603,13 @@ class Pipeline(nn.Module):
                     total = _or_zeros(p) + _or_zeros(q)
                     p.grad, q.grad = total, total.clone()
                 continue
-            grads = [p.grad for p in params]
+            packed = _pack_grads(params)
             what = f"pipeline rank {self.rank}: mirror-gradient exchange of stage {s} with stage {t}"
             sends.append(
                 BoundarySend(
                     self._transport,
-                    grads,
-                    [False] * len(grads),
+                    packed,
+                    [False] * len(packed),
                     self.to_group_rank[peer],
                     self.tags,
                     (_DIR_MIRROR, s, 0),
@@ -617,24 +626,70 @@ class Pipeline(nn.Module):
             )
             recvs.append((s, recv))
         for s, recv in recvs:
-            theirs = recv.wait(self.timeout_s)
-            params = list(self.stage_modules[s].parameters())
-            if len(theirs) != len(params):
-                raise ValueError(
-                    f"pipeline rank {self.rank}: stage {s} has {len(params)} parameters, its mirror copy "
-                    f"{len(theirs)}: the two copies of a model stage must be the same module"
-                )
+            theirs = _unpack_grads(list(self.stage_modules[s].parameters()), recv.wait(self.timeout_s), s)
             with torch.no_grad():
-                for p, g in zip(params, theirs, strict=False):
-                    if g is None:
-                        continue
-                    if g.shape != p.shape:
-                        raise ValueError(f"stage {s}: mirror gradient shape {tuple(g.shape)} != {tuple(p.shape)}")
+                for param, grad in theirs:
                     # own + theirs on one side, theirs + own on the other: IEEE addition
                     # commutes, so both copies end bit-identical.
-                    p.grad = g if p.grad is None else p.grad + g
+                    param.grad = grad if param.grad is None else param.grad + grad
         for send in sends:
             send.wait(self.timeout_s)
+
+
+def _pack_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``[has-grad mask (uint8), one flat buffer per dtype (zeros where no grad)]``: a few tensors per stage."""
+    mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+    out: list[torch.Tensor | None] = [mask]
+    for dtype in sorted({p.dtype for p in params}, key=str):
+        out.append(torch.cat([_or_zeros(p).reshape(-1) for p in params if p.dtype == dtype]))
+    return out
+
+
+def _unpack_grads(
+    params: Sequence[torch.Tensor], packed: Sequence[torch.Tensor | None], stage: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Inverse of :func:`_pack_grads` against this copy's parameters: ``(param, its mirror's grad)`` pairs."""
+    dtypes = sorted({p.dtype for p in params}, key=str)
+    mask = packed[0]
+    sizes = {d: sum(p.numel() for p in params if p.dtype == d) for d in dtypes}
+    flats = dict(zip(dtypes, packed[1:], strict=False))
+    if (
+        mask is None
+        or mask.numel() != len(params)
+        or len(packed) != len(dtypes) + 1
+        or any(f is None or f.dtype != d or f.numel() != sizes[d] for d, f in flats.items())
+    ):
+        raise ValueError(
+            f"stage {stage}: its mirror copy has different parameters; the two copies of a model stage "
+            "must be the same module"
+        )
+    offsets = dict.fromkeys(dtypes, 0)
+    has = mask.tolist()
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for p, h in zip(params, has, strict=True):
+        flat = flats[p.dtype]
+        assert flat is not None
+        g = flat[offsets[p.dtype] : offsets[p.dtype] + p.numel()].view_as(p)
+        offsets[p.dtype] += p.numel()
+        if h or p.grad is not None:
+            out.append((p, g if h else torch.zeros_like(p)))
+    return out
+
+
+def _window_ends(actions: Sequence[Action], lookahead: int) -> list[int]:
+    """end[i]: receives at indices < end[i] are posted before action i runs.
+
+    A compute's receives sit right before it (lowering), so posting everything
+    before the ``lookahead``-th compute after i covers the receives of the next
+    ``lookahead`` computes.  Never less than i + 1: an action's own receive is
+    always posted.
+    """
+    computes = [k for k, a in enumerate(actions) if a.is_compute]
+    ends: list[int] = []
+    for i in range(len(actions)):
+        j = bisect.bisect_right(computes, i) + lookahead - 1  # index of the lookahead-th compute after i
+        ends.append(max(i + 1, computes[j] if j < len(computes) else len(actions)))
+    return ends
 
 
 def _or_zeros(p: torch.Tensor) -> torch.Tensor:
@@ -658,8 +713,12 @@ def _check_mapping(rank_mapping: Sequence[int] | None, size: int) -> list[int]:
 def _check_modules(
     modules: Mapping[int, nn.Module] | Sequence[nn.Module], stages: tuple[int, ...], rank: int, name: str
 ) -> dict[int, nn.Module]:
-    if isinstance(modules, nn.Module) and not isinstance(modules, (nn.Sequential, nn.ModuleList)):
-        modules = [modules]
+    # One module: the stage module of a one-stage rank.  An nn.Sequential is the
+    # stage module itself on a one-stage rank and a sequence of stage modules
+    # otherwise (the reference passes nn.Sequential(module0, module1)).
+    if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
+        if not isinstance(modules, nn.Sequential) or len(stages) == 1:
+            modules = [modules]
     if isinstance(modules, Mapping):
         got = dict(modules)
         if sorted(got) != sorted(stages):

@@ -1,8 +1,9 @@
-"""Transport over ``torch.distributed`` point-to-point (gloo on CPU, NCCL on GPU).
+"""Transport over ``torch.distributed`` point-to-point on a gloo group (CPU tensors; CUDA ones host-staged).
 
 Peers are *group ranks* of ``group``.  Tags keep several transfers between the
-same pair apart (gloo matches on them; NCCL matches in posting order, so with
-NCCL both sides must post a pair's transfers in the same order).
+same pair apart; gloo matches on them.  NCCL ignores tags (it matches a pair's
+transfers in posting order), which the runtime's early, tag-addressed receives
+do not follow, so NCCL groups are refused with a ValueError.
 
 gloo's send/recv work objects only report completion from ``wait()``
 (``is_completed()`` stays False until then), and a gloo wait that times out
@@ -147,8 +148,7 @@ class _WorkHandle(Handle):
         self._keep = keep  # a host staging copy that must outlive the send
         self._done = False
         self._work: dist.Work | None = work
-        # NCCL works report completion themselves; a gloo work gets a waiter
-        # thread the first time someone polls it (a handle only ever waited on
+        # A gloo work gets a waiter thread the first time someone polls it (a handle only ever waited on
         # directly costs no thread).
         self._completion: _Completion | None = None
 
@@ -188,9 +188,6 @@ class _WorkHandle(Handle):
     def is_completed(self) -> bool:
         if self._done:
             return True
-        if self._owner.device_native_nccl:
-            assert self._work is not None
-            return bool(self._work.is_completed())
         if self._completion is None:
             assert self._work is not None
             self._completion = self._owner.waiters.submit(self._work)
@@ -201,11 +198,9 @@ class _WorkHandle(Handle):
 
         An optional extension of the Handle interface (the runtime checks for
         it): it lets a metadata receive post its data receives the moment it
-        completes, without waiting for the main thread.  Returns False where
-        unsupported (NCCL), in which case the caller polls instead.
+        completes, without waiting for the main thread (a transport without
+        this method is polled between actions instead).  Returns True.
         """
-        if self._owner.device_native_nccl:
-            return False
         if self._completion is None:
             if self._done:
                 fn(None)
@@ -214,20 +209,6 @@ class _WorkHandle(Handle):
             self._completion = self._owner.waiters.submit(self._work)
         self._completion.add_callback(fn)
         return True
-
-    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
-        # NCCL work.wait() without a timeout makes the current stream wait on the
-        # transfer's event and returns at once; every other case waits on the host.
-        if self._owner.device_native_nccl and self._finish is None and not self._done:
-            assert self._work is not None
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    self._work.wait()
-            else:
-                self._work.wait()
-            self._done = True
-            return
-        self.wait()
 
 
 class TorchDistTransport(Transport):
@@ -251,10 +232,19 @@ class TorchDistTransport(Transport):
         self._rank = dist.get_rank(self.group)
         self._size = dist.get_world_size(self.group)
         backend = str(dist.get_backend(self.group)).lower()
-        # NCCL moves CUDA tensors itself (and its works report completion); with
-        # gloo, CUDA tensors are staged through the host.
-        self.device_native_nccl = self.device.type == "cuda" and "nccl" in backend
-        self.device_native = self.device.type == "cpu" or self.device_native_nccl
+        if "nccl" in backend:
+            # NCCL matches point-to-point transfers between a pair in posting
+            # order and ignores tags; the runtime posts receives early and by
+            # tag (metadata ahead of data, several micro-batches in flight), so
+            # over NCCL transfers could pair up wrongly.  Refuse rather than
+            # corrupt: use a gloo group (CUDA tensors are staged through the
+            # host) or the native transport (CUDA IPC) on one host.
+            raise ValueError(
+                "TorchDistTransport does not support NCCL groups (NCCL ignores tags); use a gloo group "
+                "or transport='native'"
+            )
+        # gloo moves host memory only: CUDA tensors are staged through the host.
+        self.device_native = self.device.type == "cpu"
         # The waiters' own limit is generous: a caller's wait enforces its timeout.
         self.waiters = _WaiterPool(max(timeout_s, 1.0) * 4)
         self._closed = False
