@@ -452,12 +452,9 @@ class Pipeline(nn.Module):
     def _pair(self, st: _StepState, a: Action) -> None:
         f, b = a.sub_actions
         mf, mb_ = self.stage_modules[f.stage], self.stage_modules[b.stage]
-        use_hook = (
-            not st.forward_only
-            and type(mf) is type(mb_)
-            and hasattr(type(mf), "overlapped_forward_backward")
-            and (b.type is _B or self.zero_bubble == "store" or b.type is _I)
-        )
+        # The hook runs a full backward of ``b`` (for an I half, custom autograd
+        # functions may still defer their weight work through the store).
+        use_hook = not st.forward_only and self.overlap_hook and type(mf) is type(mb_)
         if not use_hook:
             self._forward(st, f.stage, f.microbatch)
             if not st.forward_only:
@@ -574,8 +571,8 @@ class Pipeline(nn.Module):
 
     def _finish_sends(self, st: _StepState) -> None:
         self._reap_sends(st, block=True)
-        leftovers = [k for k, r in st.recvs.items()]
-        if leftovers:
+        if st.recvs:
+            leftovers = [f"{s}{t}{m}" for t, s, m in st.recvs]
             raise RuntimeError(f"pipeline rank {self.rank}: receives posted but never consumed: {leftovers}")
 
     # ---- DualPipe: the two copies of a model stage -------------------------
