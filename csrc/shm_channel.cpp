@@ -74,18 +74,19 @@ Channel::Channel(Side side, std::shared_ptr<ShmSegment> segment, int self_rank, 
 int Channel::peer_pid() const { return ring_.header()->pid[idx(other(side_))].load(std::memory_order_acquire); }
 
 void Channel::close() {
+  if (static_cast<int>(::getpid()) != owner_pid_) {
+    // A forked child: the worker thread does not exist here (joining it is
+    // undefined), mu_ may have been copied while a parent thread held it, and
+    // the ring belongs to the parent, whose peer must not see "closed". Touch
+    // nothing; leak the thread handle instead of destroying a joinable one.
+    if (worker_.joinable()) new std::thread(std::move(worker_));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return;
     closed_ = true;
     stop_.store(true, std::memory_order_release);
-  }
-  if (static_cast<int>(::getpid()) != owner_pid_) {
-    // A forked child: the worker thread does not exist here (joining it is
-    // undefined) and the ring belongs to the parent, whose peer must not see
-    // "closed". Leak the thread handle instead of destroying a joinable one.
-    if (worker_.joinable()) new std::thread(std::move(worker_));
-    return;
   }
   cv_.notify_all();
   RingHeader* h = ring_.header();

@@ -2,27 +2,41 @@
 
 A boundary message carries the tensors one stage hands to another for one
 micro-batch (activations forward, input gradients backward).  The receiver
-does not know their shapes in advance, so every message is two-phase:
+does not know their shapes in advance, so every message starts with
 
 1. one int64 metadata tensor of ``META_LEN`` entries (fixed size, so it can be
-   received before anything is known): ``[MAGIC, n, (kind, dtype, ndim,
-   dims...) * n]``.  ``kind`` is 0 for "no tensor" (a None gradient: nothing is
-   sent for it), 1 for a tensor without grad (integer ids, masks), 2 for a
-   tensor that requires grad on the receiving side;
+   received before anything is known): ``[MAGIC, n, speculative, (kind, dtype,
+   ndim, dims...) * n]``.  ``kind`` is 0 for "no tensor" (a None gradient:
+   nothing is sent for it), 1 for a tensor without grad (integer ids, masks),
+   2 for a tensor that requires grad on the receiving side;
 2. one transfer per tensor of non-zero size, each with its own tag.
 
-The receiver posts the metadata receive early (as soon as the executor looks
-ahead to it) and posts the data receives the moment the metadata has arrived
-(from the transport's completion callback where it has one, otherwise from
-:meth:`BoundaryRecv.progress` between actions), so data receives are in flight
-before the compute that needs them.  Sends are posted by the executor and waited lazily.
+Speculative receives (why: latency).  Over gloo a transfer only moves once its
+receive is posted (the receiver notifies the sender), so a receive posted
+after the metadata arrived costs three one-way hops instead of one.  Both
+ends therefore remember, per message key, the layout of the *previous*
+message with that key (the same boundary and micro-batch one step earlier: a
+training loop repeats its shapes).  When there is one, the receiver allocates
+buffers of that layout and posts their receives together with the metadata
+receive, long before the data is sent.  The sender sends to those
+*speculative* tags when the layout is unchanged (flag 1 in the metadata),
+else it sends zero-filled placeholders of the remembered layout there (so no
+posted receive is left hanging) and the real tensors to the *fresh* tags,
+which the receiver posts once it has read the metadata.  Both ends update
+their memory with every message, and every message of a step is received, so
+the two memories always agree.  The first step (no memory) is two-phase:
+metadata first, data receives posted the moment it arrives (from the
+transport's completion callback where it has one, otherwise from
+:meth:`BoundaryRecv.progress` between actions).
 
-Tags: ``TagSpace`` gives every (direction, consumer stage, micro-batch, tensor
-index) its own tag, so transfers between one pair of ranks never mix.
+Tags: ``TagSpace`` gives every (direction, consumer stage, micro-batch, slot)
+its own tag, so transfers between one pair of ranks never mix: slot 0 is the
+metadata, slots 1..31 the speculative and 32..62 the fresh tensor transfers.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -41,11 +55,13 @@ __all__ = [
     "BoundarySend",
     "BoundaryRecv",
     "TensorMeta",
+    "LayoutMemory",
 ]
 
 META_LEN = 128
-MAX_TENSORS = 62  # tensor indices 1..62; index 0 is the metadata, 63 is spare
+MAX_TENSORS = 31  # speculative slots 1..31, fresh slots 32..62; slot 0 is the metadata, 63 is spare
 _SLOTS = 64
+_SPEC_BASE, _FRESH_BASE = 1, 32
 _MAGIC = 0x44504B31  # "DPK1"
 
 _KIND_NONE, _KIND_TENSOR, _KIND_GRAD = 0, 1, 2
@@ -99,11 +115,42 @@ class TagSpace:
         return ((direction * self.num_stages + stage) * self.num_microbatches + microbatch) * _SLOTS + index
 
 
-def encode_meta(tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool]) -> torch.Tensor:
-    """The metadata tensor (int64, ``META_LEN`` entries, CPU) for ``tensors``."""
+Layout = tuple[tuple[torch.dtype, tuple[int, ...]] | None, ...]
+"""What must match for a speculative receive: per tensor None or (dtype, shape); grad flags may differ."""
+
+
+def layout_of(metas: Sequence[TensorMeta | None]) -> Layout:
+    return tuple(None if m is None else (m.dtype, m.shape) for m in metas)
+
+
+def _layout_of_tensors(tensors: Sequence[torch.Tensor | None]) -> Layout:
+    return tuple(None if t is None else (t.dtype, tuple(t.shape)) for t in tensors)
+
+
+class LayoutMemory:
+    """Per pipeline and per direction of use: message key -> layout of the last message with that key.
+
+    The sender's memory holds what it sent, the receiver's what it received;
+    they agree because every message sent in a step is received in that step
+    (a failed step breaks the pipeline for good).
+    """
+
+    def __init__(self) -> None:
+        self.sent: dict[tuple[int, int, int], Layout] = {}
+        self.received: dict[tuple[int, int, int], Layout] = {}
+
+
+def encode_meta(
+    tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool], speculative: bool = False
+) -> torch.Tensor:
+    """The metadata tensor (int64, ``META_LEN`` entries, CPU) for ``tensors``.
+
+    ``speculative``: the data goes to the speculative tags (the receiver's
+    remembered layout matches).
+    """
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"a stage boundary carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
-    words = [_MAGIC, len(tensors)]
+    words = [_MAGIC, len(tensors), int(speculative)]
     for t, g in zip(tensors, grad_flags, strict=False):
         if t is None:
             words.append(_KIND_NONE)
@@ -120,12 +167,13 @@ def encode_meta(tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[boo
     return meta
 
 
-def decode_meta(meta: torch.Tensor) -> list[TensorMeta | None]:
+def decode_meta(meta: torch.Tensor) -> tuple[list[TensorMeta | None], bool]:
+    """``(per-tensor metadata, speculative flag)`` of a metadata tensor."""
     words = meta.tolist()
     if words[0] != _MAGIC:
         raise TransportError(f"corrupt stage boundary metadata (magic {words[0]:#x}): sender and receiver disagree")
     out: list[TensorMeta | None] = []
-    pos = 2
+    pos = 3
     for _ in range(words[1]):
         kind = words[pos]
         if kind == _KIND_NONE:
@@ -136,11 +184,15 @@ def decode_meta(meta: torch.Tensor) -> list[TensorMeta | None]:
         shape = tuple(words[pos + 3 : pos + 3 + ndim])
         out.append(TensorMeta(shape, dtype, kind == _KIND_GRAD))
         pos += 3 + ndim
-    return out
+    return out, bool(words[2])
 
 
 class BoundarySend:
-    """One boundary message in flight to ``peer``.  Owns (keeps alive) the tensors until completion."""
+    """One boundary message in flight to ``peer``.  Owns (keeps alive) the tensors until completion.
+
+    ``memory``: the sender's layout memory (see the module docstring); None
+    disables speculation for this message (the receiver must pass None too).
+    """
 
     def __init__(
         self,
@@ -151,15 +203,30 @@ class BoundarySend:
         tags: TagSpace,
         key: tuple[int, int, int],
         what: str,
+        memory: LayoutMemory | None = None,
     ) -> None:
         direction, stage, mb = key
         self.what = what
-        self._meta = encode_meta(tensors, grad_flags)
-        self._payload = [None if t is None else t.detach().contiguous() for t in tensors]
+        layout = _layout_of_tensors(tensors)
+        guess = memory.sent.get(key) if memory is not None else None
+        hit = guess is not None and guess == layout
+        if memory is not None:
+            memory.sent[key] = layout
+        self._meta = encode_meta(tensors, grad_flags, speculative=hit)
+        self._payload: list[torch.Tensor | None] = [None if t is None else t.detach().contiguous() for t in tensors]
         self._handles: list[Handle] = [transport.isend(self._meta, peer, tags.tag(direction, stage, mb, 0), what)]
-        for i, t in enumerate(self._payload):
+        if guess is not None and not hit:
+            # The receiver posted receives of the remembered layout: satisfy them with placeholders.
+            for i, g in enumerate(guess):
+                if g is not None and math.prod(g[1]) > 0:
+                    dummy = torch.zeros(g[1], dtype=g[0])
+                    self._payload.append(dummy)
+                    tag = tags.tag(direction, stage, mb, _SPEC_BASE + i)
+                    self._handles.append(transport.isend(dummy, peer, tag, f"{what} placeholder {i}"))
+        base = _SPEC_BASE if hit else _FRESH_BASE
+        for i, t in enumerate(self._payload[: len(tensors)]):
             if t is not None and t.numel() > 0:
-                tag = tags.tag(direction, stage, mb, i + 1)
+                tag = tags.tag(direction, stage, mb, base + i)
                 self._handles.append(transport.isend(t, peer, tag, f"{what} tensor {i}"))
 
     def is_completed(self) -> bool:
@@ -174,7 +241,12 @@ class BoundarySend:
 
 
 class BoundaryRecv:
-    """One boundary message being received from ``peer`` into tensors allocated from its metadata."""
+    """One boundary message being received from ``peer`` into tensors allocated from its metadata.
+
+    ``memory``: the receiver's layout memory; with a remembered layout for
+    ``key`` the data receives are posted at once (speculatively), see the
+    module docstring.
+    """
 
     def __init__(
         self,
@@ -184,6 +256,7 @@ class BoundaryRecv:
         key: tuple[int, int, int],
         what: str,
         device: torch.device,
+        memory: LayoutMemory | None = None,
     ) -> None:
         self.what = what
         self._transport = transport
@@ -191,6 +264,7 @@ class BoundaryRecv:
         self._tags = tags
         self._key = key
         self._device = device
+        self._memory = memory
         self._meta_buf = torch.empty(META_LEN, dtype=torch.int64)
         self._metas: list[TensorMeta | None] | None = None
         self._tensors: list[torch.Tensor | None] = []
@@ -198,6 +272,21 @@ class BoundaryRecv:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._meta_handle = transport.irecv(self._meta_buf, peer, tags.tag(key[0], key[1], key[2], 0), what)
+        self._guess = memory.received.get(key) if memory is not None else None
+        self._spec: list[torch.Tensor | None] = []
+        self._spec_handles: list[Handle] = []
+        if self._guess is not None:
+            direction, stage, mb = key
+            for i, g in enumerate(self._guess):
+                if g is None:
+                    self._spec.append(None)
+                    continue
+                t = torch.empty(g[1], dtype=g[0], device=device)
+                self._spec.append(t)
+                if t.numel() > 0:
+                    tag = tags.tag(direction, stage, mb, _SPEC_BASE + i)
+                    self._spec_handles.append(transport.irecv(t, peer, tag, f"{what} tensor {i}"))
+            return  # the data is already on its way: no need to watch the metadata
         # Transports that can call back on completion (TorchDist over gloo) post
         # the data receives from their waiter thread the moment the metadata is
         # in; the others rely on progress() between actions.
@@ -217,22 +306,36 @@ class BoundaryRecv:
         with self._lock:
             if self._metas is not None:
                 return
-            metas = decode_meta(self._meta_buf)
-            direction, stage, mb = self._key
-            for i, m in enumerate(metas):
-                if m is None:
-                    self._tensors.append(None)
-                    continue
-                t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
-                self._tensors.append(t)
-                if t.numel() > 0:
-                    tag = self._tags.tag(direction, stage, mb, i + 1)
-                    self._handles.append(self._transport.irecv(t, self._peer, tag, f"{self.what} tensor {i}"))
+            metas, speculative = decode_meta(self._meta_buf)
+            if speculative != (self._guess is not None and self._guess == layout_of(metas)):
+                raise TransportError(
+                    f"{self.what}: sender and receiver disagree on the remembered layout of this message "
+                    "(a previous step did not complete on both sides?)"
+                )
+            if self._memory is not None:
+                self._memory.received[self._key] = layout_of(metas)
+            if speculative:
+                self._tensors = self._spec
+                self._handles = self._spec_handles
+            else:
+                direction, stage, mb = self._key
+                for i, m in enumerate(metas):
+                    if m is None:
+                        self._tensors.append(None)
+                        continue
+                    t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
+                    self._tensors.append(t)
+                    if t.numel() > 0:
+                        tag = self._tags.tag(direction, stage, mb, _FRESH_BASE + i)
+                        self._handles.append(self._transport.irecv(t, self._peer, tag, f"{self.what} tensor {i}"))
+                # Placeholders into the speculative buffers: waited for, then dropped.
+                self._handles += self._spec_handles
+            self._spec, self._spec_handles = [], []
             self._metas = metas
 
     def progress(self) -> None:
-        """Post the data receives if the metadata has arrived (non-blocking)."""
-        if self._metas is None and self._meta_handle.is_completed():
+        """Post the data receives if the metadata has arrived (non-blocking; nothing to do when speculative)."""
+        if self._metas is None and self._guess is None and self._meta_handle.is_completed():
             self._meta_handle.wait(0.001)
             self._post_data()
 

@@ -94,8 +94,12 @@ class WeightGradStore:
             _, fns = self._queue.popitem(last=False)
         else:
             fns = self._queue.pop(key, [])
-        for fn in fns:
-            fn()
+        # Deferred closures (``weight.grad += g.T @ x``) must not record autograd
+        # history: under grad mode ``.grad`` would get a grad_fn that keeps the
+        # step's activations alive until ``zero_grad``.
+        with torch.no_grad():
+            for fn in fns:
+                fn()
 
     def has(self, key: Hashable) -> bool:
         return key in self._queue
@@ -168,8 +172,11 @@ class DeferredWeightGrad:
 
     def run(self) -> None:
         groups, self.groups = self.groups, []
-        for g in groups:
-            _run_group(g)
+        # No history for the accumulation into ``.grad`` (autograd.grad itself
+        # runs fine under no_grad: it only stops *recording* new graph).
+        with torch.no_grad():
+            for g in groups:
+                _run_group(g)
 
     def __bool__(self) -> bool:
         return bool(self.groups)
