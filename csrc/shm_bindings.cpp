@@ -48,7 +48,8 @@ void wait_or_raise(const Request& r, double timeout_s) {
 
 std::unique_ptr<Engine> make_engine(int rank, std::uint32_t num_slots, std::uint64_t slot_bytes, double spin_us,
                                     double liveness_interval_s, std::uint64_t inline_max_bytes,
-                                    std::vector<std::string> dtype_names) {
+                                    std::vector<std::string> dtype_names, bool single_copy,
+                                    std::uint64_t single_copy_min_bytes) {
   ChannelConfig c;
   c.num_slots = num_slots;
   c.slot_bytes = slot_bytes;
@@ -56,6 +57,8 @@ std::unique_ptr<Engine> make_engine(int rank, std::uint32_t num_slots, std::uint
   c.liveness_interval_s = liveness_interval_s;
   c.inline_max_bytes = inline_max_bytes;
   c.dtype_names = std::move(dtype_names);
+  c.single_copy = single_copy;
+  c.single_copy_min_bytes = single_copy_min_bytes;
   return std::make_unique<Engine>(rank, std::move(c));  // std::invalid_argument -> ValueError
 }
 
@@ -79,7 +82,8 @@ void register_apis(py::module_& parent) {
            py::arg("slot_bytes") = defaults.slot_bytes, py::arg("spin_us") = defaults.spin_us,
            py::arg("liveness_interval_s") = defaults.liveness_interval_s,
            py::arg("inline_max_bytes") = defaults.inline_max_bytes,
-           py::arg("dtype_names") = std::vector<std::string>{})
+           py::arg("dtype_names") = std::vector<std::string>{}, py::arg("single_copy") = defaults.single_copy,
+           py::arg("single_copy_min_bytes") = defaults.single_copy_min_bytes)
       .def("create_send_channel", &Engine::create_send_channel, py::arg("peer"))
       .def("attach_recv_channel", &Engine::attach_recv_channel, py::arg("peer"), py::arg("segment_name"))
       .def("unlink_send_segment", &Engine::unlink_send_segment, py::arg("peer"))
@@ -95,12 +99,16 @@ void register_apis(py::module_& parent) {
              std::string what) { return e.recv(peer, reinterpret_cast<void*>(ptr), nbytes, tag, dtype, what); },
           py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"), py::arg("dtype") = 0,
           py::arg("what") = "", "Post a receive of exactly nbytes into address ptr; returns a Request at once.")
+      .def("single_copy_to", &Engine::single_copy_to, py::arg("peer"),
+           "True if sends of >= single_copy_min_bytes to peer are read by the peer straight from our memory.")
       .def("has_send_channel", &Engine::has_send_channel)
       .def("has_recv_channel", &Engine::has_recv_channel)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("num_slots", [](const Engine& e) { return e.config().num_slots; })
-      .def_property_readonly("slot_bytes", [](const Engine& e) { return e.config().slot_bytes; });
+      .def_property_readonly("slot_bytes", [](const Engine& e) { return e.config().slot_bytes; })
+      .def_property_readonly("single_copy_min_bytes",
+                             [](const Engine& e) { return e.config().single_copy_min_bytes; });
 
   m.def("sweep_stale_segments", &sweep_stale_segments,
         "Unlink /dev/shm segments of ours whose creator process is gone; returns how many.");

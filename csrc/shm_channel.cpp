@@ -1,6 +1,9 @@
 #include "shm_channel.h"
 
+#include <sys/uio.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <chrono>
@@ -25,6 +28,13 @@ std::size_t idx(Side s) { return static_cast<std::size_t>(s); }
 
 Side other(Side s) { return s == Side::kSender ? Side::kReceiver : Side::kSender; }
 
+//! One process_vm_readv call of up to n bytes; returns bytes read or -1 (errno set).
+ssize_t read_peer(int pid, std::uint64_t remote, void* local, std::uint64_t n) {
+  iovec l{local, static_cast<std::size_t>(n)};
+  iovec r{reinterpret_cast<void*>(static_cast<std::uintptr_t>(remote)), static_cast<std::size_t>(n)};
+  return ::process_vm_readv(static_cast<pid_t>(pid), &l, 1, &r, 1, 0);
+}
+
 }  // namespace
 
 std::uint64_t pipeline_chunk_bytes(std::uint64_t nbytes, std::uint64_t slot_bytes) {
@@ -44,6 +54,7 @@ void ChannelConfig::validate() const {
   if (slot_bytes < 64) throw std::invalid_argument("slot_bytes must be >= 64, got " + std::to_string(slot_bytes));
   if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0");
   if (!(liveness_interval_s > 0)) throw std::invalid_argument("liveness_interval_s must be > 0");
+  if (single_copy_min_bytes < 1) throw std::invalid_argument("single_copy_min_bytes must be >= 1");
 }
 
 std::shared_ptr<ShmSegment> create_ring_segment(const ChannelConfig& cfg, int src_rank, int dst_rank) {
@@ -72,6 +83,11 @@ Channel::Channel(Side side, std::shared_ptr<ShmSegment> segment, int self_rank, 
 }
 
 int Channel::peer_pid() const { return ring_.header()->pid[idx(other(side_))].load(std::memory_order_acquire); }
+
+bool Channel::single_copy_active() const {
+  return cfg_.single_copy && ring_.header()->single_copy.load(std::memory_order_acquire) ==
+                                 static_cast<std::uint32_t>(SingleCopy::kPermitted);
+}
 
 void Channel::close() {
   if (static_cast<int>(::getpid()) != owner_pid_) {
@@ -191,6 +207,9 @@ std::string Channel::wait_ring(std::atomic<std::uint32_t>* word, std::atomic<std
 SendChannel::SendChannel(std::shared_ptr<ShmSegment> segment, int self_rank, int peer_rank, ChannelConfig cfg)
     : Channel(Side::kSender, std::move(segment), self_rank, peer_rank, std::move(cfg)) {
   head_ = ring_.header()->head.load(std::memory_order_acquire);
+  // The word the receiver reads back to test whether it may read our memory.
+  ring_.header()->sender_probe_addr.store(reinterpret_cast<std::uintptr_t>(&ring_.header()->magic),
+                                          std::memory_order_release);
 }
 
 SendChannel::~SendChannel() { close(); }
@@ -236,6 +255,7 @@ void SendChannel::write_chunk(const Request& req, std::uint64_t offset, std::uin
   sh->tag = req.info().tag;
   sh->chunk_bytes = n;
   sh->dtype = req.info().dtype;
+  sh->kind = static_cast<std::uint32_t>(ChunkKind::kPayload);
   if (n != 0) std::memcpy(ring_.slot_data(head_), static_cast<const unsigned char*>(req.ptr()) + offset, n);
   ++head_;
   // seq_cst (not just release): orders the store before our read of head_waiters (see shm_ring.h).
@@ -243,10 +263,43 @@ void SendChannel::write_chunk(const Request& req, std::uint64_t offset, std::uin
   wake_if_waiting(&h->head, &h->head_waiters);
 }
 
+std::string SendChannel::run_single_copy(Request& req) {
+  RingHeader* h = ring_.header();
+  const std::uint32_t slots = ring_.num_slots();
+  std::string err = wait_ring(&h->tail, &h->tail_waiters, [&] {
+    return static_cast<std::uint32_t>(head_) - h->tail.load(std::memory_order_acquire) < slots;
+  });
+  if (!err.empty()) return err;
+  SlotHeader* sh = ring_.slot_header(head_);
+  sh->msg_seq = next_seq_;
+  sh->nbytes = req.info().nbytes;
+  sh->offset = 0;
+  sh->tag = req.info().tag;
+  sh->chunk_bytes = 0;
+  sh->dtype = req.info().dtype;
+  sh->kind = static_cast<std::uint32_t>(ChunkKind::kDescriptor);
+  RemoteDescriptor d{};
+  d.address = reinterpret_cast<std::uintptr_t>(req.ptr());
+  d.pid = static_cast<std::int32_t>(::getpid());
+  std::memcpy(ring_.slot_data(head_), &d, sizeof d);
+  ++head_;
+  h->head.store(static_cast<std::uint32_t>(head_), std::memory_order_seq_cst);
+  wake_if_waiting(&h->head, &h->head_waiters);
+  // The receiver releases the descriptor's slot only after its last read of our
+  // buffer; it is the newest chunk, so tail == head means "read and done".
+  err = wait_ring(&h->tail, &h->tail_waiters,
+                  [&] { return h->tail.load(std::memory_order_acquire) == static_cast<std::uint32_t>(head_); });
+  if (!err.empty()) return err;
+  req.add_progress(req.info().nbytes);
+  ++next_seq_;
+  return "";
+}
+
 std::string SendChannel::run(Request& req) {
   RingHeader* h = ring_.header();
   if (std::string e = ring_.error(); !e.empty()) return "channel broken: " + e;
   const std::uint64_t nbytes = req.info().nbytes;
+  if (nbytes >= cfg_.single_copy_min_bytes && single_copy_active()) return run_single_copy(req);
   const std::uint64_t slot = pipeline_chunk_bytes(nbytes, ring_.slot_bytes());
   const std::uint32_t slots = ring_.num_slots();
   std::uint64_t offset = 0;
@@ -300,6 +353,21 @@ void SendChannel::fail_pending_locked(const std::string& why) {
 RecvChannel::RecvChannel(std::shared_ptr<ShmSegment> segment, int self_rank, int peer_rank, ChannelConfig cfg)
     : Channel(Side::kReceiver, std::move(segment), self_rank, peer_rank, std::move(cfg)) {
   tail_ = ring_.header()->tail.load(std::memory_order_acquire);
+  probe_single_copy();
+}
+
+void RecvChannel::probe_single_copy() {
+  RingHeader* h = ring_.header();
+  bool ok = false;
+  const int pid = h->pid[idx(Side::kSender)].load(std::memory_order_acquire);
+  const std::uint64_t addr = h->sender_probe_addr.load(std::memory_order_acquire);
+  if (cfg_.single_copy && pid > 0 && addr != 0) {
+    // EPERM under Yama ptrace_scope >= 1 (unless related) or a seccomp/container policy; then: the ring path.
+    std::uint64_t word = 0;
+    ok = read_peer(pid, addr, &word, sizeof word) == static_cast<ssize_t>(sizeof word) && word == kRingMagic;
+  }
+  h->single_copy.store(static_cast<std::uint32_t>(ok ? SingleCopy::kPermitted : SingleCopy::kUnavailable),
+                       std::memory_order_release);
 }
 
 RecvChannel::~RecvChannel() { close(); }
@@ -380,6 +448,7 @@ void RecvChannel::break_channel(const std::shared_ptr<Request>& req, const std::
 }
 
 std::string RecvChannel::drain(const SlotHeader& first, unsigned char* dst, Request* progress) {
+  if (first.kind == static_cast<std::uint32_t>(ChunkKind::kDescriptor)) return read_remote(first, dst, progress);
   RingHeader* h = ring_.header();
   const std::uint64_t nbytes = first.nbytes;
   std::uint64_t offset = 0;
@@ -410,16 +479,58 @@ std::string RecvChannel::drain(const SlotHeader& first, unsigned char* dst, Requ
   }
 }
 
+std::string RecvChannel::read_remote(const SlotHeader& first, unsigned char* dst, Request* progress) {
+  RingHeader* h = ring_.header();
+  RemoteDescriptor d{};
+  std::memcpy(&d, ring_.slot_data(tail_), sizeof d);
+  const int sender_pid = h->pid[idx(Side::kSender)].load(std::memory_order_acquire);
+  if (first.chunk_bytes != 0 || d.pid <= 0 || d.pid != sender_pid) {
+    std::ostringstream s;
+    s << "corrupt ring: descriptor of message " << first.msg_seq << " names pid " << d.pid << " (sender pid "
+      << sender_pid << ") and carries " << first.chunk_bytes << " payload bytes";
+    ring_.set_error(s.str());
+    return s.str();
+  }
+  // Pieces: a close() or a broken ring is noticed between them, and progress moves.
+  constexpr std::uint64_t kPiece = 4u << 20;
+  std::uint64_t offset = 0;
+  while (offset < first.nbytes) {
+    if (stop_.load(std::memory_order_acquire)) return "rank " + std::to_string(self_rank_) + " closed the channel";
+    const std::uint64_t n = std::min(kPiece, first.nbytes - offset);
+    const ssize_t got = read_peer(d.pid, d.address + offset, dst + offset, n);
+    if (got <= 0) {
+      const int e = got < 0 ? errno : EFAULT;
+      std::ostringstream s;
+      s << "peer rank " << peer_rank_ << " (pid " << d.pid << ") ";
+      if (e == ESRCH || !process_dead_reason(d.pid).empty()) {
+        s << "exited during a single-copy read at byte " << offset << " of " << first.nbytes;
+      } else {
+        s << "could not be read with process_vm_readv at byte " << offset << " of " << first.nbytes << ": "
+          << std::strerror(e);
+      }
+      ring_.set_error(s.str());
+      return s.str();
+    }
+    offset += static_cast<std::uint64_t>(got);
+    if (progress != nullptr) progress->add_progress(static_cast<std::uint64_t>(got));
+  }
+  // Done with the sender's buffer: releasing the slot is the acknowledgement.
+  ++tail_;
+  h->tail.store(static_cast<std::uint32_t>(tail_), std::memory_order_seq_cst);
+  wake_if_waiting(&h->tail, &h->tail_waiters);
+  return "";
+}
+
 std::string RecvChannel::receive_one() {
   RingHeader* h = ring_.header();
   std::string err =
       wait_ring(&h->head, &h->head_waiters, [&] { return h->head.load(std::memory_order_acquire) != static_cast<std::uint32_t>(tail_); });
   if (!err.empty()) return err;
   const SlotHeader first = *ring_.slot_header(tail_);
-  if (first.msg_seq != next_seq_ || first.offset != 0) {
+  if (first.msg_seq != next_seq_ || first.offset != 0 || first.kind > static_cast<std::uint32_t>(ChunkKind::kDescriptor)) {
     std::ostringstream s;
     s << "corrupt ring: expected the start of message " << next_seq_ << ", found seq " << first.msg_seq
-      << " offset " << first.offset;
+      << " offset " << first.offset << " kind " << first.kind;
     ring_.set_error(s.str());
     return s.str();
   }

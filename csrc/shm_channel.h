@@ -15,6 +15,13 @@
 // naming both sides, marks the ring broken (the sender's next operation fails
 // too) and never writes the caller's buffer.
 //
+// Single copy (see shm_ring.h). A send of >= single_copy_min_bytes, when the
+// receiver's attach-time probe allowed it, posts a descriptor instead of its
+// payload and completes only once the receiver has read the bytes straight
+// from the sender's buffer (process_vm_readv) and released the slot. Matching,
+// mismatch errors and liveness are the same as on the ring path; a sender that
+// dies mid-read is reported by pid, as is a receiver that dies before it acks.
+//
 // Liveness. While sleeping on the ring a worker re-checks every
 // `liveness_interval_s` whether the peer process still exists (pid in the ring
 // header), whether the peer closed its end and whether the ring is broken.
@@ -42,6 +49,8 @@ struct ChannelConfig {
   double liveness_interval_s = 0.05;           //!< how often a sleeping wait checks the peer process
   std::uint64_t inline_max_bytes = 64 * 1024;  //!< sends up to this size may be copied by the posting thread
   std::vector<std::string> dtype_names;        //!< optional names of dtype codes, for error messages
+  bool single_copy = true;                     //!< allow the process_vm_readv path (receiver probes, both must allow)
+  std::uint64_t single_copy_min_bytes = 256 * 1024;  //!< sends of at least this size use it (>= 1)
 
   //! Throws std::invalid_argument naming the violated constraint.
   void validate() const;
@@ -69,6 +78,8 @@ class Channel {
   int peer_rank() const { return peer_rank_; }
   //! The peer's pid from the ring header (0 until the peer attached).
   int peer_pid() const;
+  //! True once the receiver's probe allowed single-copy reads on this ring and our config allows them.
+  bool single_copy_active() const;
   const std::shared_ptr<ShmSegment>& segment() const { return segment_; }
 
  protected:
@@ -127,6 +138,8 @@ class SendChannel final : public Channel {
   std::string run(Request& req);
   //! Write one chunk into the next slot (a free slot must exist) and publish it.
   void write_chunk(const Request& req, std::uint64_t offset, std::uint64_t n);
+  //! Publish a descriptor of the whole message and wait for the receiver's read; "" or the error.
+  std::string run_single_copy(Request& req);
 
   std::deque<std::shared_ptr<Request>> queue_;  // guarded by mu_
   std::uint64_t head_ = 0;                      // chunks published (64-bit); owned by the busy-token holder
@@ -159,6 +172,10 @@ class RecvChannel final : public Channel {
   std::string receive_one();
   //! Copy the message whose first chunk header is `first` into dst (nullptr only when nbytes == 0).
   std::string drain(const SlotHeader& first, unsigned char* dst, Request* progress);
+  //! drain() for a descriptor chunk: read the sender's memory, then release the slot.
+  std::string read_remote(const SlotHeader& first, unsigned char* dst, Request* progress);
+  //! Attach-time probe: may we read the sender's memory? Publishes the verdict in the ring header.
+  void probe_single_copy();
   //! "" if a message (nbytes, dtype) may land in `req`, else the mismatch text.
   std::string check_match(const Request& req, std::uint64_t nbytes, std::int32_t dtype) const;
   //! Earliest posted receive with `tag`, removed from posted_ (caller holds mu_), or null.

@@ -73,6 +73,8 @@ std::shared_ptr<Request> Engine::recv(int peer, void* dst, std::uint64_t nbytes,
   return recv_channel(peer)->post(dst, nbytes, tag, dtype, std::move(what));
 }
 
+bool Engine::single_copy_to(int peer) { return send_channel(peer)->single_copy_active(); }
+
 bool Engine::has_send_channel(int peer) const {
   std::lock_guard<std::mutex> lk(mu_);
   return send_.count(peer) != 0;

@@ -38,6 +38,9 @@ class Engine {
   std::shared_ptr<Request> recv(int peer, void* dst, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
                                 std::string what = "");
 
+  //! Whether large sends to `peer` go single-copy (process_vm_readv; see shm_ring.h).
+  bool single_copy_to(int peer);
+
   bool has_send_channel(int peer) const;
   bool has_recv_channel(int peer) const;
   //! Close every channel (fails unfinished requests) and unmap. Idempotent.

@@ -21,6 +21,17 @@
 // sequentially consistent, so either the waker sees the waiter or the waiter
 // sees the new value (no lost wake-up); FUTEX_WAIT also re-checks the value
 // atomically. Waits are bounded (a few ms) so liveness is re-checked.
+//
+// Single copy. A message of at least ChannelConfig::single_copy_min_bytes may
+// travel as one descriptor chunk (SlotHeader::kind == kDescriptor, slot data a
+// RemoteDescriptor) instead of its payload: the receiver copies the bytes
+// straight out of the sender's memory with process_vm_readv (one copy instead
+// of two), then releases the slot (tail). The sender keeps its buffer until
+// tail has passed the descriptor, which is the acknowledgement. Whether this is
+// allowed is decided once by the receiver when it attaches: it reads a known
+// word (the magic, at the address the sender recorded in sender_probe_addr)
+// out of the sender process and publishes the outcome in `single_copy`
+// (ptrace_scope / container policies may forbid the read: then the ring path).
 #pragma once
 
 #include <atomic>
@@ -31,7 +42,7 @@
 namespace dualpipe::shm {
 
 inline constexpr std::uint64_t kRingMagic = 0x31676e69726b7064ULL;  // "dpkring1"
-inline constexpr std::uint32_t kRingVersion = 1;
+inline constexpr std::uint32_t kRingVersion = 2;
 inline constexpr std::size_t kCacheLine = 64;
 inline constexpr std::size_t kErrorTextBytes = 320;
 
@@ -40,6 +51,19 @@ enum class Side : std::uint32_t { kSender = 0, kReceiver = 1 };
 
 //! Attach state of one side (RingHeader::state[side]).
 enum class SideState : std::uint32_t { kAbsent = 0, kAttached = 1, kClosed = 2 };
+
+//! What a slot carries (SlotHeader::kind).
+enum class ChunkKind : std::uint32_t { kPayload = 0, kDescriptor = 1 };
+
+//! RingHeader::single_copy: the receiver's verdict on reading the sender's memory.
+enum class SingleCopy : std::uint32_t { kUnknown = 0, kPermitted = 1, kUnavailable = 2 };
+
+//! Slot data of a kDescriptor chunk: where the whole message lies in the sender.
+struct RemoteDescriptor {
+  std::uint64_t address;  //!< the sender's virtual address of byte 0
+  std::int32_t pid;       //!< the sender process
+  std::uint32_t reserved;
+};
 
 //! Per-chunk header, written by the sender before it publishes the slot.
 //! Every chunk repeats the message's identity so the receiver can check that
@@ -51,7 +75,7 @@ struct alignas(kCacheLine) SlotHeader {
   std::int64_t tag;           //!< the sender's tag
   std::uint64_t chunk_bytes;  //!< bytes of payload in this slot (<= slot_bytes)
   std::int32_t dtype;         //!< caller-defined element type code (checked, not interpreted)
-  std::uint32_t reserved;
+  std::uint32_t kind;         //!< a ChunkKind; a kDescriptor chunk has chunk_bytes == 0
 };
 
 struct RingHeader {
@@ -72,6 +96,9 @@ struct RingHeader {
   std::atomic<std::uint32_t> state[2];                      //!< per Side, a SideState
   std::atomic<std::uint32_t> error;                         //!< 0 ok, 1 being written, 2 set
   char error_text[kErrorTextBytes];                         //!< valid once error == 2
+
+  alignas(kCacheLine) std::atomic<std::uint64_t> sender_probe_addr;  //!< &magic in the sender's mapping (0: none)
+  std::atomic<std::uint32_t> single_copy;                            //!< a SingleCopy, written by the receiver
 };
 
 static_assert(std::atomic<std::uint32_t>::is_always_lock_free, "futex words must be lock-free");

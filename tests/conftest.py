@@ -20,6 +20,17 @@ from typing import Any
 
 import pytest
 
+# CI runs the property tests on a fixed set of examples (reproducible); locally
+# hypothesis explores new ones on every run.
+try:
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("ci", derandomize=True, print_blob=True)
+    if os.environ.get("CI"):
+        _hyp_settings.load_profile("ci")
+except ImportError:  # hypothesis is a test dependency; conftest must not fail without it
+    pass
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)

@@ -7,6 +7,12 @@ regenerated from a seed on the receiver and compared bit for bit.  The kill
 test has its own group: rank 0 kills itself in the middle of a 64 MiB transfer,
 and rank 1 must fail promptly with an error naming it.  Afterwards no
 ``/dev/shm`` segment created by either process may remain.
+
+Large messages take the single-copy path (the receiver reads the sender's
+tensor with process_vm_readv) when the attach-time probe permits it; the size
+scenarios run once with it allowed and once with it off (the ring path), and
+the kill test kills a ring sender mid-transfer and a single-copy sender whose
+descriptor is waiting to be read.
 """
 
 from __future__ import annotations
@@ -25,13 +31,16 @@ import torch.distributed as dist
 
 from dualpipe_kernels.runtime.launch import spawn, spawn_outcomes
 from dualpipe_kernels.transport.base import TransportError, TransportTimeout
-from dualpipe_kernels.transport.native import NativeTransport, load_engine_module
+from dualpipe_kernels.transport.native import SINGLE_COPY_ENV, NativeTransport, load_engine_module
 
 SLOT_BYTES = 64 * 1024
 NUM_SLOTS = 3  # an odd count so that chunk indices wrap the ring at shifting offsets
 #: 0 B, 1 B, odd, exactly one slot, one slot + 1, several slots' worth (wraps the ring), 1 MiB + 1, 64 MiB
 SIZES = [0, 1, 3, 4095, SLOT_BYTES, SLOT_BYTES + 1, 5 * SLOT_BYTES + 17, (1 << 20) + 1, 64 << 20]
 WAIT_S = 30.0
+SINGLE_COPY_MIN = 256 * 1024
+#: around the single-copy threshold, and far above it
+SINGLE_COPY_SIZES = [SINGLE_COPY_MIN - 1, SINGLE_COPY_MIN, SINGLE_COPY_MIN + 1, 3 * SINGLE_COPY_MIN + 5, 64 << 20]
 
 
 def _payload(nbytes: int, seed: int) -> torch.Tensor:
@@ -39,8 +48,24 @@ def _payload(nbytes: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
 
 
-def _transport() -> NativeTransport:
-    return NativeTransport(timeout_s=WAIT_S, num_slots=NUM_SLOTS, slot_bytes=SLOT_BYTES)
+def _transport(single_copy: bool | None = None) -> NativeTransport:
+    return NativeTransport(
+        timeout_s=WAIT_S,
+        num_slots=NUM_SLOTS,
+        slot_bytes=SLOT_BYTES,
+        single_copy=single_copy,
+        single_copy_min_bytes=SINGLE_COPY_MIN,
+    )
+
+
+def _cross_memory_attach_expected() -> bool:
+    """Whether process_vm_readv between two sibling processes must work here: root, or Yama ptrace_scope 0/absent."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope = int(f.read().strip())
+    except (OSError, ValueError):
+        scope = 0
+    return os.geteuid() == 0 or scope == 0
 
 
 # ---------------------------------------------------------------- scenarios (run on both ranks)
@@ -59,6 +84,61 @@ def _sizes_both_directions(rank: int) -> None:
             s.wait()
             r.wait()
             assert torch.equal(dst.view(torch.uint8), _payload(n, seed=1000 * peer + i)), f"payload of {n} B differs"
+
+
+def _single_copy_sizes(rank: int, single_copy: bool) -> None:
+    """Sizes around the single-copy threshold and 64 MiB, both directions at once, bit for bit, on one path."""
+    peer = 1 - rank
+    with _transport(single_copy=single_copy) as t:
+        if not single_copy:
+            assert t.single_copy_peers() == (), t.single_copy_peers()
+        elif _cross_memory_attach_expected():
+            assert t.single_copy_peers() == (peer,), "the probe should have allowed process_vm_readv here"
+        for i, n in enumerate(SINGLE_COPY_SIZES):
+            src = _payload(n, seed=7000 * rank + i)
+            dst = torch.empty(n, dtype=torch.uint8)
+            r = t.irecv(dst, peer, tag=i, what=f"size {n}")
+            s = t.isend(src, peer, tag=i, what=f"size {n}")
+            s.wait()
+            r.wait()
+            assert torch.equal(dst, _payload(n, seed=7000 * peer + i)), f"payload of {n} B differs"
+
+
+def _single_copy_env_off(rank: int) -> None:
+    """DUALPIPE_KERNELS_SINGLE_COPY=0 turns the path off (on both ranks here); messages still arrive."""
+    old = os.environ.get(SINGLE_COPY_ENV)
+    os.environ[SINGLE_COPY_ENV] = "0"
+    try:
+        t = _transport()
+    finally:
+        if old is None:
+            del os.environ[SINGLE_COPY_ENV]
+        else:
+            os.environ[SINGLE_COPY_ENV] = old
+    with t:
+        assert t.single_copy_peers() == ()
+        n = 2 * SINGLE_COPY_MIN + 3
+        dst = torch.empty(n, dtype=torch.uint8)
+        r = t.irecv(dst, 1 - rank, tag=3)
+        t.isend(_payload(n, seed=rank), 1 - rank, tag=3).wait()
+        r.wait()
+        assert torch.equal(dst, _payload(n, seed=1 - rank))
+
+
+def _single_copy_mismatch(rank: int) -> None:
+    """A size mismatch on the single-copy path: the receive tensor is untouched and the waiting sender fails."""
+    n = 2 * SINGLE_COPY_MIN
+    with _transport(single_copy=True) as t:
+        if rank == 0:
+            with pytest.raises(TransportError, match="receiver reported"):
+                t.isend(_payload(n, seed=3), 1, tag=5, what="big send").wait(10.0)
+        else:
+            dst = torch.full((n + 8,), 9, dtype=torch.uint8)
+            with pytest.raises(TransportError, match="size mismatch") as ei:
+                t.irecv(dst, 0, tag=5, what="big recv").wait(10.0)
+            assert "big recv" in str(ei.value) and f"{n} B" in str(ei.value), str(ei.value)
+            assert bool((dst == 9).all()), "a mismatched receive wrote into the tensor"
+        dist.barrier()
 
 
 def _many_in_flight_out_of_order_waits(rank: int) -> None:
@@ -174,6 +254,10 @@ SCENARIOS: dict[str, Callable[[int], None]] = {
     "many_in_flight_out_of_order_waits": _many_in_flight_out_of_order_waits,
     "same_tag_fifo_and_tag_matching": _same_tag_fifo_and_tag_matching,
     "timeout_names_peer_and_transfer": _timeout_names_peer_and_transfer,
+    "single_copy_sizes": lambda r: _single_copy_sizes(r, single_copy=True),
+    "ring_sizes_single_copy_off": lambda r: _single_copy_sizes(r, single_copy=False),
+    "single_copy_env_off": _single_copy_env_off,
+    "single_copy_mismatch": _single_copy_mismatch,
     "size_mismatch": lambda r: _mismatch(r, "size"),
     "dtype_mismatch": lambda r: _mismatch(r, "dtype"),
     "bad_input_and_close": _bad_input_and_close,
@@ -215,34 +299,55 @@ def test_no_segment_outlives_the_processes(scenario_results: list[dict[str, Any]
 # ---------------------------------------------------------------- kill test
 
 
-def _kill_mid_transfer(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
-    t = NativeTransport(timeout_s=timeout_s, num_slots=NUM_SLOTS, slot_bytes=SLOT_BYTES)
+def _kill_mid_transfer(rank: int, world_size: int, timeout_s: float, single_copy: bool) -> dict[str, Any]:
+    t = NativeTransport(
+        timeout_s=timeout_s,
+        num_slots=NUM_SLOTS,
+        slot_bytes=SLOT_BYTES,
+        single_copy=single_copy,
+        single_copy_min_bytes=SINGLE_COPY_MIN,
+    )
     n = 64 << 20
+    active = bool(t.single_copy_peers())
     if rank == 0:
         h = t.isend(_payload(n, seed=1), 1, tag=1)
-        deadline = time.monotonic() + timeout_s
-        while h._request.bytes_done() < 4 * SLOT_BYTES and time.monotonic() < deadline:  # mid-transfer
-            time.sleep(0.0005)
+        if active:
+            time.sleep(0.3)  # the descriptor is published; rank 1 reads it only after we are gone
+        else:
+            deadline = time.monotonic() + timeout_s
+            while h._request.bytes_done() < 4 * SLOT_BYTES and time.monotonic() < deadline:  # mid-transfer
+                time.sleep(0.0005)
         os.kill(os.getpid(), signal.SIGKILL)
+    if active:
+        time.sleep(1.0)
     h = t.irecv(torch.empty(n, dtype=torch.uint8), 0, tag=1, what="doomed")
     t0 = time.monotonic()
     try:
         h.wait()
     except TransportError as exc:
-        return {"pid": os.getpid(), "error": str(exc), "type": type(exc).__name__, "after_s": time.monotonic() - t0}
-    return {"pid": os.getpid(), "error": None}
+        return {
+            "pid": os.getpid(),
+            "error": str(exc),
+            "type": type(exc).__name__,
+            "after_s": time.monotonic() - t0,
+            "active": active,
+        }
+    return {"pid": os.getpid(), "error": None, "active": active}
 
 
 @pytest.mark.timeout(300)
-def test_kill_peer_mid_transfer() -> None:
+@pytest.mark.parametrize("single_copy", [False, True], ids=["ring", "single_copy"])
+def test_kill_peer_mid_transfer(single_copy: bool) -> None:
     timeout_s = 60.0
-    outcomes = spawn_outcomes(_kill_mid_transfer, 2, timeout_s, timeout_s=180, pg_timeout_s=30)
+    outcomes = spawn_outcomes(_kill_mid_transfer, 2, timeout_s, single_copy, timeout_s=180, pg_timeout_s=30)
     assert not outcomes[0].ok, "rank 0 should have died"
     assert outcomes[1].ok, outcomes[1].error
     res = outcomes[1].value
     assert res["error"] is not None, "the receive completed although the sender was killed"
     assert res["type"] == "TransportError" and "rank 0" in res["error"] and "pid" in res["error"], res
     assert "doomed" in res["error"], res
+    if single_copy and _cross_memory_attach_expected():
+        assert res["active"] and "single-copy read" in res["error"], res
     assert res["after_s"] < timeout_s / 4, f"dead peer noticed only after {res['after_s']:.1f} s"
     dead_pid = re.search(r"pid (\d+)", res["error"])
     assert dead_pid is not None, res

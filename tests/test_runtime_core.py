@@ -397,3 +397,38 @@ def test_deferred_weight_grads_keep_no_history_and_free_the_graph() -> None:
         assert r["all_grads"], mode
         assert r["no_history"], f"{mode}: a parameter's .grad carries autograd history"
         assert r["live"] == [0, 0, 0, 0], f"{mode}: saved tensors alive after each step: {r['live']}"
+
+
+def _changing_shapes_worker(rank: int, world: int) -> list[bool]:
+    """Steps whose micro-batch shapes change from step to step (and an inference step in between)."""
+    torch.use_deterministic_algorithms(True)
+    sched = build_schedule("dualpipev", 2, 4)
+    torch.manual_seed(0)
+    model = [_mlp() for _ in range(sched.num_stages)]
+    mine = {s: copy.deepcopy(model[s]) for s in sched.stages_of_rank(rank)}
+    ref = {s: model[s] for s in range(sched.num_stages)}
+    pipe = Pipeline(sched, mine, timeout_s=30.0)
+    ok = []
+    for step, batch in enumerate([8, 8, 6, 6, 9, 8]):
+        g = torch.Generator().manual_seed(step)
+        x, t = torch.randn(batch, HIDDEN, generator=g), torch.randn(batch, HIDDEN, generator=g)
+        for m in list(mine.values()) + list(ref.values()):
+            m.zero_grad(set_to_none=True)
+        if step == 3:
+            with torch.no_grad():
+                res = pipe.step(x, labels=(t,), criterion=_criterion)
+                want = run_reference(ref, sched, (x,), (t,), _criterion, forward_only=True)
+            ok.append(all(torch.equal(v, want[m]) for m, v in res.losses.items()))
+            continue
+        res = pipe.step(x, labels=(t,), criterion=_criterion)
+        want = run_reference(ref, sched, (x,), (t,), _criterion)
+        ok.append(all(torch.equal(v, want[m]) for m, v in res.losses.items()) and _grads_match(mine, ref, exact=True))
+    pipe.close()
+    return ok
+
+
+@pytest.mark.timeout(180)
+def test_shapes_that_change_between_steps_stay_exact() -> None:
+    """Receives are posted speculatively with the previous step's layout: a changed layout must still be exact."""
+    for rank, ok in enumerate(spawn(_changing_shapes_worker, 2, timeout_s=150)):
+        assert all(ok), (rank, ok)

@@ -2,6 +2,7 @@
 // directions at once, a dead peer, segment cleanup.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -140,6 +141,111 @@ TEST(ShmProcess, DeadReceiverIsReportedToSender) {
   });
   EXPECT_EQ(wait_exit_code(child), 128 + SIGKILL);  // reaped: kill(pid, 0) now fails with ESRCH
   const auto src = payload(10000, 2);                // far more than the 2 x 64 B ring holds
+  auto s = tx.post(src.data(), src.size(), 1, 0);
+  ASSERT_TRUE(s->wait(20.0));
+  EXPECT_EQ(s->state(), Request::State::kFailed);
+  EXPECT_NE(s->error().find("peer rank 2 (pid " + std::to_string(child) + ") exited"), std::string::npos)
+      << s->error();
+}
+
+//! Can this process read `pid`'s memory (what the receiver's attach-time probe asks)?
+bool can_read_memory_of(pid_t pid, const void* addr_there) {
+  std::uint64_t word = 0;
+  iovec l{&word, sizeof word};
+  iovec r{const_cast<void*>(addr_there), sizeof word};
+  return ::process_vm_readv(pid, &l, 1, &r, 1, 0) == static_cast<ssize_t>(sizeof word);
+}
+
+TEST(ShmProcess, SingleCopyBetweenForkedProcesses) {
+  // As TwoForkedProcessesBothDirections, with most messages above the single-copy threshold.
+  auto cfg = small_config(3, 4096);
+  cfg.single_copy_min_bytes = 4096;
+  Engine parent(0, cfg);
+  const std::string to_child = parent.create_send_channel(1);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t child = fork_child([&] {
+    ::close(fds[0]);
+    Engine e(1, cfg);
+    e.attach_recv_channel(0, to_child);
+    const std::string to_parent = e.create_send_channel(0);
+    const std::size_t len = to_parent.size();
+    if (::write(fds[1], &len, sizeof len) != sizeof len) return 2;
+    if (::write(fds[1], to_parent.data(), len) != static_cast<ssize_t>(len)) return 2;
+    const int bad = exchange(e, 0, 40);
+    e.close();
+    return bad == 0 ? 0 : 3;
+  });
+  ::close(fds[1]);
+  std::size_t len = 0;
+  ASSERT_EQ(::read(fds[0], &len, sizeof len), static_cast<ssize_t>(sizeof len));
+  std::string to_parent(len, '\0');
+  ASSERT_EQ(::read(fds[0], to_parent.data(), len), static_cast<ssize_t>(len));
+  ::close(fds[0]);
+  parent.attach_recv_channel(1, to_parent);
+  // The child probed us when it attached; the ring to the child uses single copy iff such reads work here.
+  const bool readable = can_read_memory_of(child, &cfg);  // fork: same address in the child
+  EXPECT_EQ(parent.single_copy_to(1), readable);
+  EXPECT_EQ(exchange(parent, 1, 40), 0);
+  EXPECT_EQ(wait_exit_code(child), 0);
+  parent.close();
+}
+
+TEST(ShmProcess, SenderDeadBeforeItsDescriptorIsReadIsReportedByName) {
+  auto cfg = small_config(2, 256);
+  cfg.single_copy_min_bytes = 4096;
+  auto seg = create_ring_segment(cfg, 5, 6);
+  auto* h = static_cast<RingHeader*>(seg->data());
+  int ready[2], go[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  constexpr std::size_t kBytes = 8u << 20;
+  const pid_t child = fork_child([&] {
+    SendChannel tx(seg, 5, 6, cfg);
+    char c = 1;
+    if (::write(ready[1], &c, 1) != 1 || ::read(go[0], &c, 1) != 1) return 2;  // the receiver probes us meanwhile
+    const std::vector<unsigned char> src(kBytes, 1);
+    auto s = tx.post(src.data(), src.size(), 1, 0);
+    while (h->head.load() == 0) std::this_thread::yield();  // the descriptor is published
+    ::kill(::getpid(), SIGKILL);
+    return 0;
+  });
+  char c = 0;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  RecvChannel rx(seg, 6, 5, cfg);
+  const bool single_copy = h->single_copy.load() == static_cast<std::uint32_t>(SingleCopy::kPermitted);
+  EXPECT_EQ(single_copy, can_read_memory_of(child, h));
+  ASSERT_EQ(::write(go[1], &c, 1), 1);
+  EXPECT_EQ(wait_exit_code(child), 128 + SIGKILL);  // reaped before we read: the read itself must fail
+  std::vector<unsigned char> dst(kBytes, 7);
+  auto r = rx.post(dst.data(), dst.size(), 1, 0, "doomed");
+  ASSERT_TRUE(r->wait(20.0)) << "a dead peer must not look like a silent one";
+  EXPECT_EQ(r->state(), Request::State::kFailed);
+  const std::string err = r->error();
+  EXPECT_NE(err.find("peer rank 5 (pid " + std::to_string(child) + ")"), std::string::npos) << err;
+  EXPECT_NE(err.find("exited"), std::string::npos) << err;
+  EXPECT_NE(err.find("doomed"), std::string::npos) << err;
+  if (single_copy) {
+    EXPECT_NE(err.find("during a single-copy read"), std::string::npos) << err;
+  }
+  for (int fd : {ready[0], ready[1], go[0], go[1]}) ::close(fd);
+}
+
+TEST(ShmProcess, DeadReceiverIsReportedToASingleCopySender) {
+  auto cfg = small_config(2, 64);
+  cfg.single_copy_min_bytes = 1024;
+  auto seg = create_ring_segment(cfg, 1, 2);
+  SendChannel tx(seg, 1, 2, cfg);
+  const pid_t child = fork_child([&] {
+    RecvChannel rx(seg, 2, 1, cfg);  // probes us, never receives
+    ::kill(::getpid(), SIGKILL);
+    return 0;
+  });
+  EXPECT_EQ(wait_exit_code(child), 128 + SIGKILL);
+  // The child's probe ran (whatever it concluded, the sender must notice the death either way).
+  EXPECT_NE(static_cast<RingHeader*>(seg->data())->single_copy.load(),
+            static_cast<std::uint32_t>(SingleCopy::kUnknown));
+  const auto src = payload(100000, 2);
   auto s = tx.post(src.data(), src.size(), 1, 0);
   ASSERT_TRUE(s->wait(20.0));
   EXPECT_EQ(s->state(), Request::State::kFailed);

@@ -49,6 +49,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--spin-us", type=float, default=None, help="native spin before sleeping, in us (default: transport default)"
     )
+    parser.add_argument(
+        "--single-copy",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="native single-copy path for large messages: auto = DUALPIPE_KERNELS_SINGLE_COPY (default on), "
+        "off = every message through the ring",
+    )
+    parser.add_argument(
+        "--single-copy-min-bytes",
+        type=int,
+        default=None,
+        help="smallest message that goes single-copy (default: transport default)",
+    )
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
@@ -103,12 +116,16 @@ def _worker(rank: int, world_size: int, sizes: list[int], reps: list[int], nativ
     torch.set_num_threads(1)
     peer = 1 - rank
     native = NativeTransport(timeout_s=120.0, **native_kw)
+    single_copy_active = peer in native.single_copy_peers()
     rows = []
     try:
         for size, n in zip(sizes, reps, strict=True):
             out_buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
             in_buf = torch.zeros(size, dtype=torch.uint8)
             row: dict[str, Any] = {"size_bytes": size, "reps": n}
+            row["native_path"] = (
+                "single-copy" if single_copy_active and size >= native_kw["single_copy_min_bytes"] else "ring"
+            )
 
             def nsend(t: torch.Tensor) -> None:
                 native.isend(t, peer, tag=1).wait()
@@ -178,7 +195,11 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the suite in two spawned processes; returns ``{"rows": [...], "targets": {...}, "config": {...}}``."""
     from dualpipe_kernels.runtime.launch import spawn
-    from dualpipe_kernels.transport.native import DEFAULT_NUM_SLOTS, DEFAULT_SLOT_BYTES
+    from dualpipe_kernels.transport.native import (
+        DEFAULT_NUM_SLOTS,
+        DEFAULT_SINGLE_COPY_MIN_BYTES,
+        DEFAULT_SLOT_BYTES,
+    )
 
     sizes = _sizes(args)
     reps = [_reps(s, args) for s in sizes]
@@ -188,6 +209,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.spin_us is not None:
         native_kw["spin_us"] = args.spin_us
+    single_copy = getattr(args, "single_copy", "auto")
+    if single_copy != "auto":
+        native_kw["single_copy"] = single_copy == "on"
+    native_kw["single_copy_min_bytes"] = getattr(args, "single_copy_min_bytes", None) or DEFAULT_SINGLE_COPY_MIN_BYTES
     t0 = time.perf_counter()
     rows = spawn(_worker, 2, sizes, reps, native_kw, timeout_s=600.0)[0]
     return {
@@ -206,6 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def to_markdown(result: dict[str, Any]) -> str:
     cols = [
         "size_bytes",
+        "native_path",
         "native_gbps",
         "gloo_gbps",
         "memcpy_gbps",
@@ -217,6 +243,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     ]
     heads = [
         "size (B)",
+        "native path",
         "native GB/s",
         "gloo GB/s",
         "memcpy GB/s (ceiling)",
@@ -233,7 +260,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         lines.append(f"- {name}: {shown} (target {t['target']}): {'met' if t['met'] else 'NOT met'}")
     cfg = result.get("config", {})
     lines.append(
-        f"\nnative ring: {cfg.get('num_slots')} slots x {cfg.get('slot_bytes')} B; {cfg.get('method', '')}. "
+        f"\nnative ring: {cfg.get('num_slots')} slots x {cfg.get('slot_bytes')} B; single copy from "
+        f"{cfg.get('single_copy_min_bytes')} B (when permitted); {cfg.get('method', '')}. "
         "Timings on a shared machine are noisy."
     )
     return "\n".join(lines)

@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from dualpipe_kernels.runtime.microbatch import split_microbatches
-from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, TagSpace
+from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace
 from dualpipe_kernels.runtime.timeline import TimelineEntry, TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import DeferredWeightGrad, WeightGradStore, backward_full, backward_input
 from dualpipe_kernels.schedules.ir import Action, ActionType, Schedule
@@ -84,6 +84,11 @@ class _StepState:
     out_grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
     deferred: dict[Key, DeferredWeightGrad] = field(default_factory=dict)
     recvs: dict[tuple[ActionType, int, int], BoundaryRecv] = field(default_factory=dict)
+    # RECV actions reached in the action list but not yet waited for: (type, stage, mb) -> the action.
+    # They are waited for by the compute that needs their data (see ``_run``).
+    deferred_recvs: dict[tuple[ActionType, int, int], Action] = field(default_factory=dict)
+    sent_early: set[int] = field(default_factory=set)  # indices of SEND_F actions already posted
+    rec: TimelineRecorder | None = None
     sends: list[tuple[BoundarySend, tuple[torch.Tensor, ...]]] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
@@ -176,10 +181,15 @@ class Pipeline(nn.Module):
             # Receive buffers may be allocated on a transport thread, whose current device differs.
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.tags = TagSpace(schedule.num_stages, schedule.num_microbatches)
+        # Message layouts of the previous step, so receives are posted before the metadata arrives (p2p.py).
+        self._layouts = LayoutMemory()
         self.weight_grad_store = WeightGradStore()
         self.mirror_of = _mirrors(schedule)
         self._actions = list(schedule.actions[self.rank])
         self._window_end = _window_ends(self._actions, recv_lookahead)
+        self._labels = [str(a) for a in self._actions]  # timeline labels, built once
+        # (stage, mb) -> index of its SEND_F: a pair posts its forward half's send before its backward half.
+        self._send_f_index = {(a.stage, a.microbatch): i for i, a in enumerate(self._actions) if a.type is _SEND_F}
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
         self._broken: str | None = None
@@ -302,6 +312,7 @@ class Pipeline(nn.Module):
 
     # ---- action loop ------------------------------------------------------
     def _run(self, st: _StepState, rec: TimelineRecorder) -> None:
+        st.rec = rec
         acts = self._actions
         next_post = 0
         for i, a in enumerate(acts):
@@ -319,8 +330,19 @@ class Pipeline(nn.Module):
             self._reap_sends(st, block=False)
             if st.forward_only and a.type in (_B, _I, _W, _SEND_B, _RECV_B):
                 continue
-            label = str(a)
-            with rec.span(label):
+            if a.type is _RECV_F or a.type is _RECV_B:
+                # Waited for by the compute that reads the data, not here: an F&B
+                # pair runs its forward half while its backward half's gradient
+                # is still in flight.  The timeline entry spans the actual wait.
+                self._post_recv(st, a)
+                st.deferred_recvs[(a.type, a.stage, a.microbatch)] = a
+                continue
+            if a.type is _SEND_F and i in st.sent_early:
+                continue  # posted (and recorded) by its F&B pair
+            if rec.enabled:
+                with rec.span(self._labels[i]):
+                    self._execute(st, a)
+            else:
                 self._execute(st, a)
 
     def _execute(self, st: _StepState, a: Action) -> None:
@@ -345,8 +367,23 @@ class Pipeline(nn.Module):
             raise ValueError(f"pipeline rank {self.rank}: cannot execute {a}")
 
     # ---- compute ----------------------------------------------------------
+    def _await(self, st: _StepState, t: ActionType, s: int, mb: int) -> None:
+        """Wait for the deferred receive ``(t, s, mb)`` if the action list has reached it."""
+        a = st.deferred_recvs.pop((t, s, mb), None)
+        if a is None:
+            return
+        rec = st.rec
+        if rec is not None and rec.enabled:
+            start = time.perf_counter()
+            self._complete_recv(st, a)
+            rec.add(str(a), start, time.perf_counter())
+        else:
+            self._complete_recv(st, a)
+
     def _stage_inputs(self, st: _StepState, s: int, mb: int) -> list[Any]:
         key = (s, mb)
+        if st.deferred_recvs:
+            self._await(st, _RECV_F, s, mb)
         if key in st.inputs:
             return st.inputs[key]
         if self.schedule.is_first_stage(s, mb) and mb in st.mb_inputs:
@@ -402,6 +439,8 @@ class Pipeline(nn.Module):
 
     def _grad_roots(self, st: _StepState, s: int, mb: int) -> list[tuple[GradientEdge, torch.Tensor | None]]:
         key = (s, mb)
+        if st.deferred_recvs:
+            self._await(st, _RECV_B, s, mb)
         roots = st.roots.pop(key, [])
         if self.schedule.is_loss_stage(s, mb):
             st.loss_tensors.pop(key, None)
@@ -457,6 +496,7 @@ class Pipeline(nn.Module):
         use_hook = not st.forward_only and self.overlap_hook and type(mf) is type(mb_)
         if not use_hook:
             self._forward(st, f.stage, f.microbatch)
+            self._send_early(st, f.stage, f.microbatch)
             if not st.forward_only:
                 self._backward(st, b.stage, b.microbatch, split=b.type is _I)
             return
@@ -472,6 +512,8 @@ class Pipeline(nn.Module):
             st.roots.pop(kb, None)
         else:
             loss1 = None
+            if st.deferred_recvs:
+                self._await(st, _RECV_B, b.stage, b.microbatch)
             outs = st.hook_outputs.pop(kb, ())
             g = st.out_grads.pop(kb, None)
             if g is None:
@@ -489,6 +531,19 @@ class Pipeline(nn.Module):
         self._after_backward(st, b.stage, b.microbatch)
 
     # ---- communication ----------------------------------------------------
+    def _send_early(self, st: _StepState, s: int, mb: int) -> None:
+        """Post the SEND_F of a pair's forward half now, so the next rank has it before this pair's backward ends."""
+        i = self._send_f_index.get((s, mb))
+        if i is None or (s, mb) not in st.to_send_f:
+            return
+        a = self._actions[i]
+        rec = st.rec
+        start = time.perf_counter()
+        self._send(st, a, _DIR_F)
+        st.sent_early.add(i)
+        if rec is not None and rec.enabled:
+            rec.add(self._labels[i], start, time.perf_counter())
+
     def _peer_and_key(self, a: Action) -> tuple[int, tuple[int, int, int], int]:
         """(peer pipeline rank, tag key, direction) of a comm action."""
         sched, s, mb = self.schedule, a.stage, a.microbatch
@@ -519,7 +574,7 @@ class Pipeline(nn.Module):
         peer, key, _ = self._peer_and_key(a)
         # Transport errors already name this rank, the peer, the action and the micro-batch (``what``).
         st.recvs[k] = BoundaryRecv(
-            self._transport, self.to_group_rank[peer], self.tags, key, self._what(a, peer), self.device
+            self._transport, self.to_group_rank[peer], self.tags, key, self._what(a, peer), self.device, self._layouts
         )
 
     def _complete_recv(self, st: _StepState, a: Action) -> None:
@@ -546,7 +601,14 @@ class Pipeline(nn.Module):
             flags = [False] * len(tensors)
         peer, tkey, _ = self._peer_and_key(a)
         send = BoundarySend(
-            self._transport, tensors, flags, self.to_group_rank[peer], self.tags, tkey, self._what(a, peer)
+            self._transport,
+            tensors,
+            flags,
+            self.to_group_rank[peer],
+            self.tags,
+            tkey,
+            self._what(a, peer),
+            self._layouts,
         )
         keep = st.hook_outputs.get(key, ()) if direction == _DIR_F else ()
         st.sends.append((send, tuple(keep)))
@@ -571,6 +633,9 @@ class Pipeline(nn.Module):
 
     def _finish_sends(self, st: _StepState) -> None:
         self._reap_sends(st, block=True)
+        for a in list(st.deferred_recvs.values()):
+            # A receive whose data no compute read (should not happen in a valid schedule): still drain it.
+            self._await(st, a.type, a.stage, a.microbatch)
         if st.recvs:
             leftovers = [f"{s}{t}{m}" for t, s, m in st.recvs]
             raise RuntimeError(f"pipeline rank {self.rank}: receives posted but never consumed: {leftovers}")
@@ -611,6 +676,7 @@ class Pipeline(nn.Module):
                     self.tags,
                     (_DIR_MIRROR, s, 0),
                     f"{what} (to peer pipeline rank {peer})",
+                    self._layouts,
                 )
             )
             recv = BoundaryRecv(
@@ -620,6 +686,7 @@ class Pipeline(nn.Module):
                 (_DIR_MIRROR, t, 0),
                 f"{what} (from peer pipeline rank {peer})",
                 self.device,
+                self._layouts,
             )
             recvs.append((s, recv))
         for s, recv in recvs:

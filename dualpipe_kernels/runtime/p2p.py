@@ -62,6 +62,7 @@ META_LEN = 128
 MAX_TENSORS = 31  # speculative slots 1..31, fresh slots 32..62; slot 0 is the metadata, 63 is spare
 _SLOTS = 64
 _SPEC_BASE, _FRESH_BASE = 1, 32
+_MAX_ENCODED = 512
 _MAGIC = 0x44504B31  # "DPK1"
 
 _KIND_NONE, _KIND_TENSOR, _KIND_GRAD = 0, 1, 2
@@ -138,6 +139,10 @@ class LayoutMemory:
     def __init__(self) -> None:
         self.sent: dict[tuple[int, int, int], Layout] = {}
         self.received: dict[tuple[int, int, int], Layout] = {}
+        # Encoded metadata tensors by signature: a send only reads its metadata
+        # tensor, so messages with the same layout share one (never written after
+        # creation).  At most ``_MAX_ENCODED`` entries.
+        self.encoded: dict[tuple[object, ...], torch.Tensor] = {}
 
 
 def encode_meta(
@@ -162,9 +167,20 @@ def encode_meta(
         raise ValueError(
             f"stage boundary metadata needs {len(words)} words, more than {META_LEN}: too many tensors or dimensions"
         )
-    meta = torch.zeros(META_LEN, dtype=torch.int64)
-    meta[: len(words)] = torch.tensor(words, dtype=torch.int64)
-    return meta
+    return torch.tensor(words + [0] * (META_LEN - len(words)), dtype=torch.int64)
+
+
+def _meta_signature(
+    tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool], speculative: bool
+) -> tuple[object, ...]:
+    """Everything :func:`encode_meta` reads, as a hashable key (for the metadata cache)."""
+    return (
+        speculative,
+        tuple(
+            None if t is None else (t.dtype, tuple(t.shape), bool(g)) for t, g in zip(tensors, grad_flags, strict=False)
+        ),
+        len(tensors),
+    )
 
 
 def decode_meta(meta: torch.Tensor) -> tuple[list[TensorMeta | None], bool]:
@@ -212,7 +228,16 @@ class BoundarySend:
         hit = guess is not None and guess == layout
         if memory is not None:
             memory.sent[key] = layout
-        self._meta = encode_meta(tensors, grad_flags, speculative=hit)
+        if memory is not None:
+            sig = _meta_signature(tensors, grad_flags, hit)
+            meta = memory.encoded.get(sig)
+            if meta is None:
+                if len(memory.encoded) >= _MAX_ENCODED:
+                    memory.encoded.clear()  # shapes that change every step: keep the cache small
+                meta = memory.encoded[sig] = encode_meta(tensors, grad_flags, speculative=hit)
+        else:
+            meta = encode_meta(tensors, grad_flags, speculative=hit)
+        self._meta = meta
         self._payload: list[torch.Tensor | None] = [None if t is None else t.detach().contiguous() for t in tensors]
         self._handles: list[Handle] = [transport.isend(self._meta, peer, tags.tag(direction, stage, mb, 0), what)]
         if guess is not None and not hit:

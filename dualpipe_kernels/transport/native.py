@@ -15,12 +15,23 @@ ring and unlinks its name at once, so no ``/dev/shm`` entry outlives the
 constructor, even if a process is killed later.  Peers on another host fall back
 to :class:`~dualpipe_kernels.transport.torch_dist.TorchDistTransport`.
 
+Single copy.  A message of at least ``single_copy_min_bytes`` does not go through
+the ring: the sender posts a descriptor (pid, address, size) and the receiver
+copies the bytes straight from the sender's tensor into its own with
+``process_vm_readv`` (Linux cross-memory attach), one copy instead of two; the
+send completes once the receiver has read it.  Whether the receiver may read the
+sender's memory is probed once per ring at construction (Yama ``ptrace_scope``
+or a container policy may forbid it); if not, or if ``single_copy=False`` or the
+environment variable ``DUALPIPE_KERNELS_SINGLE_COPY=0``, every message uses the
+ring.  :meth:`NativeTransport.single_copy_peers` says which peers got it.
+
 A dead peer (its pid gone) fails the waiting transfer within about
 ``liveness_interval_s``; a silent one times out after ``timeout_s``.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import zlib
 from datetime import timedelta
@@ -53,6 +64,10 @@ DTYPES: tuple[torch.dtype, ...] = (
 )
 DEFAULT_NUM_SLOTS = 8
 DEFAULT_SLOT_BYTES = 256 * 1024
+#: sends of at least this many bytes are read by the receiver straight from the sender (when permitted)
+DEFAULT_SINGLE_COPY_MIN_BYTES = 256 * 1024
+#: environment variable: "0" turns the single-copy path off (any other value or unset: on)
+SINGLE_COPY_ENV = "DUALPIPE_KERNELS_SINGLE_COPY"
 _STORE_PREFIX = "dpk/native"
 
 
@@ -111,7 +126,10 @@ class NativeTransport(Transport):
     Construction is collective over the group.  ``num_slots`` (>= 2) and
     ``slot_bytes`` size each ring; ``spin_us`` is how long a waiting thread
     spins before it sleeps; ``liveness_interval_s`` how often a sleeping wait
-    checks that the peer process still exists.  ``host_id`` names this host
+    checks that the peer process still exists.  ``single_copy`` (default: on
+    unless ``DUALPIPE_KERNELS_SINGLE_COPY=0``) lets messages of at least
+    ``single_copy_min_bytes`` bytes be read by the receiver straight from the
+    sender's tensor (see the module docstring).  ``host_id`` names this host
     for grouping peers (default: the hostname); ranks with different host ids
     talk through torch.distributed.
     """
@@ -127,6 +145,8 @@ class NativeTransport(Transport):
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         spin_us: float = 50.0,
         liveness_interval_s: float = 0.05,
+        single_copy: bool | None = None,
+        single_copy_min_bytes: int = DEFAULT_SINGLE_COPY_MIN_BYTES,
         host_id: str | None = None,
     ) -> None:
         super().__init__(timeout_s)
@@ -138,6 +158,10 @@ class NativeTransport(Transport):
             raise ValueError(f"num_slots must be >= 2 (double buffering), got {num_slots}")
         if slot_bytes < 64:
             raise ValueError(f"slot_bytes must be >= 64, got {slot_bytes}")
+        if single_copy_min_bytes < 1:
+            raise ValueError(f"single_copy_min_bytes must be >= 1, got {single_copy_min_bytes}")
+        if single_copy is None:
+            single_copy = os.environ.get(SINGLE_COPY_ENV, "1").strip() != "0"
         shm = load_engine_module()
         self.group = group if group is not None else dist.group.WORLD
         self._rank = dist.get_rank(self.group)
@@ -152,6 +176,8 @@ class NativeTransport(Transport):
             spin_us=spin_us,
             liveness_interval_s=liveness_interval_s,
             dtype_names=[str(d).removeprefix("torch.") for d in DTYPES],
+            single_copy=single_copy,
+            single_copy_min_bytes=single_copy_min_bytes,
         )
         try:
             shm.sweep_stale_segments()
@@ -209,6 +235,10 @@ class NativeTransport(Transport):
     @property
     def world_size(self) -> int:
         return self._size
+
+    def single_copy_peers(self) -> tuple[int, ...]:
+        """Same-host peers to which sends of >= ``single_copy_min_bytes`` go single-copy (their probe succeeded)."""
+        return tuple(p for p in self.local_peers if self._engine.single_copy_to(p))
 
     def _check(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         if self._closed:
