@@ -514,6 +514,13 @@ std::string RecvChannel::read_remote(const SlotHeader& first, unsigned char* dst
     offset += static_cast<std::uint64_t>(got);
     if (progress != nullptr) progress->add_progress(static_cast<std::uint64_t>(got));
   }
+  // A sender that closed its end gave up on this message and may have freed the
+  // buffer while we read it (it frees only after publishing kClosed), so the
+  // bytes are trusted only if it is still open now, after the last read.
+  if (h->state[idx(Side::kSender)].load(std::memory_order_seq_cst) == static_cast<std::uint32_t>(SideState::kClosed)) {
+    return "peer rank " + std::to_string(peer_rank_) + " (pid " + std::to_string(d.pid) +
+           ") closed its end of the channel during a single-copy read";
+  }
   // Done with the sender's buffer: releasing the slot is the acknowledgement.
   ++tail_;
   h->tail.store(static_cast<std::uint32_t>(tail_), std::memory_order_seq_cst);

@@ -374,6 +374,22 @@ TEST(ShmSingleCopy, DtypeMismatchNamesBothDtypes) {
   EXPECT_EQ(s->state(), Request::State::kFailed);
 }
 
+TEST(ShmSingleCopy, SenderCloseBeforeTheReadFailsBothSides) {
+  // A closed sender may free its buffer: a descriptor it published is never delivered as valid data.
+  LocalPair p(single_copy_config(true));
+  const auto src = payload(100000, 1);
+  auto s = p.tx->post(src.data(), src.size(), 5, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  p.tx->close();
+  ASSERT_TRUE(s->query());
+  EXPECT_EQ(s->state(), Request::State::kFailed);
+  std::vector<unsigned char> dst(src.size());
+  auto r = p.rx->post(dst.data(), dst.size(), 5, 0);
+  ASSERT_TRUE(r->wait(10.0));
+  EXPECT_EQ(r->state(), Request::State::kFailed);
+  EXPECT_NE(r->error().find("closed its end"), std::string::npos) << r->error();
+}
+
 TEST(ShmSingleCopy, ReceiverCloseFailsTheWaitingSender) {
   LocalPair p(single_copy_config(true));
   const auto src = payload(100000, 1);
