@@ -401,13 +401,45 @@ def test_deferred_weight_grads_keep_no_history_and_free_the_graph() -> None:
 
 def _changing_shapes_worker(rank: int, world: int) -> list[bool]:
     """Steps whose micro-batch shapes change from step to step (and an inference step in between)."""
+    return _changing_shapes(rank, "torch") + _changing_shapes(rank, "native") + [_presplit_matches(rank)]
+
+
+def _presplit_matches(rank: int) -> bool:
+    """``step(microbatches=...)`` with the tensor_split pieces == ``step(full batch)``, bit for bit."""
+    sched = build_schedule("dualpipev", 2, 4)
+    torch.manual_seed(0)
+    mods = {s: _mlp() for s in sched.stages_of_rank(rank)}
+    copies = copy.deepcopy(mods)
+    g = torch.Generator().manual_seed(5)
+    x, t = torch.randn(11, HIDDEN, generator=g), torch.randn(11, HIDDEN, generator=g)
+    a, b = Pipeline(sched, mods, timeout_s=30.0), Pipeline(sched, copies, timeout_s=30.0)
+    ra = a.step(x, labels=(t,), criterion=_criterion)
+    rb = b.step(
+        microbatches=[(p,) for p in x.tensor_split(4)],
+        microbatch_labels=[(p,) for p in t.tensor_split(4)],
+        criterion=_criterion,
+    )
+    try:
+        b.step(microbatches=[(x,)], microbatch_labels=[(t,)], criterion=_criterion)
+        bad_count = False
+    except ValueError as e:
+        bad_count = "one entry per micro-batch" in str(e)
+    a.close()
+    b.close()
+    same_losses = ra.losses.keys() == rb.losses.keys() and all(
+        torch.equal(ra.losses[m], rb.losses[m]) for m in ra.losses
+    )
+    return same_losses and _grads_match(mods, copies, exact=True) and bad_count
+
+
+def _changing_shapes(rank: int, transport: str) -> list[bool]:
     torch.use_deterministic_algorithms(True)
     sched = build_schedule("dualpipev", 2, 4)
     torch.manual_seed(0)
     model = [_mlp() for _ in range(sched.num_stages)]
     mine = {s: copy.deepcopy(model[s]) for s in sched.stages_of_rank(rank)}
     ref = {s: model[s] for s in range(sched.num_stages)}
-    pipe = Pipeline(sched, mine, timeout_s=30.0)
+    pipe = Pipeline(sched, mine, timeout_s=30.0, transport=transport)
     ok = []
     for step, batch in enumerate([8, 8, 6, 6, 9, 8]):
         g = torch.Generator().manual_seed(step)
@@ -429,6 +461,9 @@ def _changing_shapes_worker(rank: int, world: int) -> list[bool]:
 
 @pytest.mark.timeout(180)
 def test_shapes_that_change_between_steps_stay_exact() -> None:
-    """Receives are posted speculatively with the previous step's layout: a changed layout must still be exact."""
+    """Receives are posted speculatively with the previous step's layout: a changed layout must still be exact.
+
+    Also: pre-split micro-batches (``step(microbatches=...)``) give the same result as the full batch.
+    """
     for rank, ok in enumerate(spawn(_changing_shapes_worker, 2, timeout_s=150)):
         assert all(ok), (rank, ok)

@@ -253,6 +253,8 @@ class Pipeline(nn.Module):
         labels: Sequence[Any] = (),
         criterion: Callable[..., torch.Tensor] | None = None,
         return_outputs: bool = False,
+        microbatches: Sequence[Sequence[Any]] | None = None,
+        microbatch_labels: Sequence[Sequence[Any]] | None = None,
     ) -> StepResult:
         """Run one step: forward+backward (or forward only under ``torch.no_grad()``).
 
@@ -260,6 +262,11 @@ class Pipeline(nn.Module):
         micro-batches along ``batch_dim``; needed only on ranks holding a first
         / loss stage.  ``criterion(*outputs, *labels) -> scalar`` on loss stages.
         Gradients accumulate into the stage modules' ``.grad``.
+
+        ``microbatches`` / ``microbatch_labels``: instead of ``inputs`` /
+        ``labels``, the micro-batches already split: one tuple of inputs
+        (labels) per micro-batch, ``schedule.num_microbatches`` of them (no
+        padding or splitting is done; shapes may differ between micro-batches).
         """
         if self._broken is not None:
             raise RuntimeError(f"pipeline rank {self.rank}: a previous step failed ({self._broken}); rebuild it")
@@ -268,7 +275,9 @@ class Pipeline(nn.Module):
         forward_only = not torch.is_grad_enabled()
         first = [m for m in range(n) if sched.path(m)[0] in self.stages]
         last = [m for m in range(n) if sched.path(m)[-1] in self.stages]
-        if first and not inputs:
+        pre_in = _presplit(microbatches, n, "microbatches", inputs)
+        pre_lab = _presplit(microbatch_labels, n, "microbatch_labels", tuple(labels))
+        if first and not inputs and pre_in is None:
             raise ValueError(
                 f"pipeline rank {self.rank} holds first stage(s) {sorted({sched.path(m)[0] for m in first})}: "
                 "step() needs the inputs"
@@ -278,8 +287,15 @@ class Pipeline(nn.Module):
                 f"pipeline rank {self.rank} holds loss stage(s) {sorted({sched.path(m)[-1] for m in last})}: "
                 "training needs a criterion"
             )
-        split_in = split_microbatches(inputs, n, self.batch_dim) if first else []
-        split_lab = split_microbatches(tuple(labels), n, self.batch_dim) if (last and criterion is not None) else []
+        if pre_in is not None:
+            split_in = pre_in if first else []
+        else:
+            split_in = split_microbatches(inputs, n, self.batch_dim) if first else []
+        want_labels = bool(last) and criterion is not None
+        if pre_lab is not None:
+            split_lab = pre_lab if want_labels else []
+        else:
+            split_lab = split_microbatches(tuple(labels), n, self.batch_dim) if want_labels else []
         state = _StepState(
             forward_only=forward_only,
             return_outputs=return_outputs,
@@ -698,6 +714,20 @@ class Pipeline(nn.Module):
                     param.grad = grad if param.grad is None else param.grad + grad
         for send in sends:
             send.wait(self.timeout_s)
+
+
+def _presplit(
+    given: Sequence[Sequence[Any]] | None, n: int, name: str, full: tuple[Any, ...]
+) -> list[tuple[Any, ...]] | None:
+    """Check pre-split micro-batches (``given``): ``n`` tuples, and not together with the full batch."""
+    if given is None:
+        return None
+    if full:
+        raise ValueError(f"pass either the full batch or {name}=, not both")
+    out = [tuple(mb) if isinstance(mb, (tuple, list)) else (mb,) for mb in given]
+    if len(out) != n:
+        raise ValueError(f"{name} must hold one entry per micro-batch: {n} expected, got {len(out)}")
+    return out
 
 
 def _pack_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:

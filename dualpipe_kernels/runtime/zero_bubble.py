@@ -269,15 +269,18 @@ def backward_input(
         return DeferredWeightGrad([])
     root_nodes = [e.node for e, _ in roots]
     parents = _graph(root_nodes)
-    input_nodes = [get_gradient_edge(x).node for x in inputs]
+    # Each leaf's edge once (get_gradient_edge builds a view per call to reach its AccumulateGrad).
+    input_edges = [get_gradient_edge(x) for x in inputs]
+    input_nodes = [e.node for e in input_edges]
     closure = _upward(input_nodes, parents)  # nodes that lead to a stage input
     root_set = set(root_nodes)
 
-    eager: list[torch.Tensor] = []
+    eager: list[GradientEdge] = []
     groups: dict[int, _Group] = {}
     group_of_node: dict[Node, int] = {}
     for p in params:
-        acc = get_gradient_edge(p).node
+        edge = get_gradient_edge(p)
+        acc = edge.node
         if acc not in parents:
             continue  # unused in this stage for this micro-batch
         cuts: set[Node] = set()
@@ -298,7 +301,7 @@ def backward_input(
             if n in root_set and n not in closure:
                 hit_roots.add(n)
         if custom:
-            eager.append(p)
+            eager.append(edge)
             continue
         keys = cuts | hit_roots
         # Merge with every existing group that shares a cut node or root.
@@ -333,7 +336,7 @@ def backward_input(
 
             handles.append(node.register_prehook(record))
     try:
-        targets = [get_gradient_edge(x) for x in inputs] + [get_gradient_edge(p) for p in eager]
+        targets = input_edges + eager
         if targets:
             torch.autograd.backward(
                 [e for e, _ in roots], [g for _, g in roots], retain_graph=bool(groups), inputs=targets
