@@ -431,11 +431,33 @@ std::shared_ptr<Request> RecvChannel::post(void* dst, std::uint64_t nbytes, std:
     return req;
   }
   posted_.push_back(req);
+  if (posted_.size() == 1 && !busy_ && nbytes <= cfg_.inline_max_bytes && whole_message_ready_locked(tag, nbytes)) {
+    // Fast path: the message is already in the ring, whole, and nobody else is
+    // receiving: copy it on this thread (no hand-off to the worker, no wake-up).
+    busy_ = true;  // the busy token: tail_ / next_seq_ are ours until we clear it
+    lk.unlock();
+    std::string err = receive_one();
+    lk.lock();
+    busy_ = false;
+    if (!err.empty() && broken_.empty()) {
+      broken_ = err;
+      fail_pending_locked(err);
+    }
+    if (posted_.empty()) return req;  // (receives posted meanwhile are handed to the worker below)
+  }
   post_count_.fetch_add(1, std::memory_order_relaxed);
   ensure_worker();
   lk.unlock();
   cv_.notify_one();
   return req;
+}
+
+bool RecvChannel::whole_message_ready_locked(std::int64_t tag, std::uint64_t nbytes) const {
+  // !busy_ under mu_: the worker is not inside receive_one, so tail_ and next_seq_ are stable.
+  if (ring_.header()->head.load(std::memory_order_acquire) == static_cast<std::uint32_t>(tail_)) return false;
+  const SlotHeader* sh = ring_.slot_header(tail_);
+  return sh->msg_seq == next_seq_ && sh->offset == 0 && sh->tag == tag && sh->nbytes == nbytes &&
+         sh->chunk_bytes == nbytes && sh->kind == static_cast<std::uint32_t>(ChunkKind::kPayload);
 }
 
 void RecvChannel::break_channel(const std::shared_ptr<Request>& req, const std::string& why) {
@@ -479,6 +501,33 @@ std::string RecvChannel::drain(const SlotHeader& first, unsigned char* dst, Requ
   }
 }
 
+std::string RecvChannel::read_range(const RemoteDescriptor& d, std::uint64_t begin, std::uint64_t end,
+                                    unsigned char* dst, Request* progress, std::uint64_t nbytes) {
+  // Pieces: a close() is noticed between them, and progress moves.
+  constexpr std::uint64_t kPiece = 4u << 20;
+  std::uint64_t offset = begin;
+  while (offset < end) {
+    if (stop_.load(std::memory_order_acquire)) return "rank " + std::to_string(self_rank_) + " closed the channel";
+    const std::uint64_t n = std::min(kPiece, end - offset);
+    const ssize_t got = read_peer(d.pid, d.address + offset, dst + offset, n);
+    if (got <= 0) {
+      const int e = got < 0 ? errno : EFAULT;
+      std::ostringstream s;
+      s << "peer rank " << peer_rank_ << " (pid " << d.pid << ") ";
+      if (e == ESRCH || !process_dead_reason(d.pid).empty()) {
+        s << "exited during a single-copy read at byte " << offset << " of " << nbytes;
+      } else {
+        s << "could not be read with process_vm_readv at byte " << offset << " of " << nbytes << ": "
+          << std::strerror(e);
+      }
+      return s.str();
+    }
+    offset += static_cast<std::uint64_t>(got);
+    if (progress != nullptr) progress->add_progress(static_cast<std::uint64_t>(got));
+  }
+  return "";
+}
+
 std::string RecvChannel::read_remote(const SlotHeader& first, unsigned char* dst, Request* progress) {
   RingHeader* h = ring_.header();
   RemoteDescriptor d{};
@@ -491,28 +540,22 @@ std::string RecvChannel::read_remote(const SlotHeader& first, unsigned char* dst
     ring_.set_error(s.str());
     return s.str();
   }
-  // Pieces: a close() or a broken ring is noticed between them, and progress moves.
-  constexpr std::uint64_t kPiece = 4u << 20;
-  std::uint64_t offset = 0;
-  while (offset < first.nbytes) {
-    if (stop_.load(std::memory_order_acquire)) return "rank " + std::to_string(self_rank_) + " closed the channel";
-    const std::uint64_t n = std::min(kPiece, first.nbytes - offset);
-    const ssize_t got = read_peer(d.pid, d.address + offset, dst + offset, n);
-    if (got <= 0) {
-      const int e = got < 0 ? errno : EFAULT;
-      std::ostringstream s;
-      s << "peer rank " << peer_rank_ << " (pid " << d.pid << ") ";
-      if (e == ESRCH || !process_dead_reason(d.pid).empty()) {
-        s << "exited during a single-copy read at byte " << offset << " of " << first.nbytes;
-      } else {
-        s << "could not be read with process_vm_readv at byte " << offset << " of " << first.nbytes << ": "
-          << std::strerror(e);
-      }
-      ring_.set_error(s.str());
-      return s.str();
-    }
-    offset += static_cast<std::uint64_t>(got);
-    if (progress != nullptr) progress->add_progress(static_cast<std::uint64_t>(got));
+  // Large messages are read by two threads at once (this worker and a helper, each
+  // on one half): the kernel's per-page pinning and copying then runs on two cores.
+  std::string err;
+  if (first.nbytes >= kParallelReadMinBytes) {
+    const std::uint64_t half = first.nbytes / 2 / 4096 * 4096;
+    std::string helper_err;
+    std::thread helper([&] { helper_err = read_range(d, half, first.nbytes, dst, progress, first.nbytes); });
+    err = read_range(d, 0, half, dst, progress, first.nbytes);
+    helper.join();
+    if (err.empty()) err = helper_err;
+  } else {
+    err = read_range(d, 0, first.nbytes, dst, progress, first.nbytes);
+  }
+  if (!err.empty()) {
+    if (!stop_.load(std::memory_order_acquire)) ring_.set_error(err);
+    return err;
   }
   // A sender that closed its end gave up on this message and may have freed the
   // buffer while we read it (it frees only after publishing kClosed), so the
@@ -586,7 +629,10 @@ void RecvChannel::worker_loop() {
   for (;;) {
     {
       std::unique_lock<std::mutex> lk(mu_);
-      auto ready = [&] { return stop_.load(std::memory_order_relaxed) || (!posted_.empty() && broken_.empty()); };
+      // !busy_: a posting thread may be receiving inline (see post()).
+      auto ready = [&] {
+        return stop_.load(std::memory_order_relaxed) || (!posted_.empty() && broken_.empty() && !busy_);
+      };
       if (!ready()) spin_for_post(lk);
       cv_.wait(lk, ready);
       if (stop_.load(std::memory_order_relaxed)) return;

@@ -4,7 +4,9 @@
 // Threads. Each channel owns one worker thread (started on the first post) that
 // does the copies, so post() returns at once with a Request. A small send that
 // fits in a free slot while nothing else is queued is copied by the posting
-// thread itself (saves a thread hand-off on the latency path).
+// thread itself (saves a thread hand-off on the latency path); likewise a small
+// receive whose whole message already sits in the ring while no other receive
+// is pending. Whoever copies holds the channel's "busy" token (busy_ under mu_).
 //
 // Ordering and matching. Sends are written into the ring in post order. A
 // message is delivered to the earliest posted, still unmatched receive with
@@ -41,6 +43,9 @@
 #include "shm_segment.h"
 
 namespace dualpipe::shm {
+
+//! Single-copy messages of at least this size are read by two threads (halves).
+inline constexpr std::uint64_t kParallelReadMinBytes = 8u << 20;
 
 struct ChannelConfig {
   std::uint32_t num_slots = 8;                 //!< ring slots (>= 2)
@@ -174,10 +179,16 @@ class RecvChannel final : public Channel {
   std::string drain(const SlotHeader& first, unsigned char* dst, Request* progress);
   //! drain() for a descriptor chunk: read the sender's memory, then release the slot.
   std::string read_remote(const SlotHeader& first, unsigned char* dst, Request* progress);
+  //! Read bytes [begin, end) of the sender's message into dst + begin; "" or the error (not recorded in the ring).
+  std::string read_range(const RemoteDescriptor& d, std::uint64_t begin, std::uint64_t end, unsigned char* dst,
+                         Request* progress, std::uint64_t nbytes);
   //! Attach-time probe: may we read the sender's memory? Publishes the verdict in the ring header.
   void probe_single_copy();
   //! "" if a message (nbytes, dtype) may land in `req`, else the mismatch text.
   std::string check_match(const Request& req, std::uint64_t nbytes, std::int32_t dtype) const;
+  //! Whether the message at the ring's tail is tagged `tag`, `nbytes` long and all in one published
+  //! payload chunk (so a posting thread may receive it without waiting). Caller holds mu_, !busy_.
+  bool whole_message_ready_locked(std::int64_t tag, std::uint64_t nbytes) const;
   //! Earliest posted receive with `tag`, removed from posted_ (caller holds mu_), or null.
   std::shared_ptr<Request> take_posted_locked(std::int64_t tag);
   //! Mark the channel broken: fail `req` and everything posted, tell the sender.
@@ -185,8 +196,8 @@ class RecvChannel final : public Channel {
 
   std::deque<std::shared_ptr<Request>> posted_;  // guarded by mu_
   std::deque<Stashed> stash_;                    // guarded by mu_
-  std::uint64_t tail_ = 0;                       // chunks drained (64-bit); worker-owned
-  std::uint64_t next_seq_ = 0;                   // worker-owned
+  std::uint64_t tail_ = 0;                       // chunks drained (64-bit); owned by the busy-token holder
+  std::uint64_t next_seq_ = 0;                   // owned by the busy-token holder
 };
 
 }  // namespace dualpipe::shm

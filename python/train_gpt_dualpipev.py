@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default 2 x ranks, at least 4)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--transport", choices=("torch", "native"), default="torch")
+    p.add_argument("--transport", choices=("auto", "torch", "native"), default="auto")
     return p.parse_args(argv)
 
 

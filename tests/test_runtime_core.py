@@ -211,7 +211,7 @@ def test_two_ranks_match_reference(core_results: list[dict[str, dict[str, bool]]
         assert res[case] == {k: True for k in res[case]}, f"rank {rank}: {res[case]}"
 
 
-def _timeout_worker(rank: int, world_size: int) -> str:
+def _timeout_worker(rank: int, world_size: int, transport: str) -> str:
     sched = build_schedule("1f1b", 2, 2)
     torch.manual_seed(0)
     if rank == 1:
@@ -223,9 +223,10 @@ def _timeout_worker(rank: int, world_size: int) -> str:
             time.sleep(6.0)
             return f"ValueError: {exc}"
         return "no error"
-    pipe = Pipeline(sched, {0: _mlp()}, timeout_s=2.0)
     start = time.monotonic()
     try:
+        # The native transport's rendezvous is collective: it already waits for rank 1 here.
+        pipe = Pipeline(sched, {0: _mlp()}, timeout_s=2.0, transport=transport)
         pipe.step(torch.randn(4, HIDDEN))
     except TimeoutError as exc:
         return f"{time.monotonic() - start:.1f}|{exc}"
@@ -233,13 +234,17 @@ def _timeout_worker(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_missing_peer_times_out_naming_it() -> None:
-    outcomes = spawn_outcomes(_timeout_worker, 2, timeout_s=90)
+@pytest.mark.parametrize("transport", ["torch", "native"])
+def test_missing_peer_times_out_naming_it(transport: str) -> None:
+    outcomes = spawn_outcomes(_timeout_worker, 2, transport, timeout_s=90)
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
     assert outcomes[1].value.startswith("ValueError") and "holds 1 stage(s)" in outcomes[1].value
     elapsed, msg = outcomes[0].value.split("|", 1)
     assert float(elapsed) < 5.0
-    assert "peer pipeline rank 1" in msg and "0RECV_B0" in msg and "micro-batch 0" in msg, msg
+    if transport == "torch":
+        assert "peer pipeline rank 1" in msg and "0RECV_B0" in msg and "micro-batch 0" in msg, msg
+    else:  # the rendezvous at construction names the missing peer
+        assert "rank 0" in msg and "rank 1" in msg and "rendezvous" in msg, msg
 
 
 @pytest.mark.parametrize("first_stage", [False, True])

@@ -66,6 +66,47 @@ TEST(ShmChannel, SendPostedBeforeReceive) {
   EXPECT_EQ(dst, src);
 }
 
+TEST(ShmChannel, ReceiveOfAMessageAlreadyThereCompletesOnPost) {
+  LocalPair p(small_config(4, 4096));
+  const auto src = payload(1000, 9);
+  auto s = p.tx->post(src.data(), src.size(), 3, 0);  // small: copied into the ring by this thread
+  ASSERT_TRUE(s->query());
+  std::vector<unsigned char> dst(src.size());
+  auto r = p.rx->post(dst.data(), dst.size(), 3, 0);
+  EXPECT_TRUE(r->query()) << "a whole message already in the ring is received by the posting thread";
+  ASSERT_TRUE(r->wait(10.0));
+  EXPECT_EQ(r->state(), Request::State::kDone) << r->error();
+  EXPECT_EQ(dst, src);
+}
+
+TEST(ShmChannel, InlineAndWorkerReceivesRaceSafely) {
+  // A sender streams small messages while a receiver thread posts receives with and without
+  // waiting in between, so inline receives and worker receives alternate (TSan checks the hand-over).
+  LocalPair p(small_config(3, 256));
+  constexpr int kMessages = 600;
+  std::thread sender([&] {
+    for (int k = 0; k < kMessages; ++k) {
+      const auto src = payload(static_cast<std::size_t>(k % 300), static_cast<std::uint32_t>(k));
+      ASSERT_TRUE(p.tx->post(src.data(), src.size(), k % 3, 0)->wait(10.0));
+    }
+  });
+  std::vector<std::vector<unsigned char>> dsts(kMessages);
+  std::vector<std::shared_ptr<Request>> rs(kMessages);
+  for (int k = 0; k < kMessages; ++k) {
+    dsts[k].resize(static_cast<std::size_t>(k % 300));
+    rs[k] = p.rx->post(dsts[k].data(), dsts[k].size(), k % 3, 0);
+    if (k % 7 == 0) {
+      ASSERT_TRUE(rs[k]->wait(10.0)) << k;
+    }
+  }
+  for (int k = 0; k < kMessages; ++k) {
+    ASSERT_TRUE(rs[k]->wait(10.0)) << k;
+    ASSERT_EQ(rs[k]->state(), Request::State::kDone) << rs[k]->error();
+    ASSERT_EQ(dsts[k], payload(dsts[k].size(), static_cast<std::uint32_t>(k))) << "message " << k;
+  }
+  sender.join();
+}
+
 TEST(ShmChannel, ManyInFlightOutOfOrderWaits) {
   LocalPair p(small_config(4, 512));
   constexpr int kCount = 64;

@@ -318,7 +318,9 @@ class ActivationMeter:
             self.peak = max(self.peak, self.current)
         else:
             entry[0] += 1
-        return _Saved(t, key, self)
+        # Keep a detached alias of a non-leaf: holding the tensor itself would tie its
+        # grad_fn to this hook object in a cycle the garbage collector cannot see.
+        return _Saved(t if t.is_leaf else t.detach(), key, self)
 
     @staticmethod
     def _unpack(obj: Any) -> Any:

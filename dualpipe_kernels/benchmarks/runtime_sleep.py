@@ -58,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    p.add_argument("--transport", default="torch", help="torch | native (default torch)")
+    p.add_argument(
+        "--transport", default="auto", choices=("auto", "torch", "native"), help="default auto: native when built"
+    )
 
 
 def _check(args: argparse.Namespace) -> None:

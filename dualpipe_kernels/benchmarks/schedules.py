@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 3; quick 1)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    p.add_argument("--transport", choices=("torch", "native"), default="torch")
+    p.add_argument("--transport", choices=("auto", "torch", "native"), default="auto")
     p.add_argument("--no-peers", dest="no_peers", action="store_true", help="skip torch.distributed.pipelining")
 
 
@@ -106,7 +106,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "activation_bytes": pick("activation_bytes", 1 << 18, 1 << 14),
         "steps": pick("steps", 3, 1),
         "warmup": int(getattr(args, "warmup", 1)),
-        "transport": getattr(args, "transport", "torch"),
+        "transport": getattr(args, "transport", "auto"),
         "peers": not getattr(args, "no_peers", False),
     }
     if not (cfg["f_s"] > 0 and cfg["b_s"] > 0 and 0 < cfg["w_s"] < cfg["b_s"]):
@@ -165,7 +165,7 @@ def measure_ours(
     activation_bytes: int,
     steps: int,
     warmup: int,
-    transport: str = "torch",
+    transport: str = "auto",
     record_timeline: bool = False,
     device: str = "cpu",
 ) -> dict[str, Any]:

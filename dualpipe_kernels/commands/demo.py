@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--schedule", choices=_SCHEDULES, default="dualpipev")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 4 x ranks)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    p.add_argument("--transport", choices=("torch", "native"), default="torch")
+    p.add_argument("--transport", choices=("auto", "torch", "native"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch (default 4)")
     p.add_argument("--seq-len", type=int, default=32)

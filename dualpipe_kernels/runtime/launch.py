@@ -17,9 +17,10 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ def _worker(
     threads: int,
     env: dict[str, str],
     args: tuple[Any, ...],
-    results: "mp.Queue[tuple[int, bool, bytes | str]]",
+    results: mp.Queue[tuple[int, bool, bytes | str]],
 ) -> None:
     os.environ.update(env)
     torch.set_num_threads(threads)
@@ -174,11 +175,15 @@ def spawn_outcomes(
             else:
                 outcomes.append(RankOutcome(r, False, error=str(payload), exitcode=p.exitcode))
         elif time.monotonic() >= deadline:
-            outcomes.append(RankOutcome(r, False, error=f"rank {r} timed out after {timeout_s:.0f} s and was killed",
-                                        exitcode=p.exitcode))
+            outcomes.append(
+                RankOutcome(
+                    r, False, error=f"rank {r} timed out after {timeout_s:.0f} s and was killed", exitcode=p.exitcode
+                )
+            )
         else:
-            outcomes.append(RankOutcome(r, False, error=f"rank {r} died with exit code {p.exitcode}",
-                                        exitcode=p.exitcode))
+            outcomes.append(
+                RankOutcome(r, False, error=f"rank {r} died with exit code {p.exitcode}", exitcode=p.exitcode)
+            )
     return outcomes
 
 

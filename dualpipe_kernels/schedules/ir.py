@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 __all__ = [
     "ActionType",
@@ -70,11 +70,11 @@ class Action:
     type: ActionType
     stage: int
     microbatch: int
-    sub_actions: tuple["Action", ...] = ()
+    sub_actions: tuple[Action, ...] = ()
     peer: int | None = field(default=None, compare=False)
 
     @staticmethod
-    def overlap(f: "Action", b: "Action") -> "Action":
+    def overlap(f: Action, b: Action) -> Action:
         if f.type is not ActionType.F or b.type not in (ActionType.B, ActionType.I):
             raise ValueError(f"OVERLAP_F_B pairs an F with a B or I, got {f} and {b}")
         return Action(ActionType.OVERLAP_F_B, f.stage, f.microbatch, (f, b))
@@ -87,7 +87,7 @@ class Action:
     def is_comm(self) -> bool:
         return self.type in COMM_TYPES
 
-    def computes(self) -> tuple["Action", ...]:
+    def computes(self) -> tuple[Action, ...]:
         """The plain compute actions this action performs (the pair's halves for OVERLAP_F_B)."""
         if self.type is ActionType.OVERLAP_F_B:
             return self.sub_actions
@@ -117,7 +117,9 @@ def parse_action(text: str) -> Action:
         return Action.overlap(parts[0], parts[1])
     m = _SIMPLE.match(s)
     if not m:
-        raise ValueError(f"cannot parse action {text!r} (expected e.g. '0F3', '5W2', '(0F7;7B3)OVERLAP_F_B', '3SEND_F1')")
+        raise ValueError(
+            f"cannot parse action {text!r} (expected e.g. '0F3', '5W2', '(0F7;7B3)OVERLAP_F_B', '3SEND_F1')"
+        )
     return Action(ActionType(m.group(2)), int(m.group(1)), int(m.group(3)))
 
 
@@ -196,7 +198,9 @@ class Schedule:
         return [[str(a) for a in acts] for acts in self.actions]
 
     def __str__(self) -> str:
-        lines = [f"{self.name}: {self.num_ranks} ranks, {self.num_stages} stages, {self.num_microbatches} micro-batches"]
+        lines = [
+            f"{self.name}: {self.num_ranks} ranks, {self.num_stages} stages, {self.num_microbatches} micro-batches"
+        ]
         for r, acts in enumerate(self.actions):
             lines.append(f"  rank {r}: {format_actions(acts)}")
         return "\n".join(lines)

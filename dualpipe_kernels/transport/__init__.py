@@ -24,29 +24,37 @@ __all__ = [
     "TransportTimeout",
     "TRANSPORT_NAMES",
     "make_transport",
+    "native_available",
 ]
 
-TRANSPORT_NAMES = ("torch", "native")
+TRANSPORT_NAMES = ("auto", "torch", "native")
 
 
 def make_transport(
-    kind: "str | Transport",
-    group: "dist.ProcessGroup | None" = None,
-    device: "torch.device | None" = None,
+    kind: str | Transport,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Transport:
     """Build the transport named ``kind`` for ``group`` (default: the default group).
 
-    ``"torch"``: torch.distributed point-to-point (gloo on CPU, NCCL on GPU).
+    ``"auto"`` (the runtime's default): ``"native"`` when the compiled engine is
+    available for ``device`` (always for CPU tensors; for CUDA tensors when the
+    extension was built with CUDA), else ``"torch"``.
+    ``"torch"``: torch.distributed point-to-point over a gloo group (CUDA tensors
+    are staged through host memory; NCCL groups are refused, see torch_dist.py).
     ``"native"``: the compiled engine (shared memory between CPU processes, CUDA
     IPC between GPU processes on one host); peers on other hosts fall back to
-    torch.distributed.  An instance is returned as is.
+    torch.distributed.  An instance is returned as is.  Construction is
+    collective: every rank of ``group`` must call it with the same ``kind``.
     """
     if isinstance(kind, Transport):
         return kind
     import torch
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    if kind == "auto":
+        kind = "native" if native_available(dev) else "torch"
     if kind == "torch":
         from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
@@ -59,4 +67,20 @@ def make_transport(
         from dualpipe_kernels.transport.native import NativeTransport
 
         return NativeTransport(group, timeout_s=timeout_s)
-    raise ValueError(f"unknown transport {kind!r}; expected one of {', '.join(TRANSPORT_NAMES)} or a Transport instance")
+    raise ValueError(
+        f"unknown transport {kind!r}; expected one of {', '.join(TRANSPORT_NAMES)} or a Transport instance"
+    )
+
+
+def native_available(device: torch.device | str | None = None) -> bool:
+    """Whether ``transport="native"`` can serve tensors on ``device`` in this build."""
+    import torch
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    try:
+        from dualpipe_kernels import _C
+    except ImportError:
+        return False
+    if dev.type == "cuda":
+        return bool(_C.has_cuda())
+    return dev.type == "cpu"

@@ -43,7 +43,7 @@ class Handle(abc.ABC):
     def is_completed(self) -> bool:
         """Non-blocking completion test."""
 
-    def wait_stream(self, stream: "torch.cuda.Stream | None" = None) -> None:
+    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` (default: current) wait for the transfer without blocking the host.
 
         Transports without device-side events fall back to a host wait.
@@ -75,8 +75,9 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Release buffers, threads and shared segments. Idempotent."""
+        return None
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Transport:
         return self
 
     def __exit__(self, *exc: object) -> None:
