@@ -212,17 +212,17 @@ class NativeTransport(Transport):
         prefix = f"{_STORE_PREFIX}/{generation}"
         store.set(f"{prefix}/host/{self._rank}", host_id)
         hosts = [
-            self._wait_key(store, f"{prefix}/host/{p}", f"rank {p}'s hostname").decode() for p in range(self._size)
+            self._wait_key(store, f"{prefix}/host/{p}", f"peer rank {p}'s hostname").decode() for p in range(self._size)
         ]
         peers = [p for p in range(self._size) if p != self._rank and hosts[p] == hosts[self._rank]]
         for p in peers:
             store.set(f"{prefix}/ring/{self._rank}to{p}", self._engine.create_send_channel(p))
         for p in peers:
-            name = self._wait_key(store, f"{prefix}/ring/{p}to{self._rank}", f"rank {p}'s ring name").decode()
+            name = self._wait_key(store, f"{prefix}/ring/{p}to{self._rank}", f"peer rank {p}'s ring name").decode()
             self._engine.attach_recv_channel(p, name)  # maps, then unlinks the name
             store.set(f"{prefix}/mapped/{p}to{self._rank}", "1")
         for p in peers:
-            self._wait_key(store, f"{prefix}/mapped/{self._rank}to{p}", f"rank {p} to map our ring")
+            self._wait_key(store, f"{prefix}/mapped/{self._rank}to{p}", f"peer rank {p} to map our ring")
             self._engine.unlink_send_segment(p)  # normally already gone: the peer unlinked it
         return hosts
 
