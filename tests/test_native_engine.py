@@ -23,6 +23,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -299,6 +300,20 @@ def test_no_segment_outlives_the_processes(scenario_results: list[dict[str, Any]
 # ---------------------------------------------------------------- kill test
 
 
+def _wait_until_dead(pid: int, timeout_s: float) -> None:
+    """Block until process ``pid`` has exited (its /proc entry is gone or it is a zombie)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} still alive after {timeout_s} s")
+
+
 def _kill_mid_transfer(rank: int, world_size: int, timeout_s: float, single_copy: bool) -> dict[str, Any]:
     t = NativeTransport(
         timeout_s=timeout_s,
@@ -309,17 +324,25 @@ def _kill_mid_transfer(rank: int, world_size: int, timeout_s: float, single_copy
     )
     n = 64 << 20
     active = bool(t.single_copy_peers())
+    # The store lives in rank 0's process: exchange what is needed while it is alive.
+    store = dist.distributed_c10d._get_default_store()
     if rank == 0:
+        store.set("kill_test/doomed_pid", str(os.getpid()))
         h = t.isend(_payload(n, seed=1), 1, tag=1)
         if active:
             time.sleep(0.3)  # the descriptor is published; rank 1 reads it only after we are gone
+            store.wait(["kill_test/pid_seen"], timedelta(seconds=timeout_s))
         else:
             deadline = time.monotonic() + timeout_s
             while h._request.bytes_done() < 4 * SLOT_BYTES and time.monotonic() < deadline:  # mid-transfer
                 time.sleep(0.0005)
         os.kill(os.getpid(), signal.SIGKILL)
     if active:
-        time.sleep(1.0)
+        # Post the receive only once the sender is really dead (gone or a zombie), however slow it was.
+        store.wait(["kill_test/doomed_pid"], timedelta(seconds=timeout_s))
+        doomed = int(store.get("kill_test/doomed_pid"))
+        store.set("kill_test/pid_seen", "1")
+        _wait_until_dead(doomed, timeout_s)
     h = t.irecv(torch.empty(n, dtype=torch.uint8), 0, tag=1, what="doomed")
     t0 = time.monotonic()
     try:
