@@ -267,6 +267,10 @@ class _DualPipeBase(nn.Module):
         # this module's children so state_dict()/parameters() look exactly like the reference's.
         object.__setattr__(self, "_pipe", None)
         self._pipe_chunks = 0
+        self._check_group()
+
+    def _check_group(self) -> None:
+        """Schedule-specific checks of the group, at construction (subclasses extend)."""
 
     # -- the runtime pipeline, rebuilt when num_chunks changes (the schedule depends on it) --
     def _pipeline(self, num_chunks: int) -> Any:
@@ -352,17 +356,7 @@ class DualPipe(_DualPipeBase):
 
     _SCHEDULE = "dualpipe"
 
-    def __init__(
-        self,
-        modules: Sequence[nn.Module],
-        batch_dim: int = 0,
-        process_group: dist.ProcessGroup | None = None,
-        rank_mapping: Sequence[int] | None = None,
-        *,
-        transport: Any = "torch",
-        timeout_s: float = 120.0,
-    ) -> None:
-        super().__init__(modules, batch_dim, process_group, rank_mapping, transport=transport, timeout_s=timeout_s)
+    def _check_group(self) -> None:
         if self.num_ranks % 2:
             raise ValueError(f"DualPipe needs an even number of ranks, the process group has {self.num_ranks}")
         self.is_in_second_half = self.rank >= self.num_ranks // 2
