@@ -52,10 +52,20 @@ def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
         # Sleeps cannot run faster than the schedule allows: measured >= simulated (minus timer slack).
         assert r["measured_s"] >= 0.97 * r["simulated_s"]
     # The simulator's prediction for the requested sleeps (F=2, B=4, W=2 ms per chunk) is exact arithmetic;
-    # simulated_s adds the measured overshoot of time.sleep, so it is a little larger.
+    # simulated_s uses the chunk costs measured alone (sleep + overshoot + tensor work), so it is larger.
     sim = {r["schedule"]: r["simulated_nominal_s"] for r in res["rows"]}
     assert sim["1f1b"] == pytest.approx(8 * 12e-3 + 1 * 12e-3)  # N (F+B) + (R-1)(F+B), stages of two chunks
     assert all(r["simulated_s"] >= r["simulated_nominal_s"] for r in res["rows"])
+    # ... and simulated_s is exactly the simulator fed the costs written to the config.
+    from dualpipe_kernels.benchmarks.schedules import _chunk_costs_from_config, simulate_sleep
+
+    cfg = res["config"]
+    costs = _chunk_costs_from_config(cfg)
+    assert costs is not None and set(costs) == {1, 2}  # dualpipev: 1 chunk per stage, 1f1b: 2
+    for r in res["rows"]:
+        again = simulate_sleep(r["schedule"], 2, 8, cfg["f_s"], cfg["b_s"], cfg["w_s"], chunk_costs=costs)
+        assert float(again.makespan) == pytest.approx(r["simulated_s"], rel=1e-12)
+        assert r["ratio_sleep_only"] == pytest.approx(r["measured_s"] / r["simulated_sleep_only_s"])
     assert {p["name"] for p in res["peers"]} == {"torch.ScheduleDualPipeV", "torch.Schedule1F1B"}
     for p in res["peers"]:
         for k in PEER_KEYS:
@@ -151,3 +161,35 @@ def test_building_the_cli_imports_no_suite_and_no_torch() -> None:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_sleep_chunk_costs_at_least_the_sleeps_and_b_on_a_first_stage() -> None:
+    import time
+
+    import torch
+
+    from dualpipe_kernels.benchmarks.sleep_stages import SleepStage, measure_chunk_costs
+
+    c = measure_chunk_costs(0.004, 0.006, 0.002, 16384, repeats=2)
+    assert c.f >= 0.004 and c.w >= 0.002 and c.i >= 0.004 and c.b >= 0.006
+    # The first stage's input needs no gradient; its backward still sleeps the whole B (I and W).
+    stage = SleepStage(0.0, 0.006, 0.002)
+    y = stage(torch.zeros(4, 256))
+    t0 = time.perf_counter()
+    y.sum().backward()
+    assert time.perf_counter() - t0 >= 0.006
+    assert stage.weight.grad is not None and torch.equal(stage.weight.grad, torch.zeros(1))
+
+
+def test_busy_time_leaves_out_receive_waits_inside_compute() -> None:
+    from dualpipe_kernels.benchmarks.schedules import busy_time
+
+    timeline = [
+        (0, "0F0", 0.0, 1.0),
+        (0, "0SEND_F0", 1.0, 1.1),
+        (0, "(0F1;0B0)OVERLAP_F_B", 1.1, 4.0),
+        (0, "0RECV_B0", 2.0, 2.5),  # the pair's backward half waited 0.5 s for its gradient
+        (0, "0RECV_F2", 4.0, 4.2),  # a wait outside any compute is not in the compute spans anyway
+        (0, "SYNC_MIRROR_GRADS", 4.2, 5.0),  # bookkeeping: not a schedule action
+    ]
+    assert busy_time(timeline) == pytest.approx(1.0 + 2.9 - 0.5)

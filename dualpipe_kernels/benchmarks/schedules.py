@@ -6,7 +6,10 @@ small CPU do not compete for it) and exchange activations of a set size.  For
 each schedule (dualpipev, dualpipe, 1f1b, zb1p) and rank count the suite
 measures the step time (max over ranks, median over steps) and the bubble
 (makespan minus a rank's busy compute time, max over ranks) and compares them
-with ``schedules.simulator`` fed the same costs and no communication cost.
+with ``schedules.simulator`` fed no communication cost and the stage costs
+measured alone: each stage's F, I and W timed in this process before the ranks
+start (the sleep, its overshoot and the stage's own tensor work).  The ratio
+measured / simulated is then what communication and the runtime add.
 
 The model is the same for every schedule: ``2 * ranks`` chunks of cost
 (F, B, W); a schedule with one stage per rank (1f1b, zb1p) or with two copies of
@@ -25,6 +28,7 @@ torch.distributed.pipelining's ScheduleDualPipeV and Schedule1F1B; a peer's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -46,6 +50,7 @@ __all__ = [
     "write_plots",
     "chunks_per_stage",
     "simulate_sleep",
+    "calibrate_chunks",
     "measure_ours",
 ]
 
@@ -131,12 +136,24 @@ def chunks_per_stage(schedule: Any) -> int:
 
 
 def simulate_sleep(
-    name: str, ranks: int, microbatches: int, f_s: float, b_s: float, w_s: float, overshoot_s: float = 0.0
+    name: str,
+    ranks: int,
+    microbatches: int,
+    f_s: float,
+    b_s: float,
+    w_s: float,
+    overshoot_s: float = 0.0,
+    chunk_costs: dict[int, Any] | None = None,
 ) -> Any:
     """SimResult of ``name`` on the common model with free communication (F&B = F + B: no overlap hook).
 
-    ``overshoot_s``: what each ``time.sleep`` adds to the requested time on this machine
-    (``sleep_stages.sleep_overshoot``); F and W are one sleep each, B two (its I and W halves).
+    Costs, in order of preference:
+
+    * ``chunk_costs``: ``{k: ChunkCosts}``, the measured cost of a stage of
+      ``k`` chunks timed alone (``sleep_stages.measure_chunk_costs``); the
+      stage of this schedule has ``chunks_per_stage`` chunks.  B = I + W.
+    * otherwise the nominal ``k * (f_s, b_s, w_s)`` plus ``overshoot_s``, what each
+      ``time.sleep`` adds on this machine (F and W are one sleep each, B two).
     """
     from dualpipe_kernels.schedules.costs import CostModel
     from dualpipe_kernels.schedules.generators import build_schedule
@@ -144,8 +161,37 @@ def simulate_sleep(
 
     sched = build_schedule(name, ranks, microbatches)
     k = chunks_per_stage(sched)
+    if chunk_costs is not None:
+        c = chunk_costs[k]
+        return simulate(sched, CostModel(f=c.f, b=c.i + c.w, w=c.w))
     o = max(0.0, overshoot_s)
     return simulate(sched, CostModel(f=k * f_s + o, b=k * b_s + 2 * o, w=k * w_s + o))
+
+
+def calibrate_chunks(cfg: dict[str, Any]) -> dict[int, Any]:
+    """``{k: ChunkCosts}`` for every stage size (chunks per stage) the configured schedules use."""
+    from dualpipe_kernels.benchmarks.sleep_stages import measure_chunk_costs
+    from dualpipe_kernels.schedules.generators import build_schedule
+
+    ks = sorted(
+        {
+            chunks_per_stage(build_schedule(name, ranks, cfg["microbatches"]))
+            for name in cfg["schedules"]
+            for ranks in cfg["ranks"]
+        }
+    )
+    repeats = 3 if cfg["steps"] < 2 else 7
+    return {
+        k: measure_chunk_costs(k * cfg["f_s"], k * cfg["b_s"], k * cfg["w_s"], cfg["activation_bytes"], repeats)
+        for k in ks
+    }
+
+
+def _chunk_costs_from_config(c: dict[str, Any]) -> dict[int, Any] | None:
+    from dualpipe_kernels.benchmarks.sleep_stages import ChunkCosts
+
+    raw = c.get("chunk_costs_s")
+    return {int(k): ChunkCosts(**v) for k, v in raw.items()} if raw else None
 
 
 def _pipeline_cls() -> Any:
@@ -227,8 +273,25 @@ def schedule_entries(timeline: Any) -> list[tuple[int, Any, float, float]]:
 
 
 def busy_time(timeline: Any) -> float:
-    """Seconds spent in compute actions (F, B, I, W, F&B) of a measured timeline."""
-    return sum(t1 - t0 for _r, a, t0, t1 in schedule_entries(timeline) if a.is_compute)
+    """Seconds spent computing: compute actions (F, B, I, W, F&B) minus the receive waits inside them.
+
+    A compute action waits for its input (or output gradient) when it starts or,
+    for an F&B pair, between its halves; the runtime records that wait as a
+    RECV entry nested in the compute entry.  It is idle time, not compute.
+    """
+    entries = schedule_entries(timeline)
+    total = 0.0
+    by_rank: dict[int, list[tuple[float, float]]] = {}
+    for r, a, t0, t1 in entries:
+        if a.is_compute:
+            total += t1 - t0
+            by_rank.setdefault(r, []).append((t0, t1))
+    for r, a, t0, t1 in entries:
+        if a.is_compute or not a.type.name.startswith("RECV"):
+            continue
+        for c0, c1 in by_rank.get(r, ()):
+            total -= max(0.0, min(t1, c1) - max(t0, c0))
+    return total
 
 
 # ---------------------------------------------------------------- rank worker
@@ -293,6 +356,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = _resolve(args)
     cfg["sleep_overshoot_s"] = over = sleep_overshoot(cfg["f_s"], repeats=10 if cfg["steps"] < 2 else 20)
+    chunks = calibrate_chunks(cfg)
+    cfg["chunk_costs_s"] = {str(k): dataclasses.asdict(c) for k, c in chunks.items()}
     rows: list[dict[str, Any]] = []
     peers: list[dict[str, Any]] = []
     timeline: dict[str, Any] | None = None
@@ -302,13 +367,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         per_rank = spawn(_worker, ranks, cfg, timeout_s=900, pg_timeout_s=300)
         n = cfg["microbatches"]
         for name in cfg["schedules"]:
-            sim = simulate_sleep(name, ranks, n, cfg["f_s"], cfg["b_s"], cfg["w_s"], over)
+            sim = simulate_sleep(name, ranks, n, cfg["f_s"], cfg["b_s"], cfg["w_s"], chunk_costs=chunks)
+            sim_over = simulate_sleep(name, ranks, n, cfg["f_s"], cfg["b_s"], cfg["w_s"], over)
             row: dict[str, Any] = {
                 "schedule": name,
                 "ranks": ranks,
                 "microbatches": n,
                 "simulated_s": float(sim.makespan),
                 "bubble_simulated_s": float(sim.bubble),
+                "simulated_sleep_only_s": float(sim_over.makespan),
                 "simulated_nominal_s": float(
                     simulate_sleep(name, ranks, n, cfg["f_s"], cfg["b_s"], cfg["w_s"]).makespan
                 ),
@@ -325,6 +392,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row.update(
                 measured_s=t_step,
                 ratio=t_step / float(sim.makespan),
+                ratio_sleep_only=t_step / float(sim_over.makespan),
                 bubble_measured_s=median(bubbles),
                 comm_only_s=comm,
                 hidden_comm_share=(float(sim.makespan) + comm - t_step) / comm if comm > 0 else None,
@@ -385,6 +453,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "warmup",
                 "transport",
                 "sleep_overshoot_s",
+                "chunk_costs_s",
             )
         },
         "targets": _targets(rows, peers),
@@ -407,6 +476,14 @@ def _targets(rows: list[dict[str, Any]], peers: list[dict[str, Any]]) -> dict[st
     return out
 
 
+def _costs_text(c: dict[str, Any]) -> str:
+    parts = []
+    for k, v in sorted((c.get("chunk_costs_s") or {}).items()):
+        ms = ", ".join(f"{name.upper()}={v[name] * 1e3:.2f}" for name in ("f", "i", "w"))
+        parts.append(f"{k} chunk{'s' if int(k) > 1 else ''}/stage: {ms} ms")
+    return "; ".join(parts) or "not measured"
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     from dualpipe_kernels.benchmarks.common import markdown_table
 
@@ -415,8 +492,10 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"Sleep-timed stages: F={c.get('f_s', 0) * 1e3:g} ms, B={c.get('b_s', 0) * 1e3:g} ms, "
         f"W={c.get('w_s', 0) * 1e3:g} ms per chunk (2 x ranks chunks), {c.get('activation_bytes')} bytes per "
         f"activation, transport {c.get('transport')}, median of {c.get('steps')} steps. "
-        "ratio = measured / simulated step time (simulator: same costs plus the measured overshoot of each "
-        f"time.sleep, {c.get('sleep_overshoot_s', 0) * 1e6:.0f} us, free communication)."
+        "ratio = measured / simulated step time; the simulator gets each stage's F, I, W timed alone in one "
+        f"process ({_costs_text(c)}) and free communication, so the ratio is what communication and the "
+        "runtime add. 'sleep only': the simulator fed the nominal sleeps plus the measured overshoot of "
+        f"time.sleep ({c.get('sleep_overshoot_s', 0) * 1e6:.0f} us) instead."
     )
     t1 = markdown_table(
         result["rows"],
@@ -427,6 +506,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             "measured_s",
             "simulated_s",
             "ratio",
+            "ratio_sleep_only",
             "bubble_measured_s",
             "bubble_simulated_s",
             "comm_only_s",
@@ -440,6 +520,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             "measured (s)",
             "simulated (s)",
             "measured/simulated",
+            "measured/simulated (sleep only)",
             "bubble measured (s)",
             "bubble simulated (s)",
             "comm alone (s)",
@@ -510,7 +591,14 @@ def write_plots(result: dict[str, Any], out_dir: str | os.PathLike[str]) -> list
 
         c = result["config"]
         sim = simulate_sleep(
-            tl["schedule"], tl["ranks"], tl["microbatches"], c["f_s"], c["b_s"], c["w_s"], c.get("sleep_overshoot_s", 0)
+            tl["schedule"],
+            tl["ranks"],
+            tl["microbatches"],
+            c["f_s"],
+            c["b_s"],
+            c["w_s"],
+            c.get("sleep_overshoot_s", 0),
+            chunk_costs=_chunk_costs_from_config(c),
         )
         entries = [(r, str(a), t0, t1) for r, a, t0, t1 in schedule_entries(tl["entries"])]
         p = out / "schedules_timeline.png"

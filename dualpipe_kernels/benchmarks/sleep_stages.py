@@ -23,12 +23,21 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SleepStage", "sleep_batch", "sleep_criterion", "sleep_overshoot", "actual_sleep"]
+__all__ = [
+    "SleepStage",
+    "ChunkCosts",
+    "measure_chunk_costs",
+    "sleep_batch",
+    "sleep_criterion",
+    "sleep_overshoot",
+    "actual_sleep",
+]
 
 
 def _sleep(seconds: float) -> None:
@@ -37,17 +46,24 @@ def _sleep(seconds: float) -> None:
 
 
 class _InputPart(torch.autograd.Function):
-    """Zeros shaped like ``x``; backward sleeps ``i_s`` seconds and returns a zero input gradient."""
+    """Zeros shaped like ``x``; backward sleeps ``i_s`` seconds and returns zero gradients.
+
+    The chunk's weight is an input too, so the node runs in every backward,
+    also on the first stage, whose input needs no gradient: B costs B on every
+    stage, as the simulator assumes.  Its weight gradient is zero.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, i_s: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, i_s: float) -> torch.Tensor:  # type: ignore[override]
         ctx.i_s = i_s
         return torch.zeros_like(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
         _sleep(ctx.i_s)
-        return torch.zeros_like(grad), None
+        gx = torch.zeros_like(grad) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros(1, dtype=grad.dtype, device=grad.device) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
 
 
 class _WeightPart(torch.autograd.Function):
@@ -97,7 +113,7 @@ class SleepStage(nn.Module):
         _sleep(self.f_s)
         if not torch.is_grad_enabled():
             return torch.zeros_like(x)
-        return _InputPart.apply(x, self.i_s) + _WeightPart.apply(self.weight, x, self.w_s)
+        return _InputPart.apply(x, self.weight, self.i_s) + _WeightPart.apply(self.weight, x, self.w_s)
 
 
 def sleep_batch(microbatches: int, activation_bytes: int, cols: int = 256) -> torch.Tensor:
@@ -134,3 +150,65 @@ def sleep_overshoot(seconds: float, repeats: int = 20) -> float:
 def actual_sleep(seconds: float, overshoot: float) -> float:
     """What a sleep of ``seconds`` really lasts given the measured ``overshoot`` (0 stays 0: no call is made)."""
     return seconds + overshoot if seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ChunkCosts:
+    """What one :class:`SleepStage` chunk really costs on this machine, in seconds (medians).
+
+    ``f``: forward; ``i``: input-gradient backward with the weight part deferred;
+    ``w``: the deferred weight part; ``b``: a full backward.  Each is the sleep
+    plus its overshoot plus the stage's own tensor work (allocating and filling
+    its outputs and gradients, autograd), timed alone in one process.
+    """
+
+    f: float
+    i: float
+    w: float
+    b: float
+
+
+def measure_chunk_costs(
+    f_s: float, b_s: float, w_s: float, activation_bytes: int, repeats: int = 7, cols: int = 256
+) -> ChunkCosts:
+    """Time a ``SleepStage(f_s, b_s, w_s)`` chunk alone on one micro-batch of ``activation_bytes``.
+
+    This is "compute measured alone": a simulator fed these costs predicts the
+    step time of a pipeline whose only extra work is communication and the
+    runtime's own bookkeeping, so measured / simulated isolates that extra.
+    The I/W split uses a bound ``WeightGradStore`` exactly as the runtime does.
+    """
+    from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    stage = SleepStage(f_s, b_s, w_s)
+    x = sleep_batch(1, activation_bytes, cols).requires_grad_(True)
+    ts: dict[str, list[float]] = {"f": [], "i": [], "w": [], "b": []}
+    store = WeightGradStore()
+    for k in range(repeats + 1):  # the first round warms the allocator and autograd up
+        t0 = time.perf_counter()
+        y = stage(x)
+        t1 = time.perf_counter()
+        torch.autograd.backward([y], [torch.zeros_like(y)])
+        t2 = time.perf_counter()
+        y = stage(x)
+        with store.bind():
+            store.enabled = True
+            t3 = time.perf_counter()
+            torch.autograd.backward([y], [torch.zeros_like(y)])
+            t4 = time.perf_counter()
+            store.enabled = False
+            store.flush(k)
+        t5 = time.perf_counter()
+        store.pop(k)
+        t6 = time.perf_counter()
+        if k:
+            ts["f"].append(t1 - t0)
+            ts["b"].append(t2 - t1)
+            ts["i"].append(t4 - t3)
+            ts["w"].append(t6 - t5)
+    x.grad = None
+    stage.weight.grad = None
+    med = {k: statistics.median(v) for k, v in ts.items()}
+    return ChunkCosts(f=med["f"], i=med["i"], w=med["w"], b=med["b"])
