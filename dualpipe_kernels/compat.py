@@ -34,7 +34,8 @@ Differences: CPU and CUDA both work (the reference requires CUDA); P2P shapes
 and dtype are exchanged at run time, so ``set_p2p_tensor_shapes`` /
 ``set_p2p_tensor_dtype`` are accepted and only validated; bad input raises
 ValueError (the reference asserts).  Keyword-only extras: ``transport``
-("torch" | "native" | a Transport) and ``timeout_s`` (every wait).
+("auto", the default: the native engine for same-host peers when built |
+"torch" | "native" | a Transport) and ``timeout_s`` (every wait).
 
 ``WeightGradStore``: the reference keeps the zero-bubble weight-gradient queue
 in class attributes that user autograd functions call directly
@@ -233,7 +234,7 @@ class _DualPipeBase(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         rank_mapping: Sequence[int] | None = None,
         *,
-        transport: Any = "torch",
+        transport: Any = "auto",
         timeout_s: float = 120.0,
     ) -> None:
         super().__init__()

@@ -99,12 +99,48 @@ def _rejects_bad_arguments(rank: int) -> None:
             t.isend(torch.zeros(2, device="meta"), (rank + 1) % WORLD, tag=0)
 
 
+def _finished_transfers_hold_no_tensor(rank: int) -> None:
+    """Once a handle has seen its transfer finish, nothing in the transport keeps the tensor alive.
+
+    Otherwise the live-tensor count of a training loop swings with what the
+    last step happened to post (the runtime memory test once saw 104 <-> 106).
+    """
+    import gc
+    import weakref
+
+    peer, src = (rank + 1) % WORLD, (rank - 1) % WORLD
+    with NativeTransport(timeout_s=WAIT_S) as t:
+        for polled in (False, True):
+            out, buf = _data(rank, peer), torch.empty(1000, dtype=torch.float64)
+            refs = [weakref.ref(out), weakref.ref(buf)]
+            hs = [t.irecv(buf, src, tag=5), t.isend(out, peer, tag=5)]
+            for h in hs:
+                if polled:
+                    while not h.is_completed():  # completion seen through query(), then wait() is a no-op
+                        pass
+                h.wait()
+            assert torch.equal(buf, _data(src, rank))
+            del out, buf
+            gc.collect()
+            assert all(r() is None for r in refs), f"rank {rank}: a finished transfer's tensor is still alive"
+        # A dropped, unwaited handle: the transport keeps the tensor until the transfer finishes.
+        buf = torch.empty(1000, dtype=torch.float64)
+        ref = weakref.ref(buf)
+        t.irecv(buf, src, tag=6)
+        del buf
+        gc.collect()
+        assert ref() is not None, f"rank {rank}: a receive buffer died while the engine may still write it"
+        t.isend(_data(rank, peer), peer, tag=6).wait()
+        dist.barrier()
+
+
 SCENARIOS: dict[str, Callable[[int], None]] = {
     "make_transport_native": _make_transport_native,
     "other_host_falls_back": _other_host_falls_back,
     "subgroup_uses_group_ranks": _subgroup_uses_group_ranks,
     "two_transports_do_not_mix": _two_transports_do_not_mix,
     "rejects_bad_arguments": _rejects_bad_arguments,
+    "finished_transfers_hold_no_tensor": _finished_transfers_hold_no_tensor,
 }
 
 

@@ -109,9 +109,9 @@ class Pipeline(nn.Module):
     ``modules``: ``{stage: module}`` for ``schedule.stages_of_rank(rank)`` (or a
     sequence in that order).  ``group``: the process group (default group when
     None); ``rank_mapping[group_rank]`` is the pipeline rank of a group member
-    (identity when None).  ``transport``: ``"torch"`` (default),
-    ``"native"``, ``"auto"`` (native engine when built, else torch; what the
-    CLI, benchmarks and examples use) or a Transport instance (a given instance is not closed by :meth:`close`).
+    (identity when None).  ``transport``: ``"auto"`` (default: the native
+    engine for same-host peers when it is built, else torch), ``"torch"``,
+    ``"native"`` or a Transport instance (a given instance is not closed by :meth:`close`).
     ``timeout_s``: every wait.  ``sync_mirror_grads``: DualPipe only, sum the
     gradients of the two copies of a model stage at the end of the step.
     ``record_timeline``: fill ``StepResult.timeline``.  ``recv_lookahead``: how
@@ -131,7 +131,7 @@ class Pipeline(nn.Module):
         modules: Mapping[int, nn.Module] | Sequence[nn.Module],
         group: dist.ProcessGroup | None = None,
         rank_mapping: Sequence[int] | None = None,
-        transport: str | Transport = "torch",
+        transport: str | Transport = "auto",
         batch_dim: int = 0,
         timeout_s: float = 120.0,
         sync_mirror_grads: bool = True,

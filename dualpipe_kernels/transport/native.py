@@ -112,12 +112,22 @@ class NativeHandle(Handle):
         except TimeoutError as exc:
             raise TransportTimeout(str(exc)) from None
         except RuntimeError as exc:
+            self._release()
             raise TransportError(str(exc)) from None
-        self._tensor = None
+        self._release()
 
     def is_completed(self) -> bool:
         """True once finished, successfully or not (``wait`` then raises the failure)."""
-        return bool(self._request.query())
+        done = bool(self._request.query())
+        if done:
+            self._release()
+        return done
+
+    def _release(self) -> None:
+        """The engine is done with the tensor: neither this handle nor the transport keeps it any longer."""
+        if self._tensor is not None:
+            self._tensor = None
+            self._owner._inflight.pop(id(self._request), None)
 
 
 class NativeTransport(Transport):
@@ -167,7 +177,9 @@ class NativeTransport(Transport):
         self._rank = dist.get_rank(self.group)
         self._size = dist.get_world_size(self.group)
         self._closed = False
-        self._inflight: list[tuple[Any, torch.Tensor]] = []  # keeps tensors alive while the engine uses them
+        # Keeps a tensor alive while the engine may touch it, also if the caller drops the handle;
+        # an entry goes when its handle sees the transfer finish, or at the next post once finished.
+        self._inflight: dict[int, tuple[Any, torch.Tensor]] = {}
         self._fallback: TorchDistTransport | None = None
         self._engine = shm.Engine(
             self._rank,
@@ -254,11 +266,12 @@ class NativeTransport(Transport):
             raise ValueError(f"rank {self._rank}: tensor must be contiguous ({what})")
 
     def _track(self, request: Any, tensor: torch.Tensor) -> NativeHandle:
-        # Drop finished transfers at once: a tensor kept here would pin its memory.
+        # Drop finished transfers whose handles were dropped unwaited: a tensor kept here pins its memory.
         if self._inflight:
-            self._inflight = [(r, t) for r, t in self._inflight if not r.query()]
+            for key in [k for k, (r, _t) in self._inflight.items() if r.query()]:
+                del self._inflight[key]
         if not request.query():
-            self._inflight.append((request, tensor))
+            self._inflight[id(request)] = (request, tensor)
         return NativeHandle(request, tensor, self)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
