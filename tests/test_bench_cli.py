@@ -193,3 +193,43 @@ def test_busy_time_leaves_out_receive_waits_inside_compute() -> None:
         (0, "SYNC_MIRROR_GRADS", 4.2, 5.0),  # bookkeeping: not a schedule action
     ]
     assert busy_time(timeline) == pytest.approx(1.0 + 2.9 - 0.5)
+
+
+@pytest.mark.timeout(200)
+def test_bench_runtime_sleep_quick_json_contract(tmp_path: Path) -> None:
+    proc = _run_cli(
+        [
+            "bench",
+            "runtime_sleep",
+            "--quick",
+            "--ranks",
+            "2",
+            "--f",
+            "0.004",
+            "--b",
+            "0.008",
+            "--w",
+            "0.004",
+            "--activation-bytes",
+            "65536",
+            "--json",
+            "--out",
+            str(tmp_path),
+        ],
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    (row,) = res["rows"]
+    cc = res["chunk_costs_s"]
+    # Chunks timed alone cost at least their sleeps; the simulator is fed exactly those costs.
+    assert cc["F"] >= 0.004 and cc["W"] >= 0.004 and cc["I"] >= 0.004
+    from dualpipe_kernels.benchmarks.runtime_sleep import simulate_sleep
+
+    sim = simulate_sleep("dualpipev", 2, row["microbatches"], cc["F"], cc["I"] + cc["W"], cc["W"])
+    assert float(sim.makespan) == pytest.approx(row["simulated_s"], rel=1e-12)
+    assert row["ratio"] == pytest.approx(row["measured_s"] / row["simulated_s"])
+    assert row["ratio_sleep_only"] == pytest.approx(row["measured_s"] / row["simulated_sleep_only_s"])
+    # Sleeps cannot finish before the schedule allows (timer slack aside).
+    assert row["measured_s"] >= 0.97 * row["simulated_sleep_only_s"]
+    assert (tmp_path / "runtime_sleep.md").stat().st_size > 0
