@@ -25,7 +25,9 @@ bool Request::wait(double timeout_s) const {
   // Spin briefly: a ping-pong of small messages completes within microseconds,
   // and a condition-variable sleep/wake costs tens of them.
   const auto spin_until = start + std::chrono::duration<double, std::micro>(spin_us_);
+  if (poll_ && !query()) poll_();
   for (int i = 0; !query(); ++i) {
+    if ((i & 15) == 15 && poll_ && poll_()) continue;
     if ((i & 63) == 63) {
       if (clock::now() >= spin_until) break;
       std::this_thread::yield();

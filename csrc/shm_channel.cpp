@@ -162,10 +162,11 @@ void Channel::wake_if_waiting(std::atomic<std::uint32_t>* word, std::atomic<std:
 }
 
 template <class Ready>
-std::string Channel::wait_ring(std::atomic<std::uint32_t>* word, std::atomic<std::uint32_t>* waiters, Ready ready) {
+std::string Channel::wait_ring(std::atomic<std::uint32_t>* word, std::atomic<std::uint32_t>* waiters, Ready ready,
+                               bool spin) {
   if (ready()) return "";
   const auto spin_until = Clock::now() + seconds(cfg_.spin_us * 1e-6);
-  for (int i = 0;; ++i) {
+  for (int i = 0; spin; ++i) {
     if (ready()) return "";
     if ((i & 63) == 63) {
       if (Clock::now() >= spin_until || stop_.load(std::memory_order_relaxed)) break;
@@ -406,6 +407,13 @@ std::shared_ptr<Request> RecvChannel::post(void* dst, std::uint64_t nbytes, std:
                                                                  " bytes into a null pointer");
   auto req = std::make_shared<Request>(make_info(Direction::kRecv, nbytes, tag, dtype, std::move(what)), dst,
                                        cfg_.spin_us);
+  if (nbytes <= cfg_.inline_max_bytes) {
+    // Weak: a request may outlive its channel (the Python side holds it after close()).
+    req->set_poll([self = weak_from_this()] {
+      auto ch = self.lock();
+      return ch && ch->poll_ready();
+    });
+  }
   std::unique_lock<std::mutex> lk(mu_);
   if (closed_) {
     req->fail(describe(req->info()) + ": the channel is closed");
@@ -458,6 +466,33 @@ bool RecvChannel::whole_message_ready_locked(std::int64_t tag, std::uint64_t nby
   const SlotHeader* sh = ring_.slot_header(tail_);
   return sh->msg_seq == next_seq_ && sh->offset == 0 && sh->tag == tag && sh->nbytes == nbytes &&
          sh->chunk_bytes == nbytes && sh->kind == static_cast<std::uint32_t>(ChunkKind::kPayload);
+}
+
+bool RecvChannel::small_message_ready_locked() const {
+  if (ring_.header()->head.load(std::memory_order_acquire) == static_cast<std::uint32_t>(tail_)) return false;
+  const SlotHeader* sh = ring_.slot_header(tail_);
+  return sh->msg_seq == next_seq_ && sh->offset == 0 && sh->chunk_bytes == sh->nbytes &&
+         sh->nbytes <= cfg_.inline_max_bytes && sh->kind == static_cast<std::uint32_t>(ChunkKind::kPayload);
+}
+
+bool RecvChannel::poll_ready() {
+  const RingHeader* h = ring_.header();
+  // Lock-free first look (the header's tail mirrors tail_ after every drained chunk).
+  if (h->head.load(std::memory_order_acquire) == h->tail.load(std::memory_order_acquire)) return false;
+  std::unique_lock<std::mutex> lk(mu_);
+  if (closed_ || busy_ || !broken_.empty() || posted_.empty() || !small_message_ready_locked()) return false;
+  busy_ = true;
+  lk.unlock();
+  std::string err = receive_one();  // the message is whole: no wait inside
+  lk.lock();
+  busy_ = false;
+  if (!err.empty() && broken_.empty()) {
+    broken_ = err;
+    fail_pending_locked(err);
+  }
+  lk.unlock();
+  cv_.notify_one();  // the worker may be waiting for !busy_
+  return true;
 }
 
 void RecvChannel::break_channel(const std::shared_ptr<Request>& req, const std::string& why) {
@@ -626,17 +661,38 @@ std::string RecvChannel::receive_one() {
 }
 
 void RecvChannel::worker_loop() {
+  RingHeader* h = ring_.header();
   for (;;) {
+    std::uint32_t seen = 0;
+    bool have = false;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      // !busy_: a posting thread may be receiving inline (see post()).
+      // !busy_: a posting or waiting thread may be receiving inline (see post(), poll_ready()).
       auto ready = [&] {
         return stop_.load(std::memory_order_relaxed) || (!posted_.empty() && broken_.empty() && !busy_);
       };
       if (!ready()) spin_for_post(lk);
       cv_.wait(lk, ready);
       if (stop_.load(std::memory_order_relaxed)) return;
-      busy_ = true;
+      seen = static_cast<std::uint32_t>(tail_);  // stable while !busy_
+      have = h->head.load(std::memory_order_acquire) != seen;
+      if (have) busy_ = true;
+    }
+    if (!have) {
+      // Nothing has arrived: wait for the sender without the busy token, so that
+      // a thread waiting on its receive can take the message itself when it lands.
+      // No spinning: a waiter of a small receive spins (and polls) itself; the receives
+      // posted ahead of need, which nobody waits on yet, can afford a futex wake-up.
+      std::string err = wait_ring(
+          &h->head, &h->head_waiters, [&] { return h->head.load(std::memory_order_acquire) != seen; }, false);
+      if (!err.empty()) {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (broken_.empty() && !stop_.load(std::memory_order_relaxed)) {
+          broken_ = err;
+          fail_pending_locked(err);
+        }
+      }
+      continue;
     }
     std::string err = receive_one();
     std::lock_guard<std::mutex> lk(mu_);

@@ -6,7 +6,10 @@
 // fits in a free slot while nothing else is queued is copied by the posting
 // thread itself (saves a thread hand-off on the latency path); likewise a small
 // receive whose whole message already sits in the ring while no other receive
-// is pending. Whoever copies holds the channel's "busy" token (busy_ under mu_).
+// is pending. A thread waiting on a small receive polls the ring while it
+// spins and copies a whole one-chunk message itself when it lands; the
+// receive worker waits for the sender without holding the token so that it
+// can. Whoever copies holds the channel's "busy" token (busy_ under mu_).
 //
 // Ordering and matching. Sends are written into the ring in post order. A
 // message is delivered to the earliest posted, still unmatched receive with
@@ -91,8 +94,10 @@ class Channel {
   Channel(Side side, std::shared_ptr<ShmSegment> segment, int self_rank, int peer_rank, ChannelConfig cfg);
 
   //! Wait until ready() holds. Returns "" or why it never will (closed, peer dead, ring broken).
+  //! `spin`: spin up to spin_us first (false: sleep at once, e.g. when another thread polls too).
   template <class Ready>
-  std::string wait_ring(std::atomic<std::uint32_t>* word, std::atomic<std::uint32_t>* waiters, Ready ready);
+  std::string wait_ring(std::atomic<std::uint32_t>* word, std::atomic<std::uint32_t>* waiters, Ready ready,
+                        bool spin = true);
   //! Start the worker thread if needed. Caller holds mu_.
   void ensure_worker();
   //! Worker only, holding `lk` and finding nothing to do: spin up to spin_us for a new
@@ -151,7 +156,7 @@ class SendChannel final : public Channel {
   std::uint64_t next_seq_ = 0;                  // owned by the busy-token holder
 };
 
-class RecvChannel final : public Channel {
+class RecvChannel final : public Channel, public std::enable_shared_from_this<RecvChannel> {
  public:
   RecvChannel(std::shared_ptr<ShmSegment> segment, int self_rank, int peer_rank, ChannelConfig cfg);
   ~RecvChannel() override;
@@ -162,6 +167,11 @@ class RecvChannel final : public Channel {
                                 std::string what = "");
   //! Messages received before any matching receive was posted (diagnostics).
   std::size_t stashed() const;
+  //! Called by a thread waiting on one of our receives: if a whole one-chunk
+  //! message of at most inline_max_bytes sits at the ring's tail and nobody
+  //! holds the busy token, receive it on this thread. Never blocks; true if it
+  //! received a message.
+  bool poll_ready();
 
  private:
   struct Stashed {
@@ -189,6 +199,9 @@ class RecvChannel final : public Channel {
   //! Whether the message at the ring's tail is tagged `tag`, `nbytes` long and all in one published
   //! payload chunk (so a posting thread may receive it without waiting). Caller holds mu_, !busy_.
   bool whole_message_ready_locked(std::int64_t tag, std::uint64_t nbytes) const;
+  //! Whether the message at the ring's tail is whole in one published payload chunk of at most
+  //! inline_max_bytes (any tag). Caller holds mu_, !busy_.
+  bool small_message_ready_locked() const;
   //! Earliest posted receive with `tag`, removed from posted_ (caller holds mu_), or null.
   std::shared_ptr<Request> take_posted_locked(std::int64_t tag);
   //! Mark the channel broken: fail `req` and everything posted, tell the sender.

@@ -107,6 +107,36 @@ TEST(ShmChannel, InlineAndWorkerReceivesRaceSafely) {
   sender.join();
 }
 
+TEST(ShmChannel, PingPongWaitersReceiveThemselvesAndRaceTheWorkers) {
+  // Two threads bounce small messages over two rings; each waits on its receive, so
+  // the waiting thread's poll and the receive worker race for every message.
+  ChannelConfig cfg = small_config(4, 4096);
+  cfg.spin_us = 200.0;
+  LocalPair ab(cfg, 0, 1), ba(cfg, 1, 0);
+  constexpr int kRounds = 2000;
+  std::thread b([&] {
+    std::vector<unsigned char> buf;
+    for (int k = 0; k < kRounds; ++k) {
+      buf.assign(static_cast<std::size_t>(1 + k % 4000), 0);
+      auto r = ab.rx->post(buf.data(), buf.size(), k % 2, 0);
+      ASSERT_TRUE(r->wait(10.0)) << k;
+      ASSERT_EQ(r->state(), Request::State::kDone) << r->error();
+      ASSERT_TRUE(ba.tx->post(buf.data(), buf.size(), k % 2, 0)->wait(10.0)) << k;
+    }
+  });
+  std::vector<unsigned char> back;
+  for (int k = 0; k < kRounds; ++k) {
+    const auto src = payload(static_cast<std::size_t>(1 + k % 4000), static_cast<std::uint32_t>(k));
+    back.assign(src.size(), 0);
+    auto r = ba.rx->post(back.data(), back.size(), k % 2, 0);
+    ASSERT_TRUE(ab.tx->post(src.data(), src.size(), k % 2, 0)->wait(10.0)) << k;
+    ASSERT_TRUE(r->wait(10.0)) << k;
+    ASSERT_EQ(r->state(), Request::State::kDone) << r->error();
+    ASSERT_EQ(back, src) << "round " << k;
+  }
+  b.join();
+}
+
 TEST(ShmChannel, ManyInFlightOutOfOrderWaits) {
   LocalPair p(small_config(4, 512));
   constexpr int kCount = 64;

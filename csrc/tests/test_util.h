@@ -35,7 +35,7 @@ inline ChannelConfig small_config(std::uint32_t slots, std::uint64_t slot_bytes)
 struct LocalPair {
   std::shared_ptr<ShmSegment> segment;
   std::unique_ptr<SendChannel> tx;
-  std::unique_ptr<RecvChannel> rx;
+  std::shared_ptr<RecvChannel> rx;  // shared: a waiting thread's poll hook holds it weakly
 
   //! `start` presets both ring counters (e.g. just below 2^32 to test their wraparound).
   explicit LocalPair(const ChannelConfig& cfg, int src = 0, int dst = 1, std::uint32_t start = 0) {
@@ -45,7 +45,7 @@ struct LocalPair {
     h->head.store(start);
     h->tail.store(start);
     tx = std::make_unique<SendChannel>(segment, src, dst, cfg);
-    rx = std::make_unique<RecvChannel>(segment, dst, src, cfg);
+    rx = std::make_shared<RecvChannel>(segment, dst, src, cfg);
   }
 };
 

@@ -2,7 +2,11 @@
 
 Two spawned CPU processes (one thread each) bounce a message back and forth
 (ping-pong) for every size; the one-way time is half the median round trip,
-bandwidth = size / one-way time.  The ceiling is a single-thread copy of the
+bandwidth = size / one-way time.  Each rank's Python thread is bound to its
+own core once the transports are up (``--no-pin`` to let it float; the
+engine's and gloo's threads always float), as latency benchmarks bind their
+ranks: on a small VM two spinning waiters otherwise often share one core and
+a round trip then measures the scheduler.  The ceiling is a single-thread copy of the
 same size (``dst.copy_(src)`` with one torch thread) measured on rank 0 in the
 same run.  Every row carries the ratios the targets are stated in:
 native / gloo bandwidth (target >= 5 at >= 1 MiB), native / memcpy (target
@@ -40,7 +44,7 @@ BYTES_PER_SIZE = 96 * MIB
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-size", type=int, default=None, help="smallest message in bytes (default 4096)")
     parser.add_argument("--max-size", type=int, default=None, help="largest message in bytes (default 64 MiB)")
-    parser.add_argument("--max-reps", type=int, default=200, help="ping-pongs per size at most (default 200)")
+    parser.add_argument("--max-reps", type=int, default=1000, help="ping-pongs per size at most (default 1000)")
     parser.add_argument("--min-reps", type=int, default=5, help="ping-pongs per size at least (default 5)")
     parser.add_argument("--num-slots", type=int, default=None, help="native ring slots (default: transport default)")
     parser.add_argument(
@@ -61,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="smallest message that goes single-copy (default: transport default)",
+    )
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="do not bind each rank's Python thread to its own core (default: bind, when >= 2 cores)",
     )
 
 
@@ -110,7 +120,23 @@ def _memcpy_seconds(size: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def _worker(rank: int, world_size: int, sizes: list[int], reps: list[int], native_kw: dict[str, Any]) -> list[dict]:
+def _pin_this_thread(rank: int) -> int | None:
+    """Bind the calling thread to the ``rank``-th allowed core; the core, or None with fewer than two."""
+    import os
+
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    cpu = cpus[rank % len(cpus)]
+    os.sched_setaffinity(0, {cpu})  # pid 0: on Linux, this thread only; threads started earlier keep theirs
+    return cpu
+
+
+def _worker(
+    rank: int, world_size: int, sizes: list[int], reps: list[int], native_kw: dict[str, Any], pin: bool = True
+) -> list[dict]:
     from dualpipe_kernels.transport.native import NativeTransport
 
     torch.set_num_threads(1)
@@ -119,10 +145,22 @@ def _worker(rank: int, world_size: int, sizes: list[int], reps: list[int], nativ
     single_copy_active = peer in native.single_copy_peers()
     rows = []
     try:
+        # One exchange each way first: the engine's worker threads start on first use and must
+        # not inherit the pinning below (nor gloo's, started with the process group).
+        warm_out, warm_in = torch.zeros(1), torch.zeros(1)
+        _pingpong(
+            rank,
+            lambda t: native.isend(t, peer, tag=9).wait(),
+            lambda t: native.irecv(t, peer, tag=9).wait(),
+            warm_out,
+            warm_in,
+            0,
+        )
+        core = _pin_this_thread(rank) if pin else None
         for size, n in zip(sizes, reps, strict=True):
             out_buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
             in_buf = torch.zeros(size, dtype=torch.uint8)
-            row: dict[str, Any] = {"size_bytes": size, "reps": n}
+            row: dict[str, Any] = {"size_bytes": size, "reps": n, "pinned_core": core}
             row["native_path"] = (
                 "single-copy" if single_copy_active and size >= native_kw["single_copy_min_bytes"] else "ring"
             )
@@ -214,7 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         native_kw["single_copy"] = single_copy == "on"
     native_kw["single_copy_min_bytes"] = getattr(args, "single_copy_min_bytes", None) or DEFAULT_SINGLE_COPY_MIN_BYTES
     t0 = time.perf_counter()
-    rows = spawn(_worker, 2, sizes, reps, native_kw, timeout_s=600.0)[0]
+    pin = getattr(args, "pin", True)
+    rows = spawn(_worker, 2, sizes, reps, native_kw, pin, timeout_s=600.0)[0]
     return {
         "rows": rows,
         "targets": _targets(rows),
@@ -223,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "method": "ping-pong between 2 processes, one-way time = median round trip / 2; "
             "memcpy = single-thread torch copy_ on rank 0 in the same run",
             "threads_per_process": 1,
+            "python_thread_pinned": pin,
         },
         "elapsed_s": time.perf_counter() - t0,
     }
