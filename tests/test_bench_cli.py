@@ -49,8 +49,10 @@ def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
         assert r.get("error") is None, r.get("error")
         assert r["ranks"] == 2 and r["microbatches"] == 8
         assert r["ratio"] == pytest.approx(r["measured_s"] / r["simulated_s"])
-        # Sleeps cannot run faster than the schedule allows: measured >= simulated (minus timer slack).
-        assert r["measured_s"] >= 0.97 * r["simulated_s"]
+        # Sleeps cannot run faster than the schedule allows: measured >= the simulator fed only the
+        # sleeps and their overshoot (minus timer slack).  (simulated_s, fed costs timed alone in a
+        # few quick repeats, is an estimate, not a bound.)
+        assert r["measured_s"] >= 0.97 * r["simulated_sleep_only_s"]
     # The simulator's prediction for the requested sleeps (F=2, B=4, W=2 ms per chunk) is exact arithmetic;
     # simulated_s uses the chunk costs measured alone (sleep + overshoot + tensor work), so it is larger.
     sim = {r["schedule"]: r["simulated_nominal_s"] for r in res["rows"]}
