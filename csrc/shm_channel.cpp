@@ -119,6 +119,17 @@ void Channel::close() {
   futex_wake_all(&h->tail);
 }
 
+bool Channel::fail_if_unusable_locked(Request& req) const {
+  if (closed_) {
+    req.fail(describe(req.info()) + ": the channel is closed");
+  } else if (!broken_.empty()) {
+    req.fail(describe(req.info()) + ": " + broken_);
+  } else {
+    return false;
+  }
+  return true;
+}
+
 void Channel::ensure_worker() {
   if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
 }
@@ -222,14 +233,7 @@ std::shared_ptr<Request> SendChannel::post(const void* src, std::uint64_t nbytes
   auto req = std::make_shared<Request>(make_info(Direction::kSend, nbytes, tag, dtype, std::move(what)),
                                        const_cast<void*>(src), cfg_.spin_us);
   std::unique_lock<std::mutex> lk(mu_);
-  if (closed_) {
-    req->fail(describe(req->info()) + ": the channel is closed");
-    return req;
-  }
-  if (!broken_.empty()) {
-    req->fail(describe(req->info()) + ": " + broken_);
-    return req;
-  }
+  if (fail_if_unusable_locked(*req)) return req;
   RingHeader* h = ring_.header();
   // Fast path: nothing ahead of us and the whole message fits in a free slot.
   if (queue_.empty() && !busy_ && nbytes <= cfg_.inline_max_bytes && nbytes <= ring_.slot_bytes() &&
@@ -415,14 +419,7 @@ std::shared_ptr<Request> RecvChannel::post(void* dst, std::uint64_t nbytes, std:
     });
   }
   std::unique_lock<std::mutex> lk(mu_);
-  if (closed_) {
-    req->fail(describe(req->info()) + ": the channel is closed");
-    return req;
-  }
-  if (!broken_.empty()) {
-    req->fail(describe(req->info()) + ": " + broken_);
-    return req;
-  }
+  if (fail_if_unusable_locked(*req)) return req;
   // A message that arrived before this receive was posted (per-tag FIFO).
   for (auto it = stash_.begin(); it != stash_.end(); ++it) {
     if (it->tag != tag) continue;

@@ -98,6 +98,8 @@ class Channel {
   template <class Ready>
   std::string wait_ring(std::atomic<std::uint32_t>* word, std::atomic<std::uint32_t>* waiters, Ready ready,
                         bool spin = true);
+  //! Fail a just-posted `req` if the channel is closed or broken; true if it did. Caller holds mu_.
+  bool fail_if_unusable_locked(Request& req) const;
   //! Start the worker thread if needed. Caller holds mu_.
   void ensure_worker();
   //! Worker only, holding `lk` and finding nothing to do: spin up to spin_us for a new

@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from scenarios import run_scenarios
 
 from dualpipe_kernels.runtime.launch import spawn, spawn_outcomes
 from dualpipe_kernels.transport.base import TransportError, TransportTimeout
@@ -267,15 +267,7 @@ SCENARIOS: dict[str, Callable[[int], None]] = {
 
 
 def _run_scenarios(rank: int, world_size: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"pid": os.getpid()}
-    for name, fn in SCENARIOS.items():
-        try:
-            fn(rank)
-            out[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported per scenario
-            out[name] = traceback.format_exc()
-        dist.barrier()
-    return out
+    return {"pid": os.getpid(), **run_scenarios(SCENARIOS, rank)}
 
 
 @pytest.fixture(scope="module")

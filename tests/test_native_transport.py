@@ -9,13 +9,13 @@ memory.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from scenarios import run_scenarios
 
 from dualpipe_kernels.runtime.launch import spawn
 from dualpipe_kernels.transport import make_transport
@@ -145,15 +145,7 @@ SCENARIOS: dict[str, Callable[[int], None]] = {
 
 
 def _run(rank: int, world_size: int) -> dict[str, str]:
-    out = {}
-    for name, fn in SCENARIOS.items():
-        try:
-            fn(rank)
-            out[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported per scenario
-            out[name] = traceback.format_exc()
-        dist.barrier()
-    return out
+    return run_scenarios(SCENARIOS, rank)
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,21 @@ def _deep() -> nn.Module:
     return nn.Sequential(*[nn.Linear(HIDDEN, HIDDEN) for _ in range(40)])
 
 
+def _accumulate_weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
+    """``weight.grad += grad^T x`` of ``y = x @ weight^T``: now, or deferred through the running pipeline's store."""
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+
+    def weight_grad() -> None:
+        weight.grad += grad.flatten(0, -2).T @ x.flatten(0, -2)
+
+    store = current_store()
+    if store is not None and store.enabled:
+        store.put(weight_grad)
+    else:
+        weight_grad()
+
+
 class _LinearFunc(torch.autograd.Function):
     """A linear whose weight gradient may be deferred through the running pipeline's store."""
 
@@ -52,17 +67,7 @@ class _LinearFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         x, weight = ctx.saved_tensors
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-
-        def weight_grad() -> None:
-            weight.grad += grad.flatten(0, -2).T @ x.flatten(0, -2)
-
-        store = current_store()
-        if store is not None and store.enabled:
-            store.put(weight_grad)
-        else:
-            weight_grad()
+        _accumulate_weight_grad(weight, grad, x)
         return grad @ weight, None
 
 
@@ -304,17 +309,7 @@ class _StoreLinearFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (x,), weight = ctx.saved_tensors, ctx.weight
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-
-        def weight_grad() -> None:
-            weight.grad += grad.flatten(0, -2).T @ x.flatten(0, -2)
-
-        store = current_store()
-        if store is not None and store.enabled:
-            store.put(weight_grad)
-        else:
-            weight_grad()
+        _accumulate_weight_grad(weight, grad, x)
         return grad @ weight, None
 
 

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -65,16 +66,22 @@ int exchange(Engine& e, int peer, int rounds) {
   return bad;
 }
 
-TEST(ShmProcess, TwoForkedProcessesBothDirections) {
-  // Rendezvous as the Python transport does it, with pipes instead of a store:
-  // each side creates its outgoing ring and passes the name; the receiver maps it
-  // and unlinks the name at once.
-  const auto cfg = small_config(3, 4096);
-  Engine parent(0, cfg);
-  const std::string to_child = parent.create_send_channel(1);
+//! Both rings between this process (rank 0) and a forked child (rank 1), set up as the
+//! Python transport does it, with a pipe instead of a store: each side creates its
+//! outgoing ring and passes the name; the receiver maps it and unlinks the name at
+//! once. The child then runs `exchange` for `rounds` messages and exits 0 if all
+//! matched. Returns the child's pid and the name of the child's ring to us (already
+//! mapped by `parent`); `to_child` is the name of ours.
+struct ForkedPeer {
+  pid_t pid = -1;
+  std::string to_parent;
+};
+
+ForkedPeer fork_exchanging_peer(Engine& parent, const ChannelConfig& cfg, const std::string& to_child, int rounds) {
   int fds[2];
-  ASSERT_EQ(::pipe(fds), 0);
-  const pid_t child = fork_child([&] {
+  if (::pipe(fds) != 0) throw std::runtime_error("pipe() failed");
+  ForkedPeer peer;
+  peer.pid = fork_child([&] {
     ::close(fds[0]);
     Engine e(1, cfg);
     e.attach_recv_channel(0, to_child);
@@ -82,22 +89,32 @@ TEST(ShmProcess, TwoForkedProcessesBothDirections) {
     const std::size_t len = to_parent.size();
     if (::write(fds[1], &len, sizeof len) != sizeof len) return 2;
     if (::write(fds[1], to_parent.data(), len) != static_cast<ssize_t>(len)) return 2;
-    const int bad = exchange(e, 0, 60);
+    const int bad = exchange(e, 0, rounds);
     e.close();
     return bad == 0 ? 0 : 3;
   });
   ::close(fds[1]);
   std::size_t len = 0;
-  ASSERT_EQ(::read(fds[0], &len, sizeof len), static_cast<ssize_t>(sizeof len));
-  std::string to_parent(len, '\0');
-  ASSERT_EQ(::read(fds[0], to_parent.data(), len), static_cast<ssize_t>(len));
+  const bool got_len = ::read(fds[0], &len, sizeof len) == static_cast<ssize_t>(sizeof len);
+  peer.to_parent.assign(got_len ? len : 0, '\0');
+  const bool got_name = got_len && ::read(fds[0], peer.to_parent.data(), len) == static_cast<ssize_t>(len);
   ::close(fds[0]);
-  parent.attach_recv_channel(1, to_parent);
+  if (!got_name) throw std::runtime_error("the forked peer did not send its ring name");
+  parent.attach_recv_channel(1, peer.to_parent);
+  return peer;
+}
+
+TEST(ShmProcess, TwoForkedProcessesBothDirections) {
+  const auto cfg = small_config(3, 4096);
+  Engine parent(0, cfg);
+  const std::string to_child = parent.create_send_channel(1);
+  const ForkedPeer child = fork_exchanging_peer(parent, cfg, to_child, 60);
+  const std::string& to_parent = child.to_parent;
   EXPECT_FALSE(segment_listed(to_parent)) << "the receiver unlinks the name once mapped";
   EXPECT_EQ(exchange(parent, 1, 60), 0);
   parent.unlink_send_segment(1);
   EXPECT_FALSE(segment_listed(to_child));
-  EXPECT_EQ(wait_exit_code(child), 0);
+  EXPECT_EQ(wait_exit_code(child.pid), 0);
   parent.close();
 }
 
@@ -162,32 +179,12 @@ TEST(ShmProcess, SingleCopyBetweenForkedProcesses) {
   cfg.single_copy_min_bytes = 4096;
   Engine parent(0, cfg);
   const std::string to_child = parent.create_send_channel(1);
-  int fds[2];
-  ASSERT_EQ(::pipe(fds), 0);
-  const pid_t child = fork_child([&] {
-    ::close(fds[0]);
-    Engine e(1, cfg);
-    e.attach_recv_channel(0, to_child);
-    const std::string to_parent = e.create_send_channel(0);
-    const std::size_t len = to_parent.size();
-    if (::write(fds[1], &len, sizeof len) != sizeof len) return 2;
-    if (::write(fds[1], to_parent.data(), len) != static_cast<ssize_t>(len)) return 2;
-    const int bad = exchange(e, 0, 40);
-    e.close();
-    return bad == 0 ? 0 : 3;
-  });
-  ::close(fds[1]);
-  std::size_t len = 0;
-  ASSERT_EQ(::read(fds[0], &len, sizeof len), static_cast<ssize_t>(sizeof len));
-  std::string to_parent(len, '\0');
-  ASSERT_EQ(::read(fds[0], to_parent.data(), len), static_cast<ssize_t>(len));
-  ::close(fds[0]);
-  parent.attach_recv_channel(1, to_parent);
+  const ForkedPeer child = fork_exchanging_peer(parent, cfg, to_child, 40);
   // The child probed us when it attached; the ring to the child uses single copy iff such reads work here.
-  const bool readable = can_read_memory_of(child, &cfg);  // fork: same address in the child
+  const bool readable = can_read_memory_of(child.pid, &cfg);  // fork: same address in the child
   EXPECT_EQ(parent.single_copy_to(1), readable);
   EXPECT_EQ(exchange(parent, 1, 40), 0);
-  EXPECT_EQ(wait_exit_code(child), 0);
+  EXPECT_EQ(wait_exit_code(child.pid), 0);
   parent.close();
 }
 

@@ -79,12 +79,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def simulate_sleep(name: str, ranks: int, microbatches: int, f_s: float, b_s: float, w_s: float) -> Any:
     """The simulator's result for sleeping chunks: F, B, W as given, no F&B overlap (F&B = F + B), free comm."""
-    from dualpipe_kernels.schedules.costs import CommModel, CostModel
-    from dualpipe_kernels.schedules.generators import build_schedule
-    from dualpipe_kernels.schedules.simulator import simulate
-
-    schedule = build_schedule(name, ranks, microbatches)
-    return simulate(schedule, CostModel(f=f_s, b=b_s, w=w_s, fb=f_s + b_s), CommModel())
+    return simulate_sleep_costs(name, ranks, microbatches, f_s, b_s, w_s, f_s + b_s)
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -169,15 +164,12 @@ def measured_costs(timelines: list[list[tuple[int, str, float, float]]]) -> dict
     What a compute action takes beyond its sleep is the runtime's per-action
     overhead plus the host's wake-up latency under load.
     """
-    from dualpipe_kernels.schedules.ir import ActionType, parse_action
+    from dualpipe_kernels.benchmarks.schedules import schedule_entries
+    from dualpipe_kernels.schedules.ir import ActionType
 
     by_kind: dict[str, list[float]] = {}
     for tl in timelines:
-        for _, label, start, end in tl:
-            try:
-                a = parse_action(label)
-            except ValueError:
-                continue  # e.g. SYNC_MIRROR_GRADS
+        for _, a, start, end in schedule_entries(tl):  # leaves out e.g. SYNC_MIRROR_GRADS
             if a.type is ActionType.OVERLAP_F_B:
                 kind = "F" + a.sub_actions[1].type.value
             elif a.is_compute:
@@ -189,20 +181,10 @@ def measured_costs(timelines: list[list[tuple[int, str, float, float]]]) -> dict
 
 
 def busy_per_rank(timelines: list[list[tuple[int, str, float, float]]]) -> list[float]:
-    """Seconds each rank spent in compute actions in its timeline."""
-    from dualpipe_kernels.schedules.ir import parse_action
+    """Seconds each rank spent computing in its timeline (``schedules.busy_time``: receive waits left out)."""
+    from dualpipe_kernels.benchmarks.schedules import busy_time
 
-    out = []
-    for tl in timelines:
-        busy = 0.0
-        for _, label, start, end in tl:
-            try:
-                if parse_action(label).is_compute:
-                    busy += end - start
-            except ValueError:
-                continue
-        out.append(busy)
-    return out
+    return [busy_time(tl) for tl in timelines]
 
 
 def _simulate_measured(args: argparse.Namespace, costs: dict[str, float]) -> float | None:

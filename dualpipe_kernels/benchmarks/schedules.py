@@ -155,17 +155,14 @@ def simulate_sleep(
     * otherwise the nominal ``k * (f_s, b_s, w_s)`` plus ``overshoot_s``, what each
       ``time.sleep`` adds on this machine (F and W are one sleep each, B two).
     """
-    from dualpipe_kernels.schedules.costs import CostModel
+    from dualpipe_kernels.benchmarks.sleep_stages import ChunkCosts
     from dualpipe_kernels.schedules.generators import build_schedule
     from dualpipe_kernels.schedules.simulator import simulate
 
     sched = build_schedule(name, ranks, microbatches)
     k = chunks_per_stage(sched)
-    if chunk_costs is not None:
-        c = chunk_costs[k]
-        return simulate(sched, CostModel(f=c.f, b=c.i + c.w, w=c.w))
-    o = max(0.0, overshoot_s)
-    return simulate(sched, CostModel(f=k * f_s + o, b=k * b_s + 2 * o, w=k * w_s + o))
+    costs = chunk_costs[k] if chunk_costs is not None else ChunkCosts.nominal(k * f_s, k * b_s, k * w_s, overshoot_s)
+    return simulate(sched, costs.cost_model())
 
 
 def calibrate_chunks(cfg: dict[str, Any]) -> dict[int, Any]:

@@ -167,6 +167,18 @@ class ChunkCosts:
     w: float
     b: float
 
+    @classmethod
+    def nominal(cls, f_s: float, b_s: float, w_s: float, overshoot_s: float = 0.0) -> ChunkCosts:
+        """The requested sleeps plus what each ``time.sleep`` adds (F, I and W are one sleep each, B two)."""
+        o = max(0.0, overshoot_s)
+        return cls(f=f_s + o, i=b_s - w_s + o, w=w_s + o, b=b_s + 2 * o)
+
+    def cost_model(self) -> Any:
+        """The simulator's ``CostModel``: F, B = I + W (what a split backward costs), W; F&B = F + B."""
+        from dualpipe_kernels.schedules.costs import CostModel
+
+        return CostModel(f=self.f, b=self.i + self.w, w=self.w)
+
 
 def measure_chunk_costs(
     f_s: float, b_s: float, w_s: float, activation_bytes: int, repeats: int = 7, cols: int = 256
