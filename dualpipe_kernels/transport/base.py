@@ -16,10 +16,12 @@ every error message.
 from __future__ import annotations
 
 import abc
+from datetime import timedelta
+from typing import Any
 
 import torch
 
-__all__ = ["Handle", "Transport", "TransportError", "TransportTimeout", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Handle", "Transport", "TransportError", "TransportTimeout", "DEFAULT_TIMEOUT_S", "wait_store_key"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -82,3 +84,17 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def wait_store_key(store: Any, key: str, timeout_s: float, who: str, step: str) -> None:
+    """Wait until ``key`` is set in the rendezvous ``store`` (a ``torch.distributed.Store``).
+
+    On timeout: TransportTimeout "``who`` timed out after T s waiting for ``step`` (store key K)",
+    e.g. ``who`` = "rank 1: native transport rendezvous", ``step`` = "peer rank 0's ring name".
+    """
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - stores raise several types on timeout
+        raise TransportTimeout(
+            f"{who} timed out after {timeout_s:.3g} s waiting for {step} (store key {key!r}): {exc}"
+        ) from None

@@ -39,14 +39,20 @@ never lets the caching allocator reuse memory under a copy.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dualpipe_kernels.transport.base import DEFAULT_TIMEOUT_S, Handle, Transport, TransportError, TransportTimeout
+from dualpipe_kernels.transport.base import (
+    DEFAULT_TIMEOUT_S,
+    Handle,
+    Transport,
+    TransportError,
+    TransportTimeout,
+    wait_store_key,
+)
 
 __all__ = ["CudaIpcHandle", "CudaIpcTransport", "STAGINGS", "cuda_ipc_available", "native_cuda_module"]
 
@@ -243,13 +249,8 @@ class CudaIpcTransport(Transport):
         return f"{self._prefix}/{src}->{dst}/{what}"
 
     def _store_wait(self, store: dist.Store, key: str, peer: int, step: str) -> None:
-        try:
-            store.wait([key], timedelta(seconds=self.timeout_s))
-        except Exception as exc:  # noqa: BLE001 - stores raise several types on timeout
-            raise TransportTimeout(
-                f"rank {self._rank}: CUDA IPC rendezvous with peer rank {peer} timed out after "
-                f"{self.timeout_s:.3g} s waiting for {step} (store key {key!r}): {exc}"
-            ) from exc
+        who = f"rank {self._rank}: CUDA IPC rendezvous with peer rank {peer}"
+        wait_store_key(store, key, self.timeout_s, who, step)
 
     def _rendezvous(self, store: dist.Store, peers: list[int]) -> None:
         eng = self._engine

@@ -34,13 +34,19 @@ from __future__ import annotations
 import os
 import socket
 import zlib
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from dualpipe_kernels.transport.base import DEFAULT_TIMEOUT_S, Handle, Transport, TransportError, TransportTimeout
+from dualpipe_kernels.transport.base import (
+    DEFAULT_TIMEOUT_S,
+    Handle,
+    Transport,
+    TransportError,
+    TransportTimeout,
+    wait_store_key,
+)
 
 if TYPE_CHECKING:
     from dualpipe_kernels.transport.torch_dist import TorchDistTransport
@@ -207,13 +213,7 @@ class NativeTransport(Transport):
     # ------------------------------------------------------------------ rendezvous
 
     def _wait_key(self, store: dist.Store, key: str, step: str) -> bytes:
-        try:
-            store.wait([key], timedelta(seconds=self.timeout_s))
-        except Exception as exc:  # noqa: BLE001 - stores raise several types on timeout
-            raise TransportTimeout(
-                f"rank {self._rank}: native transport rendezvous timed out after {self.timeout_s:.3g} s "
-                f"waiting for {step} (store key {key!r}): {exc}"
-            ) from None
+        wait_store_key(store, key, self.timeout_s, f"rank {self._rank}: native transport rendezvous", step)
         return store.get(key)
 
     def _rendezvous(self, store: dist.Store, host_id: str) -> list[str]:
