@@ -104,34 +104,44 @@ def _finished_transfers_hold_no_tensor(rank: int) -> None:
 
     Otherwise the live-tensor count of a training loop swings with what the
     last step happened to post (the runtime memory test once saw 104 <-> 106).
+    The checks are collected and asserted after the scenario's barrier, so a
+    failing rank cannot put the ranks' barriers out of step.
     """
     import gc
+    import time
     import weakref
 
     peer, src = (rank + 1) % WORLD, (rank - 1) % WORLD
+    problems: list[str] = []
     with NativeTransport(timeout_s=WAIT_S) as t:
         for polled in (False, True):
             out, buf = _data(rank, peer), torch.empty(1000, dtype=torch.float64)
             refs = [weakref.ref(out), weakref.ref(buf)]
             hs = [t.irecv(buf, src, tag=5), t.isend(out, peer, tag=5)]
             for h in hs:
-                if polled:
-                    while not h.is_completed():  # completion seen through query(), then wait() is a no-op
-                        pass
+                deadline = time.monotonic() + WAIT_S
+                while polled and not h.is_completed() and time.monotonic() < deadline:
+                    pass  # completion seen through query(); wait() is then a no-op
                 h.wait()
-            assert torch.equal(buf, _data(src, rank))
+            if not torch.equal(buf, _data(src, rank)):
+                problems.append("wrong data")
             del out, buf
             gc.collect()
-            assert all(r() is None for r in refs), f"rank {rank}: a finished transfer's tensor is still alive"
-        # A dropped, unwaited handle: the transport keeps the tensor until the transfer finishes.
+            if any(r() is not None for r in refs):
+                problems.append(f"a finished transfer's tensor is still alive (polled={polled})")
+        # A dropped, unwaited receive: the transport keeps its buffer until the transfer finishes.
+        # Nobody sends on tag 6 before every rank has checked (else the receive may complete at post).
         buf = torch.empty(1000, dtype=torch.float64)
         ref = weakref.ref(buf)
         t.irecv(buf, src, tag=6)
         del buf
         gc.collect()
-        assert ref() is not None, f"rank {rank}: a receive buffer died while the engine may still write it"
-        t.isend(_data(rank, peer), peer, tag=6).wait()
+        if ref() is None:
+            problems.append("a receive buffer died while the engine may still write it")
         dist.barrier()
+        t.isend(_data(rank, peer), peer, tag=6).wait()
+        dist.barrier()  # every send is in its ring before any rank closes its transport
+    assert not problems, f"rank {rank}: {problems}"
 
 
 SCENARIOS: dict[str, Callable[[int], None]] = {
