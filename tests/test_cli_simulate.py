@@ -184,18 +184,3 @@ def test_bad_arguments_subprocess_no_traceback() -> None:
         assert p.returncode == 2
         assert p.stdout == "" and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
         assert p.stderr.startswith("dualpipe-kernels simulate: error:")
-
-
-def test_engine_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    """bench/bench_schedule_engine.py runs (tiny sizes) and reports its figure against the target."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_schedule_engine", REPO / "bench" / "bench_schedule_engine.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--ranks", "2", "--microbatches", "4", "--repeats", "2", "--lowered", "--json"]) == 0
-    d = json.loads(capsys.readouterr().out)
-    assert d["compute_actions"] == sum(len(a) for a in build_schedule("dualpipev", 2, 4).actions)
-    assert d["ratio_to_target"] == pytest.approx(d["median"]["total_s"] / 2.0)
-    assert len(d["rows"]) == 2 and {"build_s", "validate_s", "simulate_s", "lower_s"} <= set(d["rows"][0])

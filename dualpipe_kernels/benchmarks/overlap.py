@@ -1,16 +1,15 @@
-"""overlap: share of communication hidden behind compute, per transport, on sleep-timed DualPipeV stages.
+"""overlap: share of communication hidden behind compute, per transport and size, on sleep-timed DualPipeV stages.
 
-For each transport and activation size, three measured DualPipeV steps on the
-same ranks and schedule:
-
-* compute alone (T_compute): stages sleep F / I / W, activations of 4 bytes;
-* communication alone (T_comm): stages cost nothing, activations of the set size;
-* both (T_step): stages sleep and exchange the set size.
-
-``hidden_comm_share`` = (T_compute + T_comm - T_step) / T_comm: 1 when every
-transfer hid behind compute, 0 when none did (each figure is a median over
-steps of the slowest rank's step time).  ``compute_vs_simulated`` compares
-T_compute with the simulator's prediction for the same costs.
+For each transport and activation size one DualPipeV pipeline on the same
+ranks measures the three terms of :mod:`.metrics` (see :mod:`.sleep_runs`):
+``T_step`` (stages sleep F / I / W and exchange the set size), ``T_compute``
+(the same pipeline with every transfer cut to a few bytes) and ``T_comm`` (the
+step's transfers alone, timed on the link measured in the same processes).
+``exposed_comm_s = T_step - T_compute``; ``hidden_comm_share = 1 -
+exposed_comm_s / T_comm`` (null, flagged as noise, when the raw value leaves
+[0, 1]).  Beside it, the simulator's exposed communication for the same step
+with the measured link latency and bandwidth: what the schedule itself forces.
+Each figure is a median over steps of the slowest rank's step time.
 """
 
 from __future__ import annotations
@@ -18,23 +17,24 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 NAME = "overlap"
 TRANSPORTS = ("torch", "native")
 
-__all__ = ["NAME", "TRANSPORTS", "add_arguments", "run", "to_markdown"]
+__all__ = ["NAME", "TRANSPORTS", "OverlapConfig", "add_arguments", "run", "to_markdown"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dualpipe_kernels.benchmarks.schedules import _int_list
+    from dualpipe_kernels.benchmarks.schedules import int_list
 
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list (default torch,native)")
     p.add_argument(
         "--sizes",
-        type=_int_list,
+        type=int_list,
         default=None,
-        help="activation bytes per transfer, comma list (default 262144,4194304; quick 65536)",
+        help="activation bytes per transfer, comma list (default 1048576,8388608; quick 65536)",
     )
     p.add_argument("--ranks", type=int, default=2, help="pipeline ranks (default 2)")
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 8; quick 4)")
@@ -44,140 +44,161 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 3; quick 1)")
 
 
-def _resolve(args: argparse.Namespace) -> dict[str, Any]:
-    q = bool(getattr(args, "quick", False))
+@dataclass(frozen=True)
+class OverlapConfig:
+    """The suite's settings, defaults filled in (times in seconds)."""
 
-    def pick(name: str, full: Any, quick: Any) -> Any:
-        v = getattr(args, name, None)
-        return v if v is not None else (quick if q else full)
+    transports: tuple[str, ...]
+    sizes: tuple[int, ...]
+    ranks: int
+    microbatches: int
+    f_s: float
+    b_s: float
+    w_s: float
+    steps: int
+    warmup: int = 1
 
-    transports = [t.strip() for t in str(getattr(args, "transports", ",".join(TRANSPORTS))).split(",") if t.strip()]
-    bad = [t for t in transports if t not in TRANSPORTS]
-    if not transports or bad:
-        raise ValueError(f"--transports must be among {', '.join(TRANSPORTS)}, got {','.join(transports)}")
-    cfg = {
-        "transports": transports,
-        "sizes": pick("sizes", [1 << 18, 1 << 22], [1 << 16]),
-        "ranks": int(getattr(args, "ranks", 2)),
-        "microbatches": pick("microbatches", 8, 4),
-        "f_s": pick("f_ms", 10.0, 2.0) / 1e3,
-        "b_s": pick("b_ms", 20.0, 4.0) / 1e3,
-        "w_s": pick("w_ms", 10.0, 2.0) / 1e3,
-        "steps": pick("steps", 3, 1),
-        "warmup": 1,
-    }
-    if not (cfg["f_s"] > 0 and cfg["b_s"] > 0 and 0 < cfg["w_s"] < cfg["b_s"]):
-        raise ValueError("costs need F > 0, B > 0 and 0 < W < B")
-    if cfg["steps"] < 1:
-        raise ValueError(f"--steps must be >= 1, got {cfg['steps']}")
-    from dualpipe_kernels.schedules.generators import build_schedule
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> OverlapConfig:
+        q = bool(getattr(args, "quick", False))
 
-    build_schedule("dualpipev", cfg["ranks"], cfg["microbatches"])  # ValueError naming the constraint
-    return cfg
+        def pick(name: str, full: Any, quick: Any) -> Any:
+            v = getattr(args, name, None)
+            return v if v is not None else (quick if q else full)
+
+        text = str(getattr(args, "transports", ",".join(TRANSPORTS)))
+        transports = tuple(t.strip() for t in text.split(",") if t.strip())
+        bad = [t for t in transports if t not in TRANSPORTS]
+        if not transports or bad:
+            raise ValueError(f"--transports must be among {', '.join(TRANSPORTS)}, got {text}")
+        cfg = cls(
+            transports=transports,
+            sizes=tuple(pick("sizes", [1 << 20, 1 << 23], [1 << 16])),
+            ranks=int(getattr(args, "ranks", 2)),
+            microbatches=int(pick("microbatches", 8, 4)),
+            f_s=pick("f_ms", 10.0, 2.0) / 1e3,
+            b_s=pick("b_ms", 20.0, 4.0) / 1e3,
+            w_s=pick("w_ms", 10.0, 2.0) / 1e3,
+            steps=int(pick("steps", 3, 1)),
+        )
+        if not (cfg.f_s > 0 and cfg.b_s > 0 and 0 < cfg.w_s < cfg.b_s):
+            raise ValueError("costs need F > 0, B > 0 and 0 < W < B")
+        if cfg.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
+        from dualpipe_kernels.schedules.generators import build_schedule
+
+        build_schedule("dualpipev", cfg.ranks, cfg.microbatches)  # ValueError naming the constraint
+        return cfg
+
+    def sleep_run(self, transport: str, size: int) -> Any:
+        from dualpipe_kernels.benchmarks.sleep_runs import SleepRun
+
+        return SleepRun(
+            schedule="dualpipev",
+            ranks=self.ranks,
+            microbatches=self.microbatches,
+            f_s=self.f_s,
+            b_s=self.b_s,
+            w_s=self.w_s,
+            activation_bytes=size,
+            steps=self.steps,
+            warmup=self.warmup,
+            transport=transport,
+        )
 
 
-def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    from dualpipe_kernels.benchmarks.schedules import measure_ours
+def _worker(rank: int, world: int, cfg: OverlapConfig) -> dict[str, Any]:
+    from dualpipe_kernels.benchmarks.sleep_runs import measure_sleep_pipeline
 
-    n, steps, warm = cfg["microbatches"], cfg["steps"], cfg["warmup"]
-    costs = (cfg["f_s"], cfg["b_s"], cfg["w_s"])
     out: dict[str, Any] = {}
-    for tr in cfg["transports"]:
-        try:
-            comp = measure_ours("dualpipev", rank, world, n, *costs, 4, steps, warm, tr)["times"]
-            for size in cfg["sizes"]:
-                comm = measure_ours("dualpipev", rank, world, n, 0.0, 0.0, 0.0, size, steps, warm, tr)["times"]
-                both = measure_ours("dualpipev", rank, world, n, *costs, size, steps, warm, tr)["times"]
-                out[f"{tr}/{size}"] = {"compute": comp, "comm": comm, "both": both}
-                if rank == 0:
-                    sys.stderr.write(f"  bench overlap: {tr} {size} bytes done\n")
-        except Exception as e:  # noqa: BLE001 - reported in the transport's rows
-            out[tr] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+    for tr in cfg.transports:
+        for size in cfg.sizes:
+            try:
+                out[f"{tr}/{size}"] = measure_sleep_pipeline(rank, cfg.sleep_run(tr, size))
+            except Exception as e:  # noqa: BLE001 - reported in the row
+                out[f"{tr}/{size}"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            if rank == 0:
+                sys.stderr.write(f"  bench overlap: {tr} {size} bytes done\n")
     return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from dualpipe_kernels.benchmarks.common import Progress, median
+def _row(cfg: OverlapConfig, tr: str, size: int, per_rank: list[Any], sim_free: float, chunks: Any) -> dict[str, Any]:
     from dualpipe_kernels.benchmarks.schedules import simulate_sleep
+    from dualpipe_kernels.benchmarks.sleep_runs import overlap_terms
+    from dualpipe_kernels.schedules.costs import CommModel
+
+    row: dict[str, Any] = {
+        "transport": tr,
+        "ranks": cfg.ranks,
+        "microbatches": cfg.microbatches,
+        "activation_bytes": size,
+        "simulated_compute_s": sim_free,
+    }
+    err = next((m for m in (o[f"{tr}/{size}"] for o in per_rank) if isinstance(m, str)), None)
+    if err is not None:
+        row.update(error=err, hidden_comm_share=None, exposed_comm_s=None)
+        return row
+    terms = overlap_terms([o[f"{tr}/{size}"] for o in per_rank])
+    row.update(terms, step_s=terms["t_step_s"])
+    if "link_latency_s" in terms:
+        link = CommModel(terms["link_latency_s"], terms["link_bandwidth_gbps"] * 1e9, size)
+        with_comm = float(simulate_sleep("dualpipev", cfg.ranks, cfg.microbatches, chunks, link).makespan)
+        row.update(
+            simulated_with_comm_s=with_comm,
+            simulated_exposed_comm_s=with_comm - sim_free,
+            compute_vs_simulated=terms["t_compute_s"] / sim_free,
+        )
+    return row
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from dualpipe_kernels.benchmarks.common import Progress
+    from dualpipe_kernels.benchmarks.schedules import nominal_chunks, simulate_sleep
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
     from dualpipe_kernels.runtime.launch import spawn
 
-    cfg = _resolve(args)
+    cfg = OverlapConfig.from_args(args)
     bar = Progress(1, title="bench overlap")
-    bar.note(f"transports {cfg['transports']}, sizes {cfg['sizes']}, dualpipev {cfg['ranks']} ranks")
+    bar.note(f"transports {list(cfg.transports)}, sizes {list(cfg.sizes)}, dualpipev {cfg.ranks} ranks")
     t0 = time.perf_counter()
-    per_rank = spawn(_worker, cfg["ranks"], cfg, timeout_s=900, pg_timeout_s=300)
-    from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
-
-    cfg["sleep_overshoot_s"] = over = sleep_overshoot(cfg["f_s"], repeats=10)
-    sim = float(
-        simulate_sleep(
-            "dualpipev", cfg["ranks"], cfg["microbatches"], cfg["f_s"], cfg["b_s"], cfg["w_s"], over
-        ).makespan
-    )
-
-    def slowest(key: str, part: str) -> float:
-        return median(max(ts) for ts in zip(*(o[key][part] for o in per_rank), strict=False))
-
-    rows: list[dict[str, Any]] = []
-    for tr in cfg["transports"]:
-        err = next((o[tr]["error"] for o in per_rank if tr in o), None)
-        for size in cfg["sizes"]:
-            row: dict[str, Any] = {
-                "transport": tr,
-                "ranks": cfg["ranks"],
-                "microbatches": cfg["microbatches"],
-                "activation_bytes": size,
-                "simulated_compute_s": sim,
-            }
-            if err is not None or f"{tr}/{size}" not in per_rank[0]:
-                row.update(error=err or "not measured", hidden_comm_share=None)
-                rows.append(row)
-                continue
-            tc, tm, ts = (slowest(f"{tr}/{size}", p) for p in ("compute", "comm", "both"))
-            row.update(
-                compute_s=tc,
-                comm_s=tm,
-                step_s=ts,
-                compute_vs_simulated=tc / sim,
-                hidden_comm_share=(tc + tm - ts) / tm if tm > 0 else None,
-            )
-            rows.append(row)
+    per_rank = spawn(_worker, cfg.ranks, cfg, timeout_s=900, pg_timeout_s=300)
+    over = sleep_overshoot(cfg.f_s, repeats=10)
+    chunks = nominal_chunks(cfg.f_s, cfg.b_s, cfg.w_s, over)
+    sim = float(simulate_sleep("dualpipev", cfg.ranks, cfg.microbatches, chunks).makespan)
+    rows = [_row(cfg, tr, size, per_rank, sim, chunks) for tr in cfg.transports for size in cfg.sizes]
     bar.update(f"done in {time.perf_counter() - t0:.1f} s")
     bar.close()
-    return {"rows": rows, "config": cfg}
+    return {"rows": rows, "config": {**asdict(cfg), "sleep_overshoot_s": over}}
 
 
 def to_markdown(result: dict[str, Any]) -> str:
     from dualpipe_kernels.benchmarks.common import markdown_table
+    from dualpipe_kernels.benchmarks.metrics import share_text
+    from dualpipe_kernels.benchmarks.schedules_report import METRIC_SENTENCE
 
     c = result.get("config", {})
     head = (
         f"DualPipeV, {c.get('ranks')} ranks x {c.get('microbatches')} micro-batches, sleep-timed stages "
         f"F={c.get('f_s', 0) * 1e3:g} ms, B={c.get('b_s', 0) * 1e3:g} ms, W={c.get('w_s', 0) * 1e3:g} ms. "
-        "comm hidden = (T_compute + T_comm - T_step) / T_comm (1 = fully hidden); "
-        "compute alone is also compared with the simulator's step time."
+        + METRIC_SENTENCE
+        + " 'exposed simulated': the simulator with the measured link minus free communication (what the "
+        "schedule itself forces); T_compute is also compared with the simulator fed the sleeps."
     )
-    table = markdown_table(
-        result["rows"],
-        [
-            "transport",
-            "activation_bytes",
-            "compute_s",
-            "comm_s",
-            "step_s",
-            "hidden_comm_share",
-            "compute_vs_simulated",
-            "error",
-        ],
-        [
-            "transport",
-            "bytes per transfer",
-            "T_compute (s)",
-            "T_comm (s)",
-            "T_step (s)",
-            "comm hidden",
-            "T_compute / simulated",
-            "error",
-        ],
-    )
-    return head + "\n\n" + table
+    rows = [
+        {**r, "hidden_text": share_text(r.get("hidden_comm_share"), r.get("hidden_comm_share_raw"))}
+        for r in result["rows"]
+    ]
+    cols = [
+        ("transport", "transport"),
+        ("activation_bytes", "bytes per transfer"),
+        ("t_step_s", "T_step (s)"),
+        ("t_compute_s", "T_compute (s)"),
+        ("t_comm_s", "T_comm (s)"),
+        ("exposed_comm_s", "exposed (s)"),
+        ("simulated_exposed_comm_s", "exposed simulated (s)"),
+        ("hidden_text", "comm hidden"),
+        ("link_bandwidth_gbps", "link GB/s"),
+        ("compute_vs_simulated", "T_compute / simulated"),
+        ("error", "error"),
+    ]
+    return head + "\n\n" + markdown_table(rows, [k for k, _ in cols], [h for _, h in cols])

@@ -16,10 +16,15 @@ Definitions (all times in seconds):
   busy time summed from the runtime's timeline (F, B, I, W, F&B actions).
 * simulated bubble: ``schedules.simulator`` fed the per-stage F, B, W and F&B
   costs measured on the first step, with free communication.
-* hidden communication share: (T_compute + T_comm - T_step) / T_comm, with
-  T_compute the simulated step for that step's measured costs (compute alone),
-  T_comm the step time of the same schedule with zero-cost stages exchanging
-  activations of the same size (communication alone), T_step the measured step.
+* overlap (``runtime.timeline`` / ``benchmarks.metrics``), measured in the same
+  processes and pipeline: T_step is a training step; T_compute the median of
+  ``--probe-steps`` extra steps of the same pipeline with every transfer cut to
+  a few bytes (compute and bookkeeping unchanged; no optimizer step); T_comm
+  the bytes the last training step moved to its busiest rank, timed on the
+  link measured between ranks 0 and 1.  ``exposed_comm_s = T_step - T_compute``,
+  ``hidden_comm_share = 1 - exposed_comm_s / T_comm`` (None, flagged as noise,
+  when the raw value leaves [0, 1]); beside it the simulator's exposed
+  communication with that link (``simulated_exposed_comm_s``).
 * peak activation memory: most bytes of tensors saved for backward alive at once
   on a rank (parameters excluded), max over ranks.
 """
@@ -31,9 +36,10 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["add_parser", "run", "stage_costs_from_timeline", "run_demo"]
+__all__ = ["add_parser", "run", "DemoConfig", "run_demo"]
 
 _SCHEDULES = ("dualpipev", "dualpipe", "1f1b", "gpipe", "interleaved1f1b", "zb1p", "zbv")
 
@@ -58,6 +64,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default max(4, model stages))")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument(
+        "--probe-steps", type=int, default=2, help="steps with transfers cut to a few bytes, for T_compute (default 2)"
+    )
+    p.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
@@ -68,10 +77,32 @@ def add_parser(subparsers: Any) -> None:
 
 
 # ---------------------------------------------------------------- configuration
-def _config(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class DemoConfig:
+    """Checked demo settings (see ``add_parser`` for each option's meaning)."""
+
+    schedule: str
+    ranks: int
+    microbatches: int
+    steps: int
+    probe_steps: int
+    transport: str
+    seed: int
+    batch_size: int
+    lr: float
+    device: str
+    model: Any  # GPTConfig
+
+    def activation_bytes(self) -> int:
+        """Bytes of one boundary activation (float32 ``[batch, seq, d_model]``)."""
+        return self.batch_size * self.model.seq_len * self.model.d_model * 4
+
+
+def _config(args: argparse.Namespace) -> DemoConfig:
     """Checked settings; ValueError (one line, exit 2) for impossible options."""
     import torch
 
+    from dualpipe_kernels.models.gpt import GPTConfig
     from dualpipe_kernels.schedules.generators import build_schedule
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -87,6 +118,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--ranks must be <= 64 for local processes, got {ranks}")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.probe_steps < 1:
+        raise ValueError(f"--probe-steps must be >= 1, got {args.probe_steps}")
     for name in ("batch_size", "seq_len", "d_model"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -99,70 +132,26 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     if layers < n_model:
         raise ValueError(f"--layers {layers} is fewer than the {n_model} model stages of {args.schedule}")
     heads = 4 if args.d_model % 4 == 0 else 1
-    return {
-        "schedule": args.schedule,
-        "ranks": ranks,
-        "microbatches": n,
-        "steps": args.steps,
-        "transport": args.transport,
-        "seed": args.seed,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "device": "cuda" if use_cuda else "cpu",
-        "model": {
-            "vocab_size": 256,
-            "seq_len": args.seq_len,
-            "d_model": args.d_model,
-            "n_heads": heads,
-            "n_layers": layers,
-        },
-    }
+    model = GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_heads=heads, n_layers=layers)
+    return DemoConfig(
+        schedule=args.schedule,
+        ranks=ranks,
+        microbatches=n,
+        steps=args.steps,
+        probe_steps=args.probe_steps,
+        transport=args.transport,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        device="cuda" if use_cuda else "cpu",
+        model=model,
+    )
 
 
-# ---------------------------------------------------------------- measured costs -> simulator
-def stage_costs_from_timeline(timeline: list[Any], num_stages: int) -> dict[str, list[float]]:
-    """Per-stage median F, B, W and F&B durations (s) of a measured step, gaps filled consistently.
-
-    B of a stage is the median full backward, or I + W when the schedule only
-    splits it; W defaults to B / 2 where no W ran (it is then unused); F&B
-    defaults to F + B and is clamped to [max(F, B), F + B] as the cost model requires.
-    """
-    from dualpipe_kernels.benchmarks.common import median
-    from dualpipe_kernels.benchmarks.schedules import schedule_entries
-    from dualpipe_kernels.schedules.ir import ActionType
-
-    by: dict[tuple[str, int], list[float]] = {}
-    for _r, act, t0, t1 in schedule_entries(timeline):
-        if not act.is_compute:
-            continue
-        kind = "FB" if act.type is ActionType.OVERLAP_F_B else act.type.value
-        by.setdefault((kind, act.stage), []).append(t1 - t0)
-
-    def med(kind: str, s: int) -> float | None:
-        xs = by.get((kind, s))
-        return median(xs) if xs else None
-
-    tiny = 1e-7
-    f, b, w, fb = [], [], [], []
-    for s in range(num_stages):
-        fs = max(med("F", s) or tiny, tiny)
-        ws, is_ = med("W", s), med("I", s)
-        bs = max(med("B", s) or ((is_ or 0.0) + (ws or 0.0)), 2 * tiny)
-        if ws is None or not 0 < ws < bs:
-            ws = bs / 2
-        fbs = med("FB", s) or fs + bs
-        f.append(fs)
-        b.append(bs)
-        w.append(ws)
-        fb.append(min(max(fbs, max(fs, bs)), fs + bs))
-    return {"f": f, "b": b, "w": w, "fb": fb}
-
-
-def _simulate(schedule: Any, costs: dict[str, list[float]]) -> Any:
-    from dualpipe_kernels.schedules.costs import CostModel
+def _simulate(schedule: Any, costs: Any, comm: Any = None) -> Any:
     from dualpipe_kernels.schedules.simulator import simulate
 
-    return simulate(schedule, CostModel(f=costs["f"], b=costs["b"], w=costs["w"], fb=costs["fb"]))
+    return simulate(schedule, costs.cost_model(), comm)
 
 
 # ---------------------------------------------------------------- rank process
@@ -171,37 +160,47 @@ def _progress(text: str) -> None:
     sys.stderr.flush()
 
 
-def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Train on this rank; return its per-step losses, times, busy times, timelines and first-step grads."""
+def _rank_main(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
+    """Train on this rank; return its per-step losses, times, busy times, timelines, first-step grads and the
+    overlap probe (T_compute steps, the last step's received bytes, the link to rank 0/1)."""
     import torch
     import torch.distributed as dist
 
     from dualpipe_kernels.benchmarks.common import ActivationMeter
-    from dualpipe_kernels.benchmarks.schedules import busy_time, measure_ours
+    from dualpipe_kernels.benchmarks.payload import PayloadSwitch, link_timing
     from dualpipe_kernels.demo_data import SyntheticTokens
-    from dualpipe_kernels.models.gpt import GPTConfig, gpt_loss, stage_modules_for
+    from dualpipe_kernels.models.gpt import gpt_loss, stage_modules_for
     from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.runtime.timeline import busy_time
     from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.transport import make_transport
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" else torch.device("cpu")
-    sched = build_schedule(cfg["schedule"], world, cfg["microbatches"])
-    gcfg = GPTConfig(**cfg["model"])
-    modules = {s: m.to(dev) for s, m in stage_modules_for(sched, gcfg, cfg["seed"], rank).items()}
+    dev = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    sched = build_schedule(cfg.schedule, world, cfg.microbatches)
+    gcfg = cfg.model
+    modules = {s: m.to(dev) for s, m in stage_modules_for(sched, gcfg, cfg.seed, rank).items()}
     params = [p for m in modules.values() for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.0)
-    data = SyntheticTokens(gcfg.vocab_size, gcfg.seq_len, cfg["seed"])
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    data = SyntheticTokens(gcfg.vocab_size, gcfg.seq_len, cfg.seed)
     meter = ActivationMeter(params)
     out: dict[str, Any] = {"losses": [], "times": [], "busy": [], "timelines": [], "peak_act": [], "grads": {}}
-    pipe = Pipeline(sched, modules, transport=cfg["transport"], record_timeline=True)
+    switch = PayloadSwitch(make_transport(cfg.transport, None, dev))
+    pipe = Pipeline(sched, modules, transport=switch, record_timeline=True)
+
+    def timed_step(ids: Any, tgt: Any) -> tuple[Any, float]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        res = pipe.step(ids.to(dev), labels=(tgt.to(dev),), criterion=gpt_loss)
+        return res, time.perf_counter() - t0
+
     try:
-        for step in range(cfg["steps"]):
-            ids, tgt = data.batch(step, cfg["microbatches"] * cfg["batch_size"])
+        for step in range(cfg.steps):
+            ids, tgt = data.batch(step, cfg.microbatches * cfg.batch_size)
             meter.reset()
-            dist.barrier()
-            t0 = time.perf_counter()
+            switch.received_bytes.clear()
             with meter.track():
-                res = pipe.step(ids.to(dev), labels=(tgt.to(dev),), criterion=gpt_loss)
-            wall = time.perf_counter() - t0
+                res, wall = timed_step(ids, tgt)
+            out["received_bytes"] = list(switch.received_bytes)  # the last step's, in the end
             out["losses"].append({int(m): v.detach().cpu() for m, v in res.losses.items()})
             out["times"].append(wall)
             out["busy"].append(busy_time(res.timeline))
@@ -218,26 +217,17 @@ def _rank_main(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
             if rank == 0:
-                _progress(f"step {step + 1}/{cfg['steps']} done ({wall:.3f} s on rank 0)")
+                _progress(f"step {step + 1}/{cfg.steps} done ({wall:.3f} s on rank 0)")
+        # T_compute: the same pipeline and batch with every transfer cut to a few bytes; gradients discarded.
+        switch.tiny = True
+        out["probe_times"] = [timed_step(ids, tgt)[1] for _ in range(cfg.probe_steps)]
+        switch.tiny = False
+        opt.zero_grad(set_to_none=True)
+        link = link_timing(switch.inner, rank, world, cfg.activation_bytes(), device=dev)
+        out["link"] = asdict(link) if link is not None else None
     finally:
         pipe.close()
-    # Communication alone: the same schedule and activation size with zero-cost stages.
-    act_bytes = cfg["batch_size"] * gcfg.seq_len * gcfg.d_model * 4
-    comm = measure_ours(
-        cfg["schedule"],
-        rank,
-        world,
-        cfg["microbatches"],
-        0.0,
-        0.0,
-        0.0,
-        act_bytes,
-        steps=3,
-        warmup=1,
-        transport=cfg["transport"],
-        device=str(dev),
-    )
-    out["comm_alone"] = comm["times"]
+        switch.close()
     return out
 
 
@@ -250,24 +240,22 @@ def _reference_losses(modules: dict[int, Any], schedule: Any, ids: Any, tgt: Any
     return run_reference(modules, schedule, (ids,), (tgt,), gpt_loss)
 
 
-def _check_first_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def _check_first_step(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Compare the pipeline's first-step losses and gradients with one process, bit for bit."""
     import torch
 
     from dualpipe_kernels.demo_data import SyntheticTokens
-    from dualpipe_kernels.models.gpt import GPTConfig, stage_modules_for
+    from dualpipe_kernels.models.gpt import stage_modules_for
     from dualpipe_kernels.schedules.generators import build_schedule
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks ran with one thread each: same kernels, same summation order
     try:
-        sched = build_schedule(cfg["schedule"], cfg["ranks"], cfg["microbatches"])
-        gcfg = GPTConfig(**cfg["model"])
-        dev = torch.device("cuda", 0) if cfg["device"] == "cuda" else torch.device("cpu")
-        mods = {s: m.to(dev) for s, m in stage_modules_for(sched, gcfg, cfg["seed"]).items()}
-        ids, tgt = SyntheticTokens(gcfg.vocab_size, gcfg.seq_len, cfg["seed"]).batch(
-            0, cfg["microbatches"] * cfg["batch_size"]
-        )
+        sched = build_schedule(cfg.schedule, cfg.ranks, cfg.microbatches)
+        gcfg = cfg.model
+        dev = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+        mods = {s: m.to(dev) for s, m in stage_modules_for(sched, gcfg, cfg.seed).items()}
+        ids, tgt = SyntheticTokens(gcfg.vocab_size, gcfg.seq_len, cfg.seed).batch(0, cfg.microbatches * cfg.batch_size)
         ref = {m: v.detach().cpu() for m, v in _reference_losses(mods, sched, ids.to(dev), tgt.to(dev)).items()}
     finally:
         torch.set_num_threads(threads)
@@ -311,27 +299,55 @@ def _check_first_step(cfg: dict[str, Any], per_rank: list[dict[str, Any]]) -> di
 
 
 # ---------------------------------------------------------------- driver
-def run_demo(cfg: dict[str, Any]) -> dict[str, Any]:
+def _overlap(cfg: DemoConfig, sched: Any, per_rank: list[dict[str, Any]], times: list[float], costs: Any) -> dict:
+    """Per-step overlap metric (T_compute and T_comm shared by the steps) and the simulator's exposed comm."""
+    from dualpipe_kernels.benchmarks.metrics import overlap_metric
+    from dualpipe_kernels.benchmarks.payload import LinkTiming
+    from dualpipe_kernels.benchmarks.sleep_runs import comm_alone_s, slowest_step_median
+    from dualpipe_kernels.schedules.costs import CommModel
+
+    t_compute = slowest_step_median([o["probe_times"] for o in per_rank])
+    link_d = next((o["link"] for o in per_rank if o.get("link")), None)
+    out: dict[str, Any] = {"t_compute_s": t_compute, "t_comm_s": None, "link": link_d}
+    if link_d is None:  # one rank: nothing moves between processes
+        out.update(exposed_comm_s=[t - t_compute for t in times], hidden_comm_share=[None] * len(times))
+        out.update(hidden_comm_share_raw=[None] * len(times), hidden_comm_noise=[True] * len(times))
+        return out
+    link = LinkTiming(**link_d)
+    t_comm = comm_alone_s([o["received_bytes"] for o in per_rank], link)
+    metrics = [overlap_metric(t, t_compute, t_comm) for t in times]
+    comm = CommModel(latency=link.latency_s, bandwidth=link.bandwidth_bps, activation_bytes=cfg.activation_bytes())
+    free = float(_simulate(sched, costs).makespan)
+    out.update(
+        t_comm_s=t_comm,
+        exposed_comm_s=[m.exposed_comm_s for m in metrics],
+        hidden_comm_share=[m.hidden_comm_share for m in metrics],
+        hidden_comm_share_raw=[m.hidden_comm_share_raw for m in metrics],
+        hidden_comm_noise=[m.hidden_comm_noise for m in metrics],
+        simulated_with_comm_s=float(_simulate(sched, costs, comm).makespan),
+    )
+    out["simulated_exposed_comm_s"] = out["simulated_with_comm_s"] - free
+    return out
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the demo described by ``cfg`` (see ``_config``); return the JSON-ready result."""
-    from dualpipe_kernels.benchmarks.common import median
     from dualpipe_kernels.runtime.launch import spawn
+    from dualpipe_kernels.runtime.timeline import measured_stage_costs
     from dualpipe_kernels.schedules.generators import build_schedule
 
     t_start = time.perf_counter()
-    backend = "nccl" if cfg["device"] == "cuda" else "gloo"
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
     _progress(
-        f"starting {cfg['ranks']} rank processes ({backend}, {cfg['device']}), {cfg['schedule']}, "
-        f"{cfg['microbatches']} micro-batches, {cfg['steps']} steps, transport {cfg['transport']}"
+        f"starting {cfg.ranks} rank processes ({backend}, {cfg.device}), {cfg.schedule}, "
+        f"{cfg.microbatches} micro-batches, {cfg.steps} steps, transport {cfg.transport}"
     )
-    per_rank = spawn(_rank_main, cfg["ranks"], cfg, backend=backend, timeout_s=600, pg_timeout_s=300)
+    per_rank = spawn(_rank_main, cfg.ranks, cfg, backend=backend, timeout_s=600, pg_timeout_s=300)
     _progress("checking the first step against one process")
     check = _check_first_step(cfg, per_rank)
-    sched = build_schedule(cfg["schedule"], cfg["ranks"], cfg["microbatches"])
-    steps = cfg["steps"]
-    losses, times, bub_meas, bub_sim_steps, sim_steps, hidden = [], [], [], [], [], []
-    comm_alone = median(max(ts) for ts in zip(*(o["comm_alone"] for o in per_rank), strict=False))
-    first_costs: dict[str, list[float]] = {}
-    for k in range(steps):
+    sched = build_schedule(cfg.schedule, cfg.ranks, cfg.microbatches)
+    losses, times, bub_meas, bub_sim_steps, sim_steps, costs = [], [], [], [], [], []
+    for k in range(cfg.steps):
         mb_losses: dict[int, Any] = {}
         for o in per_rank:
             mb_losses.update(o["losses"][k])
@@ -339,55 +355,56 @@ def run_demo(cfg: dict[str, Any]) -> dict[str, Any]:
         t = max(o["times"][k] for o in per_rank)
         times.append(t)
         bub_meas.append(max(t - o["busy"][k] for o in per_rank))
-        costs = stage_costs_from_timeline([e for o in per_rank for e in o["timelines"][k]], sched.num_stages)
-        if k == 0:
-            first_costs = costs
-        sim = _simulate(sched, costs)
+        costs.append(measured_stage_costs([e for o in per_rank for e in o["timelines"][k]], sched.num_stages))
+        sim = _simulate(sched, costs[-1])
         sim_steps.append(float(sim.makespan))
         bub_sim_steps.append(float(sim.bubble))
-        hidden.append((float(sim.makespan) + comm_alone - t) / comm_alone if comm_alone > 0 else None)
-    first_sim = _simulate(sched, first_costs)
     return {
-        "ranks": cfg["ranks"],
-        "schedule": cfg["schedule"],
-        "steps": steps,
-        "microbatches": cfg["microbatches"],
+        "ranks": cfg.ranks,
+        "schedule": cfg.schedule,
+        "steps": cfg.steps,
+        "microbatches": cfg.microbatches,
         "stages": sched.num_stages,
-        "transport": cfg["transport"],
-        "device": cfg["device"],
+        "transport": cfg.transport,
+        "device": cfg.device,
         "losses": losses,
         "step_times_s": times,
         **check,
         "bubble_measured": bub_meas,
-        "bubble_simulated": float(first_sim.bubble),
+        "bubble_simulated": float(_simulate(sched, costs[0]).bubble),
         "bubble_simulated_per_step": bub_sim_steps,
         "simulated_step_s": sim_steps,
-        "hidden_comm_share": hidden,
-        "comm_alone_s": comm_alone,
-        "peak_activation_bytes": [max(o["peak_act"][k] for o in per_rank) for k in range(steps)],
-        "measured_stage_costs_s": first_costs,
-        "model": cfg["model"],
-        "batch_size": cfg["batch_size"],
-        "seed": cfg["seed"],
+        **_overlap(cfg, sched, per_rank, times, costs[0]),
+        "activation_bytes": cfg.activation_bytes(),
+        "peak_activation_bytes": [max(o["peak_act"][k] for o in per_rank) for k in range(cfg.steps)],
+        "measured_stage_costs_s": costs[0].as_dict(),
+        "model": asdict(cfg.model),
+        "batch_size": cfg.batch_size,
+        "seed": cfg.seed,
         "wall_s": time.perf_counter() - t_start,
     }
 
 
 def _print_table(res: dict[str, Any]) -> None:
+    from dualpipe_kernels.benchmarks.metrics import share_text
+    from dualpipe_kernels.benchmarks.schedules_report import METRIC_SENTENCE
+
     print(
         f"dualpipe-kernels demo: {res['schedule']}, {res['ranks']} ranks ({res['device']}), {res['stages']} "
         f"stages, {res['microbatches']} micro-batches x {res['batch_size']} sequences x "
         f"{res['model']['seq_len']} tokens, transport {res['transport']}"
     )
-    print("step  loss     step (s)  bubble measured/simulated (ms)  ratio  comm hidden  peak activations (KiB)")
+    print(
+        "step  loss     step (s)  bubble measured/simulated (ms)  ratio  exposed comm (ms)  comm hidden  peak act (KiB)"
+    )
     for k in range(res["steps"]):
         bm, bs = res["bubble_measured"][k] * 1e3, res["bubble_simulated"] * 1e3
         ratio = f"{bm / bs:5.2f}" if bs > 0 else "    -"
-        hid = res["hidden_comm_share"][k]
-        hid_s = f"{hid:11.2f}" if hid is not None else "          -"
+        hid = share_text(res["hidden_comm_share"][k], res["hidden_comm_share_raw"][k])
         print(
             f"{k + 1:<5} {res['losses'][k]:<8.4f} {res['step_times_s'][k]:<9.3f} {bm:8.2f} / {bs:<8.2f}"
-            f"{'':13} {ratio}  {hid_s}  {res['peak_activation_bytes'][k] / 1024:12.1f}"
+            f"{'':13} {ratio}  {res['exposed_comm_s'][k] * 1e3:17.2f}  {hid:>11}  "
+            f"{res['peak_activation_bytes'][k] / 1024:14.1f}"
         )
     verdict = (
         "yes"
@@ -398,10 +415,13 @@ def _print_table(res: dict[str, Any]) -> None:
         )
     )
     print(f"first step bit-exact against one process (every loss and gradient, torch.equal): {verdict}")
+    t_comm = res["t_comm_s"]
+    sim_exp = res.get("simulated_exposed_comm_s")
     print(
-        f"bubble: max over ranks of idle time; simulated with the per-stage costs measured on step 1. "
-        f"comm hidden = (T_compute + T_comm - T_step) / T_comm with T_comm = {res['comm_alone_s'] * 1e3:.1f} ms "
-        f"(communication alone); total {res['wall_s']:.1f} s"
+        "bubble: max over ranks of idle time; simulated with the per-stage costs measured on step 1. "
+        f"T_compute = {res['t_compute_s'] * 1e3:.1f} ms, T_comm = "
+        f"{'-' if t_comm is None else f'{t_comm * 1e3:.2f} ms'}; the simulator with the measured link exposes "
+        f"{'-' if sim_exp is None else f'{sim_exp * 1e3:.2f} ms'}. {METRIC_SENTENCE} Total {res['wall_s']:.1f} s."
     )
 
 

@@ -1,0 +1,171 @@
+"""Rank side of the sleep-stage benchmarks: one schedule, the three overlap terms, in one pipeline.
+
+:func:`measure_sleep_pipeline` runs inside a rank process whose default group
+holds the pipeline's ranks.  It builds the schedule's sleep chunks
+(:mod:`.sleep_stages`) and one :class:`~dualpipe_kernels.runtime.Pipeline` on a
+:class:`~.payload.PayloadSwitch` transport, then measures, in this order:
+
+1. ``warmup + steps`` steps with real activations (``T_step`` of each), the
+   busy time of each and the last step's timeline and received bytes;
+2. ``steps`` steps of the same pipeline with transfers cut to a few bytes
+   (``T_compute``) and the last one's timeline;
+3. the link between ranks 0 and 1 at the activation size (``T_comm`` is
+   then the recorded receives timed on that link).
+
+Every step starts after a barrier; a step's time is this rank's wall time of
+``Pipeline.step``.  The parent takes the slowest rank per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["SleepRun", "RankMeasurement", "chunks_per_stage", "measure_sleep_pipeline"]
+
+
+@dataclass(frozen=True)
+class SleepRun:
+    """What to run: schedule, sizes and per-chunk sleeps (seconds)."""
+
+    schedule: str
+    ranks: int
+    microbatches: int
+    f_s: float
+    b_s: float
+    w_s: float
+    activation_bytes: int
+    steps: int
+    warmup: int = 1
+    transport: str = "auto"
+    record_timeline: bool = False
+    compute_probe: bool = True
+    device: str = "cpu"
+
+
+@dataclass
+class RankMeasurement:
+    """One rank's raw figures (seconds); lists are per measured step."""
+
+    times: list[float] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)
+    timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
+    compute_times: list[float] = field(default_factory=list)
+    compute_timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
+    received_bytes: list[int] = field(default_factory=list)
+    link: dict[str, float] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def chunks_per_stage(schedule: Any) -> int:
+    """Chunks of the common ``2 * ranks``-chunk model in one stage of ``schedule``."""
+    n_model = len(set(schedule.model_stage))
+    return (2 * schedule.num_ranks) // n_model
+
+
+def _plain(timeline: Any) -> list[tuple[int, str, float, float]]:
+    return [(int(r), str(a), float(t0), float(t1)) for r, a, t0, t1 in timeline]
+
+
+def _timed_steps(pipe: Any, x: Any, labels: Any, n: int, on_step: Any) -> list[float]:
+    import torch.distributed as dist
+
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_criterion
+
+    times = []
+    for k in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()  # wall time around step(), as for the torch peers
+        res = pipe.step(x, labels=(labels,), criterion=sleep_criterion)
+        times.append(time.perf_counter() - t0)
+        on_step(k, res)
+    return times
+
+
+def measure_sleep_pipeline(rank: int, run: SleepRun) -> RankMeasurement:
+    """The three terms of ``run`` on this rank (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    from dualpipe_kernels.benchmarks.payload import PayloadSwitch, link_timing
+    from dualpipe_kernels.benchmarks.sleep_stages import SleepStage, sleep_batch
+    from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.runtime.timeline import busy_time
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.transport import make_transport
+
+    sched = build_schedule(run.schedule, run.ranks, run.microbatches)
+    k = chunks_per_stage(sched)
+    dev = torch.device(run.device)
+    modules = {s: SleepStage(k * run.f_s, k * run.b_s, k * run.w_s).to(dev) for s in sched.stages_of_rank(rank)}
+    switch = PayloadSwitch(make_transport(run.transport, None, dev))
+    pipe = Pipeline(sched, modules, transport=switch, record_timeline=True)
+    x = sleep_batch(run.microbatches, run.activation_bytes).to(dev)
+    labels = torch.zeros(x.shape[0], device=dev)
+    out = RankMeasurement()
+    last = run.warmup + run.steps - 1
+
+    def real_step(i: int, res: Any) -> None:
+        if i >= run.warmup:
+            out.busy.append(busy_time(res.timeline))
+        if i == last:
+            out.received_bytes = list(switch.received_bytes)  # this step's receives alone
+            if run.record_timeline:
+                out.timeline = _plain(res.timeline)
+        switch.received_bytes.clear()
+
+    def probe_step(i: int, res: Any) -> None:
+        if i == run.steps - 1:
+            out.compute_timeline = _plain(res.timeline)
+
+    try:
+        switch.received_bytes.clear()
+        out.times = _timed_steps(pipe, x, labels, run.warmup + run.steps, real_step)[run.warmup :]
+        if run.compute_probe:
+            switch.tiny = True
+            out.compute_times = _timed_steps(pipe, x, labels, run.steps, probe_step)
+            switch.tiny = False
+            link = link_timing(switch.inner, rank, run.ranks, run.activation_bytes, device=dev)
+            out.link = asdict(link) if link is not None else None
+        dist.barrier()
+    finally:
+        pipe.close()
+        switch.close()
+    return out
+
+
+# ---------------------------------------------------------------- parent side
+def slowest_step_median(per_rank: list[list[float]]) -> float:
+    """Median over steps of the slowest rank's time of that step."""
+    import statistics
+
+    return float(statistics.median(max(ts) for ts in zip(*per_rank, strict=True)))
+
+
+def comm_alone_s(received_per_rank: list[list[int]], link: Any) -> float:
+    """``T_comm``: the busiest rank's recorded receives, each timed on the measured link (a ``LinkTiming``)."""
+    return max((sum(link.transfer_s(b) for b in rb) for rb in received_per_rank), default=0.0)
+
+
+def overlap_terms(per_rank: list[RankMeasurement]) -> dict[str, Any]:
+    """The overlap metric and the link of one measured schedule (keys of ``OverlapMetric`` plus link figures)."""
+    from dualpipe_kernels.benchmarks.metrics import overlap_metric
+    from dualpipe_kernels.benchmarks.payload import LinkTiming
+
+    t_step = slowest_step_median([m.times for m in per_rank])
+    link_d = next((m.link for m in per_rank if m.link), None)
+    if not per_rank[0].compute_times or link_d is None:
+        return {"t_step_s": t_step, "hidden_comm_share": None, "hidden_comm_noise": True}
+    link = LinkTiming(**link_d)
+    t_compute = slowest_step_median([m.compute_times for m in per_rank])
+    t_comm = comm_alone_s([m.received_bytes for m in per_rank], link)
+    return {
+        **overlap_metric(t_step, t_compute, t_comm).as_dict(),
+        "link_latency_s": link.latency_s,
+        "link_bandwidth_gbps": link.bandwidth_bps / 1e9,
+        "transfer_s": link.one_way_s,
+        "transfers_per_rank_max": max(len(m.received_bytes) for m in per_rank),
+    }
