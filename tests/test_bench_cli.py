@@ -34,6 +34,18 @@ def _run_cli(args: list[str], timeout: int = 280) -> subprocess.CompletedProcess
     )
 
 
+def _check_overlap_fields(row: dict) -> None:
+    """The overlap contract (DESIGN.md): exposed_comm_s reported; the share within [0, 1] or null (noise flagged)."""
+    assert "exposed_comm_s" in row and "hidden_comm_share" in row
+    share, raw = row["hidden_comm_share"], row.get("hidden_comm_share_raw")
+    assert share is None or 0.0 <= share <= 1.0, share
+    if raw is not None:
+        assert row["hidden_comm_noise"] == (not -1e-9 <= raw <= 1.0 + 1e-9)
+        assert share == (None if row["hidden_comm_noise"] else pytest.approx(raw))
+        assert row["exposed_comm_s"] == pytest.approx(row["t_step_s"] - row["t_compute_s"])
+        assert raw == pytest.approx(1 - row["exposed_comm_s"] / row["t_comm_s"])
+
+
 @pytest.mark.timeout(300)
 def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
     proc = _run_cli(
@@ -53,19 +65,28 @@ def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
         # sleeps and their overshoot (minus timer slack).  (simulated_s, fed costs timed alone in a
         # few quick repeats, is an estimate, not a bound.)
         assert r["measured_s"] >= 0.97 * r["simulated_sleep_only_s"]
+        _check_overlap_fields(r)
+        assert r["t_step_s"] == pytest.approx(r["measured_s"])
+        # The same-run compute probe sleeps as long as the real step: bounded below like it.
+        assert r["t_compute_s"] >= 0.97 * r["simulated_sleep_only_s"]
+        assert r["t_comm_s"] > 0 and r["link_bandwidth_gbps"] > 0 and r["link_latency_s"] > 0
+        # 16384-byte activations: every receive of the busiest rank was recorded, each timed on the link.
+        assert r["transfers_per_rank_max"] >= 8
+        # The simulator with the measured link is never faster than with free communication.
+        assert r["simulated_with_comm_s"] >= r["simulated_s"] - 1e-12
+        assert r["simulated_exposed_comm_s"] == pytest.approx(r["simulated_with_comm_s"] - r["simulated_s"])
     # The simulator's prediction for the requested sleeps (F=2, B=4, W=2 ms per chunk) is exact arithmetic;
     # simulated_s uses the chunk costs measured alone (sleep + overshoot + tensor work), so it is larger.
     sim = {r["schedule"]: r["simulated_nominal_s"] for r in res["rows"]}
     assert sim["1f1b"] == pytest.approx(8 * 12e-3 + 1 * 12e-3)  # N (F+B) + (R-1)(F+B), stages of two chunks
     assert all(r["simulated_s"] >= r["simulated_nominal_s"] for r in res["rows"])
     # ... and simulated_s is exactly the simulator fed the costs written to the config.
-    from dualpipe_kernels.benchmarks.schedules import _chunk_costs_from_config, simulate_sleep
+    from dualpipe_kernels.benchmarks.schedules import chunk_costs_from_config, simulate_sleep
 
-    cfg = res["config"]
-    costs = _chunk_costs_from_config(cfg)
+    costs = chunk_costs_from_config(res["config"])
     assert costs is not None and set(costs) == {1, 2}  # dualpipev: 1 chunk per stage, 1f1b: 2
     for r in res["rows"]:
-        again = simulate_sleep(r["schedule"], 2, 8, cfg["f_s"], cfg["b_s"], cfg["w_s"], chunk_costs=costs)
+        again = simulate_sleep(r["schedule"], 2, 8, costs)
         assert float(again.makespan) == pytest.approx(r["simulated_s"], rel=1e-12)
         assert r["ratio_sleep_only"] == pytest.approx(r["measured_s"] / r["simulated_sleep_only_s"])
     assert {p["name"] for p in res["peers"]} == {"torch.ScheduleDualPipeV", "torch.Schedule1F1B"}
@@ -78,7 +99,60 @@ def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
     written = json.loads((tmp_path / "schedules.json").read_text())
     assert written["stamp"]["git_revision"] and written["stamp"]["torch"]
     assert written["stamp"]["machine"]["cpu_cores"] >= 1
-    assert "| dualpipev | 2 | 8 |" in (tmp_path / "schedules.md").read_text()
+    md = (tmp_path / "schedules.md").read_text()
+    assert "| dualpipev | 2 | 8 |" in md and "T_comm" in md
+
+
+@pytest.mark.timeout(200)
+def test_bench_overlap_quick_json_contract(tmp_path: Path) -> None:
+    proc = _run_cli(["bench", "overlap", "--quick", "--transports", "native", "--json", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(proc.stdout)["rows"]
+    assert row.get("error") is None, row.get("error")
+    assert (row["transport"], row["activation_bytes"]) == ("native", 65536)
+    _check_overlap_fields(row)
+    assert row["t_comm_s"] > 0 and "simulated_exposed_comm_s" in row
+    md = (tmp_path / "overlap.md").read_text()
+    assert "comm hidden" in md and ("noise" in md or f"{row['hidden_comm_share']:.2f}" in md)
+
+
+@pytest.mark.timeout(200)
+def test_bench_transport_rows_carry_the_cross_core_ceiling(tmp_path: Path) -> None:
+    proc = _run_cli(
+        ["bench", "transport", "--quick", "--max-size", "65536", "--json", "--no-plots", "--out", str(tmp_path)]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert [r["size_bytes"] for r in res["rows"]] == [4096, 65536]
+    for r in res["rows"]:
+        for k in ("size_bytes", "native_gbps", "gloo_gbps", "memcpy_gbps", "native_latency_us", "gloo_latency_us"):
+            assert k in r, k  # DESIGN.md contract
+        assert r["cross_core_copy_gbps"] > 0
+        assert r["native_over_ceiling"] == pytest.approx(r["native_gbps"] / r["cross_core_copy_gbps"])
+        for k in ("native_gbps", "gloo_gbps", "cross_core_copy_gbps", "memcpy_gbps"):
+            assert r[f"{k}_min"] <= r[k] <= r[f"{k}_max"], k
+        assert r["native_bit_exact"] and r["gloo_bit_exact"]
+    assert "bandwidth_vs_ceiling" in res["targets"]
+
+
+def test_cross_core_copy_times_every_repeat() -> None:
+    from dualpipe_kernels.benchmarks.transport import _cross_core_copy_times
+
+    times = _cross_core_copy_times(1 << 16, 3)
+    assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_bench_engine_suite_reports_against_its_target(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from dualpipe_kernels.schedules import build_schedule
+
+    argv = ["bench", "engine", "--ranks", "2", "--microbatches", "4", "--repeats", "2", "--lowered"]
+    assert main([*argv, "--json", "--out", str(tmp_path)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    (row,) = res["rows"]
+    assert row["compute_actions"] == sum(len(a) for a in build_schedule("dualpipev", 2, 4).actions)
+    assert row["ratio_to_target"] == pytest.approx(row["total_s"] / 2.0)
+    assert len(res["repeats"]) == 2 and {"build_s", "validate_s", "simulate_s", "lower_s"} <= set(res["repeats"][0])
+    assert (tmp_path / "engine.md").stat().st_size > 0
 
 
 def test_bench_bad_option_exits_2(capsys: pytest.CaptureFixture) -> None:
@@ -92,7 +166,8 @@ def test_registry_reports_a_missing_suite_clearly() -> None:
     assert mod is None and "No module named" in (err or "")
     mod, err = bench._import_suite("schedules")
     assert err is None and mod is not None and mod.NAME == "schedules"
-    assert set(bench.SUITES) >= {"schedules", "overlap", "transport"}
+    assert set(bench.SUITES) >= {"schedules", "overlap", "transport", "engine"}
+    assert "runtime_sleep" not in bench.SUITES  # merged into schedules: one benchmark of one thing
 
 
 def test_unavailable_suite_run_gives_one_line(capsys: pytest.CaptureFixture) -> None:
@@ -125,7 +200,7 @@ def test_results_writer_and_helpers(tmp_path: Path) -> None:
 
 
 def test_bench_all_gives_each_suite_its_defaults_plus_the_common_options() -> None:
-    for name in ("schedules", "overlap"):
+    for name in ("schedules", "overlap", "engine"):
         mod, err = bench._import_suite(name)
         assert mod is not None, err
         common = argparse.Namespace(json=True, out="somewhere", quick=True, no_plots=True)
@@ -184,7 +259,7 @@ def test_sleep_chunk_costs_at_least_the_sleeps_and_b_on_a_first_stage() -> None:
 
 
 def test_busy_time_leaves_out_receive_waits_inside_compute() -> None:
-    from dualpipe_kernels.benchmarks.schedules import busy_time
+    from dualpipe_kernels.runtime.timeline import busy_time
 
     timeline = [
         (0, "0F0", 0.0, 1.0),
@@ -197,41 +272,126 @@ def test_busy_time_leaves_out_receive_waits_inside_compute() -> None:
     assert busy_time(timeline) == pytest.approx(1.0 + 2.9 - 0.5)
 
 
-@pytest.mark.timeout(200)
-def test_bench_runtime_sleep_quick_json_contract(tmp_path: Path) -> None:
-    proc = _run_cli(
-        [
-            "bench",
-            "runtime_sleep",
-            "--quick",
-            "--ranks",
-            "2",
-            "--f",
-            "0.004",
-            "--b",
-            "0.008",
-            "--w",
-            "0.004",
-            "--activation-bytes",
-            "65536",
-            "--json",
-            "--out",
-            str(tmp_path),
-        ],
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout)
-    (row,) = res["rows"]
-    cc = res["chunk_costs_s"]
-    # Chunks timed alone cost at least their sleeps; the simulator is fed exactly those costs.
-    assert cc["F"] >= 0.004 and cc["W"] >= 0.004 and cc["I"] >= 0.004
-    from dualpipe_kernels.benchmarks.runtime_sleep import simulate_sleep
+@pytest.mark.parametrize(
+    "t_step, t_compute, t_comm, share",
+    [
+        (1.05, 1.0, 0.1, 0.5),  # half of the 0.1 s of transfers showed in the step
+        (1.0, 1.0, 0.1, 1.0),  # all hidden
+        (1.1, 1.0, 0.1, 0.0),  # none hidden
+    ],
+)
+def test_overlap_metric_in_range(t_step: float, t_compute: float, t_comm: float, share: float) -> None:
+    from dualpipe_kernels.benchmarks.metrics import overlap_metric
 
-    sim = simulate_sleep("dualpipev", 2, row["microbatches"], cc["F"], cc["I"] + cc["W"], cc["W"])
-    assert float(sim.makespan) == pytest.approx(row["simulated_s"], rel=1e-12)
-    assert row["ratio"] == pytest.approx(row["measured_s"] / row["simulated_s"])
-    assert row["ratio_sleep_only"] == pytest.approx(row["measured_s"] / row["simulated_sleep_only_s"])
-    # Sleeps cannot finish before the schedule allows (timer slack aside).
-    assert row["measured_s"] >= 0.97 * row["simulated_sleep_only_s"]
-    assert (tmp_path / "runtime_sleep.md").stat().st_size > 0
+    m = overlap_metric(t_step, t_compute, t_comm)
+    assert m.hidden_comm_share == pytest.approx(share) and m.hidden_comm_share_raw == pytest.approx(share)
+    assert not m.hidden_comm_noise and m.exposed_comm_s == pytest.approx(t_step - t_compute)
+
+
+@pytest.mark.parametrize(
+    "t_step, t_compute, t_comm, raw",
+    [
+        (0.98, 1.0, 0.01, 3.0),  # the step with data ran faster than the one without: noise, not "300% hidden"
+        (1.5, 1.0, 0.1, -4.0),  # slower by more than the transfers cost: noise, not a share
+        (1.0, 1.0, 0.0, None),  # nothing to hide
+    ],
+)
+def test_overlap_metric_out_of_range_is_flagged_noise_and_null(
+    t_step: float, t_compute: float, t_comm: float, raw: float | None
+) -> None:
+    from dualpipe_kernels.benchmarks.metrics import overlap_metric, share_text
+
+    m = overlap_metric(t_step, t_compute, t_comm)
+    assert m.hidden_comm_noise and m.hidden_comm_share is None
+    assert m.hidden_comm_share_raw == (None if raw is None else pytest.approx(raw))
+    assert m.as_dict()["hidden_comm_share"] is None and m.as_dict()["exposed_comm_s"] == pytest.approx(
+        t_step - t_compute
+    )
+    assert share_text(m.hidden_comm_share, m.hidden_comm_share_raw).startswith("noise")
+    with pytest.raises(ValueError, match="T_comm"):
+        overlap_metric(1.0, 1.0, -0.1)
+
+
+def test_payload_switch_cuts_large_transfers_and_records_what_a_step_moves() -> None:
+    import torch
+
+    from dualpipe_kernels.benchmarks.payload import KEEP_WHOLE_BYTES, TINY_BYTES, LinkTiming, PayloadSwitch
+    from dualpipe_kernels.benchmarks.sleep_runs import comm_alone_s
+    from dualpipe_kernels.transport.base import Handle, Transport
+
+    class Done(Handle):
+        def wait(self, timeout: float | None = None) -> None:
+            return None
+
+        def is_completed(self) -> bool:
+            return True
+
+    class Loopback(Transport):
+        """One process: a send's bytes land in the receive posted with the same tag."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sent: dict[int, torch.Tensor] = {}
+            self.closed = False
+
+        @property
+        def rank(self) -> int:
+            return 0
+
+        def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+            self.sent[tag] = tensor.clone()
+            return Done()
+
+        def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+            tensor.copy_(self.sent[tag])  # a size mismatch would raise here
+            return Done()
+
+        def close(self) -> None:
+            self.closed = True
+
+    inner = Loopback()
+    sw = PayloadSwitch(inner)
+    big, meta = torch.arange(4096, dtype=torch.float32), torch.arange(KEEP_WHOLE_BYTES // 8, dtype=torch.int64)
+    for tag, t in ((1, big), (2, meta)):
+        sw.isend(t, 0, tag)
+        got = torch.zeros_like(t)
+        sw.irecv(got, 0, tag)
+        assert torch.equal(got, t)
+    assert sw.received_bytes == [big.numel() * 4]  # the metadata-sized message is not payload
+    sw.received_bytes.clear()
+    sw.tiny = True
+    sw.isend(big, 0, 3)
+    assert inner.sent[3].numel() == TINY_BYTES  # only the first bytes move
+    got = torch.zeros_like(big)
+    sw.irecv(got, 0, 3)
+    assert torch.equal(got[: TINY_BYTES // 4], big[: TINY_BYTES // 4]) and not got[TINY_BYTES // 4 :].any()
+    sw.isend(meta, 0, 4)
+    assert torch.equal(inner.sent[4], meta)  # metadata stays whole: the runtime's protocol is unchanged
+    assert sw.received_bytes == []  # cut receives are not what a real step moves
+    sw.close()
+    assert inner.closed
+    link = LinkTiming(latency_s=1e-5, nbytes=1 << 20, one_way_s=1e-5 + (1 << 20) / 1e9, bandwidth_bps=1e9)
+    assert link.transfer_s(1 << 20) == pytest.approx(link.one_way_s)
+    assert comm_alone_s([[1 << 20, 1 << 20], [1 << 20]], link) == pytest.approx(2 * link.one_way_s)
+
+
+def test_measured_stage_costs_medians_and_gaps() -> None:
+    from dualpipe_kernels.runtime.timeline import measured_stage_costs
+
+    tl = [
+        (0, "0F0", 0.0, 1.0),
+        (0, "0F1", 1.0, 4.0),
+        (0, "0F2", 4.0, 6.0),  # F median 2
+        (0, "0B0", 6.0, 10.0),  # B 4
+        (0, "0I1", 10.0, 13.0),
+        (0, "0W1", 13.0, 14.0),  # W 1
+        (1, "(1F0;1B0)OVERLAP_F_B", 0.0, 5.0),  # stage 1: only a pair: F, B filled consistently
+        (0, "SYNC_MIRROR_GRADS", 14.0, 15.0),  # runtime bookkeeping: ignored
+        (1, "1SEND_F0", 5.0, 6.0),  # comm: ignored
+    ]
+    c = measured_stage_costs(tl, 2)
+    assert (c.f[0], c.b[0], c.w[0], c.fb[0]) == (2.0, 4.0, 1.0, 6.0)
+    assert c.fb[1] <= c.f[1] + c.b[1] and 0 < c.w[1] < c.b[1]
+    from dualpipe_kernels.schedules import build_schedule
+
+    assert c.cost_model().resolve(build_schedule("1f1b", 2, 2)).f == (2.0, c.f[1])  # the simulator accepts them

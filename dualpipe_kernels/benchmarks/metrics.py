@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["OverlapMetric", "overlap_metric", "share_text"]
+__all__ = ["OverlapMetric", "overlap_metric", "share_text", "ROUNDING"]
+
+#: A raw share this close outside [0, 1] is floating-point rounding, not noise: it is clipped into range.
+ROUNDING = 1e-9
 
 
 @dataclass(frozen=True)
@@ -50,14 +53,14 @@ def overlap_metric(t_step_s: float, t_compute_s: float, t_comm_s: float) -> Over
             raise ValueError(f"overlap metric: {name} must be a finite time >= 0 s, got {v}")
     exposed = t_step_s - t_compute_s
     raw = 1.0 - exposed / t_comm_s if t_comm_s > 0 else None
-    noise = raw is None or not 0.0 <= raw <= 1.0
+    noise = raw is None or not -ROUNDING <= raw <= 1.0 + ROUNDING
     return OverlapMetric(
         t_step_s=float(t_step_s),
         t_compute_s=float(t_compute_s),
         t_comm_s=float(t_comm_s),
         exposed_comm_s=float(exposed),
         hidden_comm_share_raw=raw,
-        hidden_comm_share=None if noise else raw,
+        hidden_comm_share=None if noise or raw is None else min(1.0, max(0.0, raw)),
         hidden_comm_noise=noise,
     )
 
