@@ -37,6 +37,7 @@ __all__ = [
     "fmt",
     "plot_bandwidth",
     "ActivationMeter",
+    "option",
 ]
 
 #: Default results folder, relative to the working directory.
@@ -117,6 +118,13 @@ def stamp() -> dict[str, Any]:
         "date_utc": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         "argv": sys.argv[1:],
     }
+
+
+# ---------------------------------------------------------------- options
+def option(args: Any, name: str, full: Any, quick: Any) -> Any:
+    """A suite option: the value given on the command line, else the full-run or (``--quick``) quick default."""
+    v = getattr(args, name, None)
+    return v if v is not None else (quick if getattr(args, "quick", False) else full)
 
 
 # ---------------------------------------------------------------- statistics

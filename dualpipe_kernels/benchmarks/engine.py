@@ -46,17 +46,13 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
-        q = bool(getattr(args, "quick", False))
-
-        def pick(name: str, full: int, quick: int) -> int:
-            v = getattr(args, name, None)
-            return int(v) if v is not None else (quick if q else full)
+        from dualpipe_kernels.benchmarks.common import option
 
         cfg = cls(
             schedule=str(getattr(args, "schedule", "dualpipev")),
-            ranks=pick("ranks", 64, 8),
-            microbatches=pick("microbatches", 1024, 64),
-            repeats=pick("repeats", 3, 2),
+            ranks=int(option(args, "ranks", 64, 8)),
+            microbatches=int(option(args, "microbatches", 1024, 64)),
+            repeats=int(option(args, "repeats", 3, 2)),
             target_s=float(getattr(args, "target_s", 2.0)),
             lowered=bool(getattr(args, "lowered", False)),
         )

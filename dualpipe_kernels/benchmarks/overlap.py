@@ -15,10 +15,13 @@ Each figure is a median over steps of the slowest rank's step time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
+
+from dualpipe_kernels.benchmarks.sleep_runs import SleepRun
 
 NAME = "overlap"
 TRANSPORTS = ("torch", "native")
@@ -28,6 +31,7 @@ __all__ = ["NAME", "TRANSPORTS", "OverlapConfig", "add_arguments", "run", "to_ma
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from dualpipe_kernels.benchmarks.schedules import int_list
+    from dualpipe_kernels.benchmarks.sleep_runs import add_sleep_arguments
 
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list (default torch,native)")
     p.add_argument(
@@ -37,74 +41,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="activation bytes per transfer, comma list (default 1048576,8388608; quick 65536)",
     )
     p.add_argument("--ranks", type=int, default=2, help="pipeline ranks (default 2)")
-    p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 8; quick 4)")
-    p.add_argument("--f-ms", type=float, default=None, help="forward of one chunk, ms (default 10; quick 2)")
-    p.add_argument("--b-ms", type=float, default=None, help="full backward of one chunk, ms (default 20; quick 4)")
-    p.add_argument("--w-ms", type=float, default=None, help="weight-gradient part, ms (default 10; quick 2)")
-    p.add_argument("--steps", type=int, default=None, help="measured steps (default 3; quick 1)")
+    add_sleep_arguments(p, microbatches=(8, 4))
 
 
 @dataclass(frozen=True)
 class OverlapConfig:
-    """The suite's settings, defaults filled in (times in seconds)."""
+    """The suite's settings: transports and sizes to compare, and the DualPipeV sleep run each one gets."""
 
     transports: tuple[str, ...]
     sizes: tuple[int, ...]
-    ranks: int
-    microbatches: int
-    f_s: float
-    b_s: float
-    w_s: float
-    steps: int
-    warmup: int = 1
+    run: SleepRun
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OverlapConfig:
-        q = bool(getattr(args, "quick", False))
-
-        def pick(name: str, full: Any, quick: Any) -> Any:
-            v = getattr(args, name, None)
-            return v if v is not None else (quick if q else full)
+        from dualpipe_kernels.schedules.generators import build_schedule
 
         text = str(getattr(args, "transports", ",".join(TRANSPORTS)))
         transports = tuple(t.strip() for t in text.split(",") if t.strip())
         bad = [t for t in transports if t not in TRANSPORTS]
         if not transports or bad:
             raise ValueError(f"--transports must be among {', '.join(TRANSPORTS)}, got {text}")
-        cfg = cls(
-            transports=transports,
-            sizes=tuple(pick("sizes", [1 << 20, 1 << 23], [1 << 16])),
-            ranks=int(getattr(args, "ranks", 2)),
-            microbatches=int(pick("microbatches", 8, 4)),
-            f_s=pick("f_ms", 10.0, 2.0) / 1e3,
-            b_s=pick("b_ms", 20.0, 4.0) / 1e3,
-            w_s=pick("w_ms", 10.0, 2.0) / 1e3,
-            steps=int(pick("steps", 3, 1)),
-        )
-        if not (cfg.f_s > 0 and cfg.b_s > 0 and 0 < cfg.w_s < cfg.b_s):
-            raise ValueError("costs need F > 0, B > 0 and 0 < W < B")
-        if cfg.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
-        from dualpipe_kernels.schedules.generators import build_schedule
-
-        build_schedule("dualpipev", cfg.ranks, cfg.microbatches)  # ValueError naming the constraint
+        quick = getattr(args, "quick", False)
+        sizes = getattr(args, "sizes", None) or ([1 << 16] if quick else [1 << 20, 1 << 23])
+        run = SleepRun.from_args(args, microbatches=(8, 4), activation_bytes=(sizes[0], sizes[0]))
+        cfg = cls(transports, tuple(sizes), dataclasses.replace(run, ranks=int(getattr(args, "ranks", 2))))
+        build_schedule("dualpipev", cfg.run.ranks, cfg.run.microbatches)  # ValueError naming the constraint
         return cfg
 
-    def sleep_run(self, transport: str, size: int) -> Any:
-        from dualpipe_kernels.benchmarks.sleep_runs import SleepRun
-
-        return SleepRun(
-            schedule="dualpipev",
-            ranks=self.ranks,
-            microbatches=self.microbatches,
-            f_s=self.f_s,
-            b_s=self.b_s,
-            w_s=self.w_s,
-            activation_bytes=size,
-            steps=self.steps,
-            warmup=self.warmup,
-            transport=transport,
-        )
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, JSON-ready: the run's costs beside the transports and sizes."""
+        run = {k: v for k, v in dataclasses.asdict(self.run).items() if k not in ("transport", "activation_bytes")}
+        return {"transports": list(self.transports), "sizes": list(self.sizes), **run}
 
 
 def _worker(rank: int, world: int, cfg: OverlapConfig) -> dict[str, Any]:
@@ -114,7 +81,8 @@ def _worker(rank: int, world: int, cfg: OverlapConfig) -> dict[str, Any]:
     for tr in cfg.transports:
         for size in cfg.sizes:
             try:
-                out[f"{tr}/{size}"] = measure_sleep_pipeline(rank, cfg.sleep_run(tr, size))
+                run = dataclasses.replace(cfg.run, transport=tr, activation_bytes=size)
+                out[f"{tr}/{size}"] = measure_sleep_pipeline(rank, run)
             except Exception as e:  # noqa: BLE001 - reported in the row
                 out[f"{tr}/{size}"] = f"{type(e).__name__}: {e}".splitlines()[0]
             if rank == 0:
@@ -129,8 +97,8 @@ def _row(cfg: OverlapConfig, tr: str, size: int, per_rank: list[Any], sim_free: 
 
     row: dict[str, Any] = {
         "transport": tr,
-        "ranks": cfg.ranks,
-        "microbatches": cfg.microbatches,
+        "ranks": cfg.run.ranks,
+        "microbatches": cfg.run.microbatches,
         "activation_bytes": size,
         "simulated_compute_s": sim_free,
     }
@@ -142,7 +110,7 @@ def _row(cfg: OverlapConfig, tr: str, size: int, per_rank: list[Any], sim_free: 
     row.update(terms, step_s=terms["t_step_s"])
     if "link_latency_s" in terms:
         link = CommModel(terms["link_latency_s"], terms["link_bandwidth_gbps"] * 1e9, size)
-        with_comm = float(simulate_sleep("dualpipev", cfg.ranks, cfg.microbatches, chunks, link).makespan)
+        with_comm = float(simulate_sleep("dualpipev", cfg.run.ranks, cfg.run.microbatches, chunks, link).makespan)
         row.update(
             simulated_with_comm_s=with_comm,
             simulated_exposed_comm_s=with_comm - sim_free,
@@ -159,16 +127,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = OverlapConfig.from_args(args)
     bar = Progress(1, title="bench overlap")
-    bar.note(f"transports {list(cfg.transports)}, sizes {list(cfg.sizes)}, dualpipev {cfg.ranks} ranks")
+    bar.note(f"transports {list(cfg.transports)}, sizes {list(cfg.sizes)}, dualpipev {cfg.run.ranks} ranks")
     t0 = time.perf_counter()
-    per_rank = spawn(_worker, cfg.ranks, cfg, timeout_s=900, pg_timeout_s=300)
-    over = sleep_overshoot(cfg.f_s, repeats=10)
-    chunks = nominal_chunks(cfg.f_s, cfg.b_s, cfg.w_s, over)
-    sim = float(simulate_sleep("dualpipev", cfg.ranks, cfg.microbatches, chunks).makespan)
+    per_rank = spawn(_worker, cfg.run.ranks, cfg, timeout_s=900, pg_timeout_s=300)
+    over = sleep_overshoot(cfg.run.f_s, repeats=10)
+    chunks = nominal_chunks(cfg.run.f_s, cfg.run.b_s, cfg.run.w_s, over)
+    sim = float(simulate_sleep("dualpipev", cfg.run.ranks, cfg.run.microbatches, chunks).makespan)
     rows = [_row(cfg, tr, size, per_rank, sim, chunks) for tr in cfg.transports for size in cfg.sizes]
     bar.update(f"done in {time.perf_counter() - t0:.1f} s")
     bar.close()
-    return {"rows": rows, "config": {**asdict(cfg), "sleep_overshoot_s": over}}
+    return {"rows": rows, "config": {**cfg.as_dict(), "sleep_overshoot_s": over}}
 
 
 def to_markdown(result: dict[str, Any]) -> str:

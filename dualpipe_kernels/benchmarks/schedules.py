@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dualpipe_kernels.benchmarks.schedules_report import to_markdown, write_plots
+from dualpipe_kernels.benchmarks.sleep_runs import SleepRun
 
 NAME = "schedules"
 SCHEDULES = ("dualpipev", "dualpipe", "1f1b", "zb1p")
@@ -84,97 +85,54 @@ def _name_list(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dualpipe_kernels.benchmarks.sleep_runs import add_sleep_arguments
+
     p.add_argument("--schedules", type=_name_list, default=list(SCHEDULES), help="comma list (default all four)")
     p.add_argument("--ranks", type=int_list, default=None, help="comma list of rank counts (default 2,4; quick 2)")
-    p.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 16; quick 8)")
-    p.add_argument("--f-ms", type=float, default=None, help="forward of one chunk, ms (default 10; quick 2)")
-    p.add_argument("--b-ms", type=float, default=None, help="full backward of one chunk, ms (default 20; quick 4)")
-    p.add_argument("--w-ms", type=float, default=None, help="weight-gradient part of B, ms (default 10; quick 2)")
+    add_sleep_arguments(p, microbatches=(16, 8))
     p.add_argument(
         "--activation-bytes",
         type=int,
         default=None,
         help="bytes per micro-batch activation (default 262144; quick 16384)",
     )
-    p.add_argument("--steps", type=int, default=None, help="measured steps (default 3; quick 1)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--transport", choices=("auto", "torch", "native"), default="auto")
     p.add_argument("--no-peers", dest="no_peers", action="store_true", help="skip torch.distributed.pipelining")
 
 
 @dataclass(frozen=True)
 class SchedulesConfig:
-    """The suite's settings, defaults filled in (times in seconds)."""
+    """The suite's settings: which schedules on which rank counts, and the sleep run each one gets."""
 
     schedules: tuple[str, ...]
     ranks: tuple[int, ...]
-    microbatches: int
-    f_s: float
-    b_s: float
-    w_s: float
-    activation_bytes: int
-    steps: int
-    warmup: int
-    transport: str
     peers: bool
+    run: SleepRun
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SchedulesConfig:
         """Defaults (full or quick) filled in and checked; ValueError names the bad option."""
-        q = bool(getattr(args, "quick", False))
-
-        def pick(name: str, full: Any, quick: Any) -> Any:
-            v = getattr(args, name, None)
-            return v if v is not None else (quick if q else full)
-
-        cfg = cls(
-            schedules=tuple(getattr(args, "schedules", None) or SCHEDULES),
-            ranks=tuple(pick("ranks", [2, 4], [2])),
-            microbatches=int(pick("microbatches", 16, 8)),
-            f_s=pick("f_ms", 10.0, 2.0) / 1e3,
-            b_s=pick("b_ms", 20.0, 4.0) / 1e3,
-            w_s=pick("w_ms", 10.0, 2.0) / 1e3,
-            activation_bytes=int(pick("activation_bytes", 1 << 18, 1 << 14)),
-            steps=int(pick("steps", 3, 1)),
-            warmup=int(getattr(args, "warmup", 1)),
-            transport=str(getattr(args, "transport", "auto")),
-            peers=not getattr(args, "no_peers", False),
-        )
-        cfg.check()
-        return cfg
-
-    def check(self) -> None:
-        if not (self.f_s > 0 and self.b_s > 0 and 0 < self.w_s < self.b_s):
-            raise ValueError(
-                f"costs need F > 0, B > 0 and 0 < W < B, got F={self.f_s * 1e3:g} B={self.b_s * 1e3:g} "
-                f"W={self.w_s * 1e3:g} ms"
-            )
-        if self.steps < 1 or self.warmup < 0:
-            raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps}, {self.warmup}")
-        if self.activation_bytes < 4:
-            raise ValueError(f"--activation-bytes must be >= 4, got {self.activation_bytes}")
         from dualpipe_kernels.schedules.generators import build_schedule
 
-        for r in self.ranks:
-            for s in self.schedules:
-                build_schedule(s, r, self.microbatches)  # raises ValueError naming the constraint
-
-    def sleep_run(self, name: str, ranks: int, record_timeline: bool = False) -> Any:
-        from dualpipe_kernels.benchmarks.sleep_runs import SleepRun
-
-        return SleepRun(
-            schedule=name,
-            ranks=ranks,
-            microbatches=self.microbatches,
-            f_s=self.f_s,
-            b_s=self.b_s,
-            w_s=self.w_s,
-            activation_bytes=self.activation_bytes,
-            steps=self.steps,
-            warmup=self.warmup,
-            transport=self.transport,
-            record_timeline=record_timeline,
+        quick = getattr(args, "quick", False)
+        ranks = getattr(args, "ranks", None) or ([2] if quick else [2, 4])
+        cfg = cls(
+            schedules=tuple(getattr(args, "schedules", None) or SCHEDULES),
+            ranks=tuple(ranks),
+            peers=not getattr(args, "no_peers", False),
+            run=SleepRun.from_args(args, microbatches=(16, 8), activation_bytes=(1 << 18, 1 << 14)),
         )
+        for r in cfg.ranks:
+            for s in cfg.schedules:
+                build_schedule(s, r, cfg.run.microbatches)  # raises ValueError naming the constraint
+        return cfg
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, JSON-ready: the run's sizes and costs beside the schedules and rank counts."""
+        run = {
+            k: v for k, v in dataclasses.asdict(self.run).items() if k not in ("schedule", "ranks", "record_timeline")
+        }
+        return {"schedules": list(self.schedules), "ranks": list(self.ranks), "peers": self.peers, **run}
 
 
 # ---------------------------------------------------------------- simulation
@@ -207,9 +165,14 @@ def calibrate_chunks(cfg: SchedulesConfig) -> dict[int, Any]:
     from dualpipe_kernels.benchmarks.sleep_stages import measure_chunk_costs
     from dualpipe_kernels.schedules.generators import build_schedule
 
-    ks = sorted({chunks_per_stage(build_schedule(s, r, cfg.microbatches)) for s in cfg.schedules for r in cfg.ranks})
-    repeats = 3 if cfg.steps < 2 else 7
-    return {k: measure_chunk_costs(k * cfg.f_s, k * cfg.b_s, k * cfg.w_s, cfg.activation_bytes, repeats) for k in ks}
+    ks = sorted(
+        {chunks_per_stage(build_schedule(s, r, cfg.run.microbatches)) for s in cfg.schedules for r in cfg.ranks}
+    )
+    repeats = 3 if cfg.run.steps < 2 else 7
+    return {
+        k: measure_chunk_costs(k * cfg.run.f_s, k * cfg.run.b_s, k * cfg.run.w_s, cfg.run.activation_bytes, repeats)
+        for k in ks
+    }
 
 
 def chunk_costs_from_config(c: dict[str, Any]) -> dict[int, Any] | None:
@@ -236,24 +199,31 @@ def _worker(rank: int, world: int, cfg: SchedulesConfig) -> dict[str, Any]:
     for name in cfg.schedules:
         t0 = time.perf_counter()
         try:
-            run = cfg.sleep_run(name, world, record_timeline=(name == "dualpipev"))
+            run = dataclasses.replace(cfg.run, schedule=name, ranks=world, record_timeline=(name == "dualpipev"))
             out["ours"][name] = measure_sleep_pipeline(rank, run)
         except Exception as e:  # noqa: BLE001 - one schedule's failure is reported in its row
             out["errors"][name] = f"{type(e).__name__}: {e}".splitlines()[0]
-        _note(rank, f"{name} ranks={world} N={cfg.microbatches} done in {time.perf_counter() - t0:.1f} s")
+        _note(rank, f"{name} ranks={world} N={cfg.run.microbatches} done in {time.perf_counter() - t0:.1f} s")
     if cfg.peers:
-        costs = (cfg.f_s, cfg.b_s, cfg.w_s)
+        costs = (cfg.run.f_s, cfg.run.b_s, cfg.run.w_s)
         for peer, (_cls, ours) in PEERS.items():
             if ours not in cfg.schedules:
                 continue
             t0 = time.perf_counter()
             try:
                 out["peers"][peer] = torch_schedule_step_times(
-                    peer, rank, world, cfg.microbatches, *costs, cfg.activation_bytes, cfg.steps, cfg.warmup
+                    peer,
+                    rank,
+                    world,
+                    cfg.run.microbatches,
+                    *costs,
+                    cfg.run.activation_bytes,
+                    cfg.run.steps,
+                    cfg.run.warmup,
                 )
             except Exception as e:  # noqa: BLE001 - reported in the peer row
                 out["errors"][peer] = f"{type(e).__name__}: {e}".splitlines()[0]
-            _note(rank, f"{peer} ranks={world} N={cfg.microbatches} done in {time.perf_counter() - t0:.1f} s")
+            _note(rank, f"{peer} ranks={world} N={cfg.run.microbatches} done in {time.perf_counter() - t0:.1f} s")
     return out
 
 
@@ -273,16 +243,18 @@ def _schedule_row(
     from dualpipe_kernels.schedules.generators import build_schedule
     from dualpipe_kernels.schedules.simulator import simulate
 
-    n = cfg.microbatches
+    n = cfg.run.microbatches
     sim_res = simulate_sleep(name, ranks, n, chunks)
     sim = float(sim_res.makespan)
-    sim_over = float(simulate_sleep(name, ranks, n, nominal_chunks(cfg.f_s, cfg.b_s, cfg.w_s, over)).makespan)
-    sim_nominal = float(simulate_sleep(name, ranks, n, nominal_chunks(cfg.f_s, cfg.b_s, cfg.w_s)).makespan)
+    sim_over = float(
+        simulate_sleep(name, ranks, n, nominal_chunks(cfg.run.f_s, cfg.run.b_s, cfg.run.w_s, over)).makespan
+    )
+    sim_nominal = float(simulate_sleep(name, ranks, n, nominal_chunks(cfg.run.f_s, cfg.run.b_s, cfg.run.w_s)).makespan)
     row: dict[str, Any] = {
         "schedule": name,
         "ranks": ranks,
         "microbatches": n,
-        "activation_bytes": cfg.activation_bytes,
+        "activation_bytes": cfg.run.activation_bytes,
         "simulated_s": sim,
         "bubble_simulated_s": float(sim_res.bubble),
         "simulated_sleep_only_s": sim_over,
@@ -308,13 +280,13 @@ def _schedule_row(
         comm = CommModel(
             latency=terms["link_latency_s"],
             bandwidth=terms["link_bandwidth_gbps"] * 1e9,
-            activation_bytes=cfg.activation_bytes,
+            activation_bytes=cfg.run.activation_bytes,
         )
         with_comm = float(simulate_sleep(name, ranks, n, chunks, comm).makespan)
         row.update(
             simulated_with_comm_s=with_comm,
             simulated_exposed_comm_s=with_comm - sim,
-            transfer_over_f=terms["transfer_s"] / cfg.f_s,
+            transfer_over_f=terms["transfer_s"] / cfg.run.f_s,
             compute_over_simulated=terms["t_compute_s"] / sim,
         )
         sched = build_schedule(name, ranks, n)
@@ -329,7 +301,7 @@ def _peer_rows(cfg: SchedulesConfig, ranks: int, per_rank: list[dict[str, Any]],
     from dualpipe_kernels.benchmarks.peers import PEERS
 
     out: list[dict[str, Any]] = []
-    base = {"ranks": ranks, "microbatches": cfg.microbatches}
+    base = {"ranks": ranks, "microbatches": cfg.run.microbatches}
     for peer in per_rank[0]["peers"]:
         ours_name = PEERS[peer][1]
         theirs = median(_per_step_max([o["peers"][peer] for o in per_rank]))
@@ -350,25 +322,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualpipe_kernels.runtime.launch import spawn
 
     cfg = SchedulesConfig.from_args(args)
-    over = sleep_overshoot(cfg.f_s, repeats=10 if cfg.steps < 2 else 20)
+    over = sleep_overshoot(cfg.run.f_s, repeats=10 if cfg.run.steps < 2 else 20)
     chunks = calibrate_chunks(cfg)
     rows: list[dict[str, Any]] = []
     peers: list[dict[str, Any]] = []
     timeline: dict[str, Any] | None = None
     bar = Progress(len(cfg.ranks), title="bench schedules")
-    bar.note(f"ranks {list(cfg.ranks)} x schedules {list(cfg.schedules)}, N={cfg.microbatches}")
+    bar.note(f"ranks {list(cfg.ranks)} x schedules {list(cfg.schedules)}, N={cfg.run.microbatches}")
     for ranks in cfg.ranks:
         per_rank = spawn(_worker, ranks, cfg, timeout_s=900, pg_timeout_s=300)
         for name in cfg.schedules:
             rows.append(_schedule_row(cfg, name, ranks, per_rank, chunks, over))
             if name == "dualpipev" and rows[-1].get("error") is None:
                 tl = [e for o in per_rank for e in o["ours"][name].timeline]
-                timeline = {"schedule": name, "ranks": ranks, "microbatches": cfg.microbatches, "entries": tl}
+                timeline = {"schedule": name, "ranks": ranks, "microbatches": cfg.run.microbatches, "entries": tl}
         peers += _peer_rows(cfg, ranks, per_rank, rows)
         bar.update(f"ranks={ranks} done")
     bar.close()
     config = {
-        **dataclasses.asdict(cfg),
+        **cfg.as_dict(),
         "sleep_overshoot_s": over,
         "chunk_costs_s": {str(k): dataclasses.asdict(c) for k, c in chunks.items()},
     }

@@ -18,30 +18,84 @@ Every step starts after a barrier; a step's time is this rank's wall time of
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SleepRun", "RankMeasurement", "chunks_per_stage", "measure_sleep_pipeline"]
+__all__ = [
+    "SleepRun",
+    "RankMeasurement",
+    "add_sleep_arguments",
+    "chunks_per_stage",
+    "measure_sleep_pipeline",
+    "slowest_step_median",
+    "comm_alone_s",
+    "overlap_terms",
+]
 
 
 @dataclass(frozen=True)
 class SleepRun:
-    """What to run: schedule, sizes and per-chunk sleeps (seconds)."""
+    """What to run: schedule, sizes and per-chunk sleeps (seconds).  A suite keeps one as its template and
+    ``dataclasses.replace``-s the schedule, ranks, transport or size it varies."""
 
-    schedule: str
-    ranks: int
     microbatches: int
     f_s: float
     b_s: float
     w_s: float
-    activation_bytes: int
     steps: int
     warmup: int = 1
+    activation_bytes: int = 1 << 18
+    schedule: str = "dualpipev"
+    ranks: int = 2
     transport: str = "auto"
     record_timeline: bool = False
-    compute_probe: bool = True
     device: str = "cpu"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, microbatches: tuple[int, int], activation_bytes: tuple[int, int]):
+        """The options of :func:`add_sleep_arguments`, unset ones from (full, quick) defaults; checked."""
+        from dualpipe_kernels.benchmarks.common import option
+
+        def pick(name: str, full: Any, quick: Any) -> Any:
+            return option(args, name, full, quick)
+
+        run = cls(
+            microbatches=int(pick("microbatches", *microbatches)),
+            f_s=pick("f_ms", 10.0, 2.0) / 1e3,
+            b_s=pick("b_ms", 20.0, 4.0) / 1e3,
+            w_s=pick("w_ms", 10.0, 2.0) / 1e3,
+            steps=int(pick("steps", 3, 1)),
+            warmup=int(pick("warmup", 1, 1)),
+            activation_bytes=int(pick("activation_bytes", *activation_bytes)),
+            transport=str(getattr(args, "transport", None) or "auto"),
+        )
+        run.check()
+        return run
+
+    def check(self) -> None:
+        """ValueError naming the option for impossible costs or counts (the schedule is checked by its builder)."""
+        if not (self.f_s > 0 and self.b_s > 0 and 0 < self.w_s < self.b_s):
+            raise ValueError(
+                f"costs need F > 0, B > 0 and 0 < W < B, got F={self.f_s * 1e3:g} B={self.b_s * 1e3:g} "
+                f"W={self.w_s * 1e3:g} ms"
+            )
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps}, {self.warmup}")
+        if self.activation_bytes < 4:
+            raise ValueError(f"--activation-bytes must be >= 4, got {self.activation_bytes}")
+
+
+def add_sleep_arguments(p: argparse.ArgumentParser, microbatches: tuple[int, int]) -> None:
+    """The sleep-stage options every sleep suite shares; ``microbatches``: its (full, quick) default."""
+    full, quick = microbatches
+    p.add_argument("--microbatches", type=int, default=None, help=f"micro-batches (default {full}; quick {quick})")
+    p.add_argument("--f-ms", type=float, default=None, help="forward of one chunk, ms (default 10; quick 2)")
+    p.add_argument("--b-ms", type=float, default=None, help="full backward of one chunk, ms (default 20; quick 4)")
+    p.add_argument("--w-ms", type=float, default=None, help="weight-gradient part of B, ms (default 10; quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps (default 3; quick 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1)")
 
 
 @dataclass
@@ -124,12 +178,11 @@ def measure_sleep_pipeline(rank: int, run: SleepRun) -> RankMeasurement:
     try:
         switch.received_bytes.clear()
         out.times = _timed_steps(pipe, x, labels, run.warmup + run.steps, real_step)[run.warmup :]
-        if run.compute_probe:
-            switch.tiny = True
-            out.compute_times = _timed_steps(pipe, x, labels, run.steps, probe_step)
-            switch.tiny = False
-            link = link_timing(switch.inner, rank, run.ranks, run.activation_bytes, device=dev)
-            out.link = asdict(link) if link is not None else None
+        switch.tiny = True
+        out.compute_times = _timed_steps(pipe, x, labels, run.steps, probe_step)
+        switch.tiny = False
+        link = link_timing(switch.inner, rank, run.ranks, run.activation_bytes, device=dev)
+        out.link = asdict(link) if link is not None else None
         dist.barrier()
     finally:
         pipe.close()

@@ -103,9 +103,7 @@ def add_parser(subparsers: Any) -> None:
         parser_class=_lazy_parser_class(type(p)),
     )
     for name in SUITES:
-        sp = sub.add_parser(
-            name, help=SUITES[name], conflict_handler="resolve", suite_name=name
-        )
+        sp = sub.add_parser(name, help=SUITES[name], conflict_handler="resolve", suite_name=name)
         _add_common(sp)
         sp.set_defaults(func=run, suite_error=None)
     sa = sub.add_parser("all", help="run every suite in turn")
