@@ -307,7 +307,9 @@ def test_overlap_metric_out_of_range_is_flagged_noise_and_null(
     assert m.as_dict()["hidden_comm_share"] is None and m.as_dict()["exposed_comm_s"] == pytest.approx(
         t_step - t_compute
     )
-    assert share_text(m.hidden_comm_share, m.hidden_comm_share_raw).startswith("noise")
+    assert share_text(m.hidden_comm_share, m.hidden_comm_share_raw) == (
+        "-" if raw is None else f"noise (raw {raw:.2f})"
+    )
     with pytest.raises(ValueError, match="T_comm"):
         overlap_metric(1.0, 1.0, -0.1)
 

@@ -66,7 +66,7 @@ def overlap_metric(t_step_s: float, t_compute_s: float, t_comm_s: float) -> Over
 
 
 def share_text(share: float | None, raw: float | None, digits: int = 2) -> str:
-    """A table cell: the share, or ``noise (raw X)`` when the raw value left [0, 1]."""
+    """A table cell: the share, ``noise (raw X)`` when the raw value left [0, 1], ``-`` when nothing moved."""
     if share is not None:
         return f"{share:.{digits}f}"
-    return "noise" if raw is None else f"noise (raw {raw:.{digits}f})"
+    return "-" if raw is None else f"noise (raw {raw:.{digits}f})"

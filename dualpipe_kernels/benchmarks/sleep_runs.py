@@ -54,7 +54,9 @@ class SleepRun:
     device: str = "cpu"
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, microbatches: tuple[int, int], activation_bytes: tuple[int, int]):
+    def from_args(
+        cls, args: argparse.Namespace, microbatches: tuple[int, int], activation_bytes: tuple[int, int]
+    ) -> SleepRun:
         """The options of :func:`add_sleep_arguments`, unset ones from (full, quick) defaults; checked."""
         from dualpipe_kernels.benchmarks.common import option
 
@@ -209,11 +211,11 @@ def overlap_terms(per_rank: list[RankMeasurement]) -> dict[str, Any]:
     from dualpipe_kernels.benchmarks.payload import LinkTiming
 
     t_step = slowest_step_median([m.times for m in per_rank])
-    link_d = next((m.link for m in per_rank if m.link), None)
-    if not per_rank[0].compute_times or link_d is None:
-        return {"t_step_s": t_step, "hidden_comm_share": None, "hidden_comm_noise": True}
-    link = LinkTiming(**link_d)
     t_compute = slowest_step_median([m.compute_times for m in per_rank])
+    link_d = next((m.link for m in per_rank if m.link), None)
+    if link_d is None:  # one rank: nothing moves between processes, no share to report
+        return overlap_metric(t_step, t_compute, 0.0).as_dict()
+    link = LinkTiming(**link_d)
     t_comm = comm_alone_s([m.received_bytes for m in per_rank], link)
     return {
         **overlap_metric(t_step, t_compute, t_comm).as_dict(),

@@ -308,24 +308,24 @@ def _overlap(cfg: DemoConfig, sched: Any, per_rank: list[dict[str, Any]], times:
 
     t_compute = slowest_step_median([o["probe_times"] for o in per_rank])
     link_d = next((o["link"] for o in per_rank if o.get("link")), None)
-    out: dict[str, Any] = {"t_compute_s": t_compute, "t_comm_s": None, "link": link_d}
-    if link_d is None:  # one rank: nothing moves between processes
-        out.update(exposed_comm_s=[t - t_compute for t in times], hidden_comm_share=[None] * len(times))
-        out.update(hidden_comm_share_raw=[None] * len(times), hidden_comm_noise=[True] * len(times))
-        return out
-    link = LinkTiming(**link_d)
-    t_comm = comm_alone_s([o["received_bytes"] for o in per_rank], link)
+    link = LinkTiming(**link_d) if link_d is not None else None
+    # One rank moves nothing between processes: T_comm 0, every share null.
+    t_comm = comm_alone_s([o["received_bytes"] for o in per_rank], link) if link is not None else 0.0
     metrics = [overlap_metric(t, t_compute, t_comm) for t in times]
+    out: dict[str, Any] = {
+        "t_compute_s": t_compute,
+        "t_comm_s": t_comm,
+        "link": link_d,
+        "exposed_comm_s": [m.exposed_comm_s for m in metrics],
+        "hidden_comm_share": [m.hidden_comm_share for m in metrics],
+        "hidden_comm_share_raw": [m.hidden_comm_share_raw for m in metrics],
+        "hidden_comm_noise": [m.hidden_comm_noise for m in metrics],
+    }
+    if link is None:
+        return out
     comm = CommModel(latency=link.latency_s, bandwidth=link.bandwidth_bps, activation_bytes=cfg.activation_bytes())
     free = float(_simulate(sched, costs).makespan)
-    out.update(
-        t_comm_s=t_comm,
-        exposed_comm_s=[m.exposed_comm_s for m in metrics],
-        hidden_comm_share=[m.hidden_comm_share for m in metrics],
-        hidden_comm_share_raw=[m.hidden_comm_share_raw for m in metrics],
-        hidden_comm_noise=[m.hidden_comm_noise for m in metrics],
-        simulated_with_comm_s=float(_simulate(sched, costs, comm).makespan),
-    )
+    out["simulated_with_comm_s"] = float(_simulate(sched, costs, comm).makespan)
     out["simulated_exposed_comm_s"] = out["simulated_with_comm_s"] - free
     return out
 
