@@ -30,6 +30,7 @@ import os
 import statistics
 import threading
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -85,21 +86,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _sizes(args: argparse.Namespace) -> list[int]:
-    sizes = list(QUICK_SIZES if getattr(args, "quick", False) else DEFAULT_SIZES)
-    lo = args.min_size if args.min_size is not None else sizes[0]
-    hi = args.max_size if args.max_size is not None else sizes[-1]
-    if lo <= 0 or hi < lo:
-        raise ValueError(f"need 0 < --min-size <= --max-size, got {lo}, {hi}")
-    picked = [s for s in sizes if lo <= s <= hi]
-    return picked or [lo]
+@dataclass(frozen=True)
+class TransportConfig:
+    """The suite's settings: message sizes with their ping-pong counts, and the native engine's options."""
 
+    sizes: tuple[int, ...]
+    reps: tuple[int, ...]
+    num_slots: int
+    slot_bytes: int
+    spin_us: float | None
+    single_copy: bool | None  # None: the engine's default (DUALPIPE_KERNELS_SINGLE_COPY)
+    single_copy_min_bytes: int
+    pin: bool
 
-def _reps(size: int, args: argparse.Namespace) -> int:
-    lo, hi = (2, 20) if getattr(args, "quick", False) else (args.min_reps, args.max_reps)
-    if lo < 1 or hi < lo:
-        raise ValueError(f"need 1 <= --min-reps <= --max-reps, got {lo}, {hi}")
-    return max(lo, min(hi, BYTES_PER_SIZE // (2 * size)))
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TransportConfig:
+        from dualpipe_kernels.transport.native import (
+            DEFAULT_NUM_SLOTS,
+            DEFAULT_SINGLE_COPY_MIN_BYTES,
+            DEFAULT_SLOT_BYTES,
+        )
+
+        quick = bool(getattr(args, "quick", False))
+        sizes = list(QUICK_SIZES if quick else DEFAULT_SIZES)
+        lo = args.min_size if args.min_size is not None else sizes[0]
+        hi = args.max_size if args.max_size is not None else sizes[-1]
+        if lo <= 0 or hi < lo:
+            raise ValueError(f"need 0 < --min-size <= --max-size, got {lo}, {hi}")
+        picked = [s for s in sizes if lo <= s <= hi] or [lo]
+        rmin, rmax = (2, 20) if quick else (args.min_reps, args.max_reps)
+        if rmin < 1 or rmax < rmin:
+            raise ValueError(f"need 1 <= --min-reps <= --max-reps, got {rmin}, {rmax}")
+        single_copy = getattr(args, "single_copy", "auto")
+        return cls(
+            sizes=tuple(picked),
+            reps=tuple(max(rmin, min(rmax, BYTES_PER_SIZE // (2 * s))) for s in picked),
+            num_slots=args.num_slots or DEFAULT_NUM_SLOTS,
+            slot_bytes=args.slot_bytes or DEFAULT_SLOT_BYTES,
+            spin_us=args.spin_us,
+            single_copy=None if single_copy == "auto" else single_copy == "on",
+            single_copy_min_bytes=getattr(args, "single_copy_min_bytes", None) or DEFAULT_SINGLE_COPY_MIN_BYTES,
+            pin=bool(getattr(args, "pin", True)),
+        )
+
+    def native_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``NativeTransport`` (options left unset keep the engine's defaults)."""
+        kw: dict[str, Any] = {
+            "num_slots": self.num_slots,
+            "slot_bytes": self.slot_bytes,
+            "single_copy_min_bytes": self.single_copy_min_bytes,
+        }
+        if self.spin_us is not None:
+            kw["spin_us"] = self.spin_us
+        if self.single_copy is not None:
+            kw["single_copy"] = self.single_copy
+        return kw
 
 
 def _pingpong(rank: int, send: Any, recv: Any, out_buf: torch.Tensor, in_buf: torch.Tensor, reps: int) -> list[float]:
@@ -209,14 +250,12 @@ def _pin_this_thread(rank: int) -> int | None:
     return cpu
 
 
-def _worker(
-    rank: int, world_size: int, sizes: list[int], reps: list[int], native_kw: dict[str, Any], pin: bool = True
-) -> list[dict]:
+def _worker(rank: int, world_size: int, cfg: TransportConfig) -> list[dict]:
     from dualpipe_kernels.transport.native import NativeTransport
 
     torch.set_num_threads(1)
     peer = 1 - rank
-    native = NativeTransport(timeout_s=120.0, **native_kw)
+    native = NativeTransport(timeout_s=120.0, **cfg.native_kwargs())
     single_copy_active = peer in native.single_copy_peers()
     rows = []
     try:
@@ -231,14 +270,12 @@ def _worker(
             warm_in,
             0,
         )
-        core = _pin_this_thread(rank) if pin else None
-        for size, n in zip(sizes, reps, strict=True):
+        core = _pin_this_thread(rank) if cfg.pin else None
+        for size, n in zip(cfg.sizes, cfg.reps, strict=True):
             out_buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
             in_buf = torch.zeros(size, dtype=torch.uint8)
             row: dict[str, Any] = {"size_bytes": size, "reps": n, "pinned_core": core}
-            row["native_path"] = (
-                "single-copy" if single_copy_active and size >= native_kw["single_copy_min_bytes"] else "ring"
-            )
+            row["native_path"] = "single-copy" if single_copy_active and size >= cfg.single_copy_min_bytes else "ring"
 
             def nsend(t: torch.Tensor) -> None:
                 native.isend(t, peer, tag=1).wait()
@@ -319,37 +356,20 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the suite in two spawned processes; returns ``{"rows": [...], "targets": {...}, "config": {...}}``."""
     from dualpipe_kernels.runtime.launch import spawn
-    from dualpipe_kernels.transport.native import (
-        DEFAULT_NUM_SLOTS,
-        DEFAULT_SINGLE_COPY_MIN_BYTES,
-        DEFAULT_SLOT_BYTES,
-    )
 
-    sizes = _sizes(args)
-    reps = [_reps(s, args) for s in sizes]
-    native_kw: dict[str, Any] = {
-        "num_slots": args.num_slots or DEFAULT_NUM_SLOTS,
-        "slot_bytes": args.slot_bytes or DEFAULT_SLOT_BYTES,
-    }
-    if args.spin_us is not None:
-        native_kw["spin_us"] = args.spin_us
-    single_copy = getattr(args, "single_copy", "auto")
-    if single_copy != "auto":
-        native_kw["single_copy"] = single_copy == "on"
-    native_kw["single_copy_min_bytes"] = getattr(args, "single_copy_min_bytes", None) or DEFAULT_SINGLE_COPY_MIN_BYTES
+    cfg = TransportConfig.from_args(args)
     t0 = time.perf_counter()
-    pin = getattr(args, "pin", True)
-    rows = spawn(_worker, 2, sizes, reps, native_kw, pin, timeout_s=600.0)[0]
+    rows = spawn(_worker, 2, cfg, timeout_s=600.0)[0]
     return {
         "rows": rows,
         "targets": _targets(rows),
         "config": {
-            **native_kw,
+            **asdict(cfg),
             "method": "ping-pong between 2 processes, one-way time = round trip / 2, median (min-max) over "
             "repeats; ceiling = cross-core copy (one thread writes, a thread on another core copies it out), "
             "memcpy = single-thread in-cache torch copy_, both on rank 0 in the same run",
             "threads_per_process": 1,
-            "python_thread_pinned": pin,
+            "python_thread_pinned": cfg.pin,
         },
         "elapsed_s": time.perf_counter() - t0,
     }
@@ -403,21 +423,3 @@ def to_markdown(result: dict[str, Any]) -> str:
         "Timings on a shared machine are noisy."
     )
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the suite without the CLI: ``python -m dualpipe_kernels.benchmarks.transport [--json] [--quick]``."""
-    import json
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--quick", action="store_true")
-    add_arguments(p)
-    args = p.parse_args(argv)
-    result = run(args)
-    print(json.dumps(result) if args.json else to_markdown(result))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
