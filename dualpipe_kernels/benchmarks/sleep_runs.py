@@ -7,8 +7,8 @@ holds the pipeline's ranks.  It builds the schedule's sleep chunks
 
 1. ``warmup + steps`` steps with real activations (``T_step`` of each), the
    busy time of each and the last step's timeline and received bytes;
-2. ``steps`` steps of the same pipeline with transfers cut to a few bytes
-   (``T_compute``) and the last one's timeline;
+2. ``warmup + steps`` steps of the same pipeline with transfers cut to a few
+   bytes (``T_compute`` of each after the warm-up) and the last one's timeline;
 3. the link between ranks 0 and 1 at the activation size (``T_comm`` is
    then the recorded receives timed on that link).
 
@@ -174,14 +174,15 @@ def measure_sleep_pipeline(rank: int, run: SleepRun) -> RankMeasurement:
         switch.received_bytes.clear()
 
     def probe_step(i: int, res: Any) -> None:
-        if i == run.steps - 1:
+        if i == last:
             out.compute_timeline = _plain(res.timeline)
 
     try:
         switch.received_bytes.clear()
         out.times = _timed_steps(pipe, x, labels, run.warmup + run.steps, real_step)[run.warmup :]
         switch.tiny = True
-        out.compute_times = _timed_steps(pipe, x, labels, run.steps, probe_step)
+        # The same warm-up as the real steps: both terms are measured by one protocol.
+        out.compute_times = _timed_steps(pipe, x, labels, run.warmup + run.steps, probe_step)[run.warmup :]
         switch.tiny = False
         link = link_timing(switch.inner, rank, run.ranks, run.activation_bytes, device=dev)
         out.link = asdict(link) if link is not None else None
