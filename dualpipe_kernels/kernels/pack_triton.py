@@ -1,0 +1,299 @@
+"""Triton pack/unpack: one launch moves any number of tensors into (or out of) one flat buffer.
+
+How one launch covers many tensors: the host builds a small int64 *table*, one
+row per tensor (base address, element count, byte offsets in the buffer, a
+conversion code, the tensor's shape and strides collapsed to at most 4 dims,
+and the index of its first block).  Every program handles one block of
+``ROWS x 128`` elements of one tensor; it finds its tensor by a binary search
+over the first-block column, then branches on the conversion code.  Raw
+addresses work in the interpreter too (it reads CPU memory at those addresses).
+
+Rounding is done explicitly on the fp32 bit patterns, so results do not depend
+on the backend's casts (the interpreter truncates fp32 -> bf16 and misrounds
+fp32 -> e4m3 across a power of two): bf16 is round-to-nearest-even of the top
+16 bits; e4m3 is round-to-nearest-even of 3 mantissa bits, with subnormals
+rounded by adding 2^14 in fp32 (whose ulp, 2^-9, is the e4m3 subnormal step).
+Divisions use ``div_rn`` (IEEE), as torch does.  NaN payloads are not matched.
+
+``TRITON_INTERPRET=1`` must be set before this module is imported to run it on
+CPU tensors; :data:`INTERPRETED` says which mode the kernels were built in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from dualpipe_kernels.kernels.layout import ALIGN, FP8_BLOCK, KIND_BF16, KIND_COPY, PackLayout
+
+__all__ = ["INTERPRETED", "pack_into", "unpack_into", "rows_per_block"]
+
+#: True when the kernels run in Triton's interpreter (TRITON_INTERPRET=1 at import)
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+# conversion codes (a column of the table); copies go by element size
+COPY1, COPY2, COPY4, COPY8 = 0, 1, 2, 3
+BF16_F32, BF16_F16 = 4, 5
+FP8_F32, FP8_F16, FP8_BF16 = 6, 7, 8
+#: table columns
+_ADDR, _NUMEL, _OFF, _SOFF, _CODE, _CONTIG, _D1, _D2, _D3, _S0, _S1, _S2, _S3, _FIRST, _NSTORE, _NSCALE = range(16)
+_WIDTH = 16
+_MAX_DIMS = 4
+_COPY_CODE = {1: COPY1, 2: COPY2, 4: COPY4, 8: COPY8}
+_BF16_CODE = {torch.float32: BF16_F32, torch.float16: BF16_F16}
+_FP8_CODE = {torch.float32: FP8_F32, torch.float16: FP8_F16, torch.bfloat16: FP8_BF16}
+
+
+# ---------------------------------------------------------------- device helpers
+@triton.jit
+def _find_tensor(table, pid, n, LOG_N: tl.constexpr):
+    """The last tensor whose first block is <= pid (tensors without blocks are skipped by construction)."""
+    lo = pid * 0
+    for k in tl.static_range(LOG_N):
+        cand = lo + (1 << (LOG_N - 1 - k))
+        first = tl.load(table + cand * 16 + 13, mask=cand < n, other=pid + 1)
+        lo = tl.where(first <= pid, cand, lo)
+    return lo
+
+
+@triton.jit
+def _strided(local, contig, d1, d2, d3, s0, s1, s2, s3):
+    """Element offsets of row-major indices ``local`` in a tensor of sizes (., d1, d2, d3) and these strides."""
+    if contig != 0:
+        off = local
+    else:
+        i3 = local % d3
+        r = local // d3
+        i2 = r % d2
+        r = r // d2
+        off = (r // d1) * s0 + (r % d1) * s1 + i2 * s2 + i3 * s3
+    return off
+
+
+@triton.jit
+def _bf16_bits(x):
+    """Round-to-nearest-even bfloat16 bits (uint16) of fp32 ``x``; NaN -> 0xFFFF as torch's CPU cast."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = tl.where(x != x, 0xFFFF, r)
+    return r.to(tl.uint16)
+
+
+@triton.jit
+def _bf16_value(bits):
+    """fp32 value of bfloat16 bits (uint16), exact."""
+    return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits(q):
+    """Round-to-nearest-even float8 e4m3fn code (uint8) of fp32 ``q``, saturated to +-448."""
+    nan = q != q
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    u = q.to(tl.uint32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a_bits = u & 0x7FFFFFFF
+    normal = ((a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) >> 20) - (120 << 3)
+    # below 2^-6 (exponent 121): adding 2^14 leaves round(a / 2^-9) in the low mantissa bits
+    a = a_bits.to(tl.float32, bitcast=True)
+    sub = (a + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
+    code = tl.where(a_bits < (121 << 23), sub, normal) | sign
+    code = tl.where(nan, 0x7F, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """fp32 value of float8 e4m3fn codes (uint8), exact (0x7F / 0xFF are NaN)."""
+    b = code.to(tl.uint32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((b & 0x80) << 24) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125
+    sub = tl.where((b & 0x80) != 0, -sub, sub)
+    val = tl.where(e == 0, sub, normal)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), val)
+
+
+@triton.jit
+def _quantize_store(x, mask, dst, scale_dst, row_ok, POW2: tl.constexpr):
+    """Store e4m3 codes of the [ROWS, 128] fp32 tile ``x`` at ``dst`` and one scale per row at ``scale_dst``."""
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
+    if POW2:
+        bits = scale.to(tl.uint32, bitcast=True)
+        up = (bits & 0xFF800000) + 0x800000
+        scale = tl.where((bits & 0x7FFFFF) != 0, up, bits).to(tl.float32, bitcast=True)
+    divisor = tl.where(scale == 0.0, 1.0, scale)
+    q = tl.math.div_rn(x, divisor[:, None])
+    tl.store(dst, _e4m3_bits(q), mask=mask)
+    tl.store(scale_dst, scale, mask=row_ok)
+
+
+# ---------------------------------------------------------------- kernels
+@triton.jit
+def _pack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr, POW2: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    t = _find_tensor(table, pid, n, LOG_N)
+    row = table + t * 16
+    addr = tl.load(row + 0)
+    numel = tl.load(row + 1)
+    blk = pid - tl.load(row + 13)
+    rows = tl.arange(0, ROWS)
+    local = blk * (ROWS * 128) + rows[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = local < numel
+    # stores run on to the region's aligned end, so the padding gets zeros (loads there give 0)
+    smask = local < tl.load(row + 14)
+    src = _strided(local, tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8),
+                   tl.load(row + 9), tl.load(row + 10), tl.load(row + 11), tl.load(row + 12))
+    dst = buf + tl.load(row + 2)
+    code = tl.load(row + 4)
+    if code == 0:
+        tl.store(dst + local, tl.load(addr.to(tl.pointer_type(tl.uint8)) + src, mask=mask, other=0), mask=smask)
+    elif code == 1:
+        v = tl.load(addr.to(tl.pointer_type(tl.uint16)) + src, mask=mask, other=0)
+        tl.store(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, v, mask=smask)
+    elif code == 2:
+        v = tl.load(addr.to(tl.pointer_type(tl.uint32)) + src, mask=mask, other=0)
+        tl.store(dst.to(tl.pointer_type(tl.uint32), bitcast=True) + local, v, mask=smask)
+    elif code == 3:
+        v = tl.load(addr.to(tl.pointer_type(tl.uint64)) + src, mask=mask, other=0)
+        tl.store(dst.to(tl.pointer_type(tl.uint64), bitcast=True) + local, v, mask=smask)
+    elif code == 4 or code == 5:
+        if code == 4:
+            x = tl.load(addr.to(tl.pointer_type(tl.float32)) + src, mask=mask, other=0.0)
+        else:
+            x = tl.load(addr.to(tl.pointer_type(tl.float16)) + src, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, _bf16_bits(x), mask=smask)
+    else:
+        if code == 6:
+            x = tl.load(addr.to(tl.pointer_type(tl.float32)) + src, mask=mask, other=0.0)
+        elif code == 7:
+            x = tl.load(addr.to(tl.pointer_type(tl.float16)) + src, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = _bf16_value(tl.load(addr.to(tl.pointer_type(tl.uint16)) + src, mask=mask, other=0))
+        scale_idx = blk * ROWS + rows
+        scale_dst = (buf + tl.load(row + 3)).to(tl.pointer_type(tl.float32), bitcast=True) + scale_idx
+        _quantize_store(x, smask, dst + local, scale_dst, scale_idx < tl.load(row + 15), POW2)
+
+
+@triton.jit
+def _unpack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    t = _find_tensor(table, pid, n, LOG_N)
+    row = table + t * 16
+    addr = tl.load(row + 0)
+    numel = tl.load(row + 1)
+    blk = pid - tl.load(row + 13)
+    rows = tl.arange(0, ROWS)
+    local = blk * (ROWS * 128) + rows[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = local < numel
+    dst = _strided(local, tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8),
+                   tl.load(row + 9), tl.load(row + 10), tl.load(row + 11), tl.load(row + 12))
+    src = buf + tl.load(row + 2)
+    code = tl.load(row + 4)
+    if code == 0:
+        tl.store(addr.to(tl.pointer_type(tl.uint8)) + dst, tl.load(src + local, mask=mask), mask=mask)
+    elif code == 1:
+        v = tl.load(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask=mask)
+        tl.store(addr.to(tl.pointer_type(tl.uint16)) + dst, v, mask=mask)
+    elif code == 2:
+        v = tl.load(src.to(tl.pointer_type(tl.uint32), bitcast=True) + local, mask=mask)
+        tl.store(addr.to(tl.pointer_type(tl.uint32)) + dst, v, mask=mask)
+    elif code == 3:
+        v = tl.load(src.to(tl.pointer_type(tl.uint64), bitcast=True) + local, mask=mask)
+        tl.store(addr.to(tl.pointer_type(tl.uint64)) + dst, v, mask=mask)
+    else:
+        if code == 4 or code == 5:
+            x = _bf16_value(tl.load(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask=mask, other=0))
+        else:
+            scales = (buf + tl.load(row + 3)).to(tl.pointer_type(tl.float32), bitcast=True) + blk * ROWS + rows
+            scale = tl.load(scales, mask=blk * (ROWS * 128) + rows * 128 < numel, other=0.0)
+            x = _e4m3_value(tl.load(src + local, mask=mask, other=0)) * scale[:, None]
+        if code == 4 or code == 6:
+            tl.store(addr.to(tl.pointer_type(tl.float32)) + dst, x, mask=mask)
+        elif code == 5 or code == 7:
+            tl.store(addr.to(tl.pointer_type(tl.float16)) + dst, x.to(tl.float16), mask=mask)
+        else:
+            tl.store(addr.to(tl.pointer_type(tl.uint16)) + dst, _bf16_bits(x), mask=mask)
+
+
+# ---------------------------------------------------------------- host side
+def rows_per_block(device: torch.device) -> int:
+    """Rows of 128 elements per program: large tiles on a GPU, and in the interpreter (fewer Python steps)."""
+    return 16 if device.type == "cuda" else 32
+
+
+def _collapse(shape: Sequence[int], stride: Sequence[int]) -> list[tuple[int, int]]:
+    """(size, stride) dims with size-1 dims dropped and mergeable neighbours merged (row-major order kept)."""
+    dims: list[tuple[int, int]] = []
+    for size, st in zip(shape, stride, strict=True):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == st * size:
+            dims[-1] = (dims[-1][0] * size, st)
+        else:
+            dims.append((size, st))
+    return dims
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _code(kind: int, dtype: torch.dtype) -> int:
+    if kind == KIND_COPY:
+        return _COPY_CODE[dtype.itemsize]
+    return _BF16_CODE[dtype] if kind == KIND_BF16 else _FP8_CODE[dtype]
+
+
+def _table(tensors: Sequence[torch.Tensor], layout: PackLayout, block: int) -> tuple[list[list[int]], int]:
+    """One row per tensor (see the module docstring) and the total number of blocks."""
+    rows, first = [], 0
+    for t, e in zip(tensors, layout.entries, strict=True):
+        dims = _collapse(t.shape, t.stride())
+        contig = int(len(dims) == 0 or (len(dims) == 1 and dims[0][1] == 1))
+        dims = [(1, 0)] * (_MAX_DIMS - len(dims)) + dims
+        sizes, strides = zip(*dims, strict=True)
+        # elements and scales written, padding included (the region's aligned end)
+        nstore = _align(e.nbytes) // (e.nbytes // e.numel) if e.numel else 0
+        nscale = _align(4 * e.num_scales) // 4
+        rows.append([t.data_ptr(), e.numel, e.offset, max(e.scale_offset, 0), _code(e.kind, e.dtype), contig,
+                     *sizes[1:], *strides, first, nstore, nscale])  # fmt: skip
+        first += -(-nstore // block)
+    return rows, first
+
+
+def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor, **kw) -> None:
+    rows = rows_per_block(buffer.device)
+    table, nblocks = _table(tensors, layout, rows * FP8_BLOCK)
+    if nblocks == 0:
+        return
+    meta = torch.tensor(table, dtype=torch.int64).to(buffer.device, non_blocking=True)
+    log_n = max(1, math.ceil(math.log2(len(table))) + 1)
+    kernel[(nblocks,)](meta, buffer, len(table), LOG_N=log_n, ROWS=rows, **kw)
+
+
+def _as_copyable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor the table can describe: complex64 viewed as int64 pairs; > 4 strided dims made contiguous."""
+    if t.dtype == torch.complex64:
+        t = t.view(torch.int64)
+    return t if len(_collapse(t.shape, t.stride())) <= _MAX_DIMS else t.contiguous()
+
+
+def pack_into(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor) -> None:
+    """One kernel launch writing ``tensors`` into ``buffer`` (1-D uint8, same device) as ``layout`` says."""
+    srcs = [_as_copyable(t) for t in tensors]
+    _launch(_pack_kernel, srcs, layout, buffer, POW2=layout.format == "fp8_pow2")
+
+
+def unpack_into(buffer: torch.Tensor, layout: PackLayout, outs: Sequence[torch.Tensor]) -> None:
+    """One kernel launch filling ``outs`` (the layout's shapes and dtypes, any non-overlapping strides)."""
+    dsts = [_as_copyable(o) for o in outs]
+    _launch(_unpack_kernel, dsts, layout, buffer)
+    for o, d in zip(outs, dsts, strict=True):
+        if o.dtype != torch.complex64 and d.data_ptr() != o.data_ptr():  # a > 4-dim view went through a copy
+            o.copy_(d)
