@@ -96,7 +96,9 @@ def format_for(dtype: torch.dtype | None, pow2_scales: bool = False) -> str:
         return "bf16"
     if dtype == torch.float8_e4m3fn:
         return "fp8_pow2" if pow2_scales else "fp8"
-    raise ValueError(f"pack: unsupported cast dtype {dtype}; use None (lossless), torch.bfloat16 or torch.float8_e4m3fn")
+    raise ValueError(
+        f"pack: unsupported cast dtype {dtype}; use None (lossless), torch.bfloat16 or torch.float8_e4m3fn"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +184,9 @@ class PackLayout:
     def from_tensor(cls, t: torch.Tensor) -> PackLayout:
         """The layout a :meth:`to_tensor` tensor carries."""
         if t.dtype != torch.int64 or t.dim() != 1:
-            raise ValueError(f"PackLayout.from_tensor: needs a 1-D int64 tensor, got {t.dtype} of shape {tuple(t.shape)}")
+            raise ValueError(
+                f"PackLayout.from_tensor: needs a 1-D int64 tensor, got {t.dtype} of shape {tuple(t.shape)}"
+            )
         return cls.decode(t.tolist())
 
     @property

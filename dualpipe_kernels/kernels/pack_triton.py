@@ -61,16 +61,20 @@ def _find_tensor(table, pid, n, LOG_N: tl.constexpr):
 
 
 @triton.jit
-def _strided(local, contig, d1, d2, d3, s0, s1, s2, s3):
-    """Element offsets of row-major indices ``local`` in a tensor of sizes (., d1, d2, d3) and these strides."""
-    if contig != 0:
+def _strided(local, row):
+    """Element offsets of row-major indices ``local`` in the tensor of table ``row`` (its sizes and strides)."""
+    if tl.load(row + 5) != 0:  # contiguous
         off = local
     else:
+        d1 = tl.load(row + 6)
+        d2 = tl.load(row + 7)
+        d3 = tl.load(row + 8)
         i3 = local % d3
         r = local // d3
         i2 = r % d2
         r = r // d2
-        off = (r // d1) * s0 + (r % d1) * s1 + i2 * s2 + i3 * s3
+        off = (r // d1) * tl.load(row + 9) + (r % d1) * tl.load(row + 10) + i2 * tl.load(row + 11)
+        off += i3 * tl.load(row + 12)
     return off
 
 
@@ -147,8 +151,7 @@ def _pack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr, POW2: t
     mask = local < numel
     # stores run on to the region's aligned end, so the padding gets zeros (loads there give 0)
     smask = local < tl.load(row + 14)
-    src = _strided(local, tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8),
-                   tl.load(row + 9), tl.load(row + 10), tl.load(row + 11), tl.load(row + 12))
+    src = _strided(local, row)
     dst = buf + tl.load(row + 2)
     code = tl.load(row + 4)
     if code == 0:
@@ -191,8 +194,7 @@ def _unpack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr):
     rows = tl.arange(0, ROWS)
     local = blk * (ROWS * 128) + rows[:, None] * 128 + tl.arange(0, 128)[None, :]
     mask = local < numel
-    dst = _strided(local, tl.load(row + 5), tl.load(row + 6), tl.load(row + 7), tl.load(row + 8),
-                   tl.load(row + 9), tl.load(row + 10), tl.load(row + 11), tl.load(row + 12))
+    dst = _strided(local, row)
     src = buf + tl.load(row + 2)
     code = tl.load(row + 4)
     if code == 0:
