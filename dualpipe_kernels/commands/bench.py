@@ -26,13 +26,14 @@ from typing import Any
 from dualpipe_kernels.benchmarks.common import DEFAULT_OUT_DIR, plot_bandwidth, write_results
 
 #: Registered suites, in the order ``bench all`` runs them.
-SUITES = ("schedules", "overlap", "transport", "runtime_sleep")
+SUITES = ("schedules", "overlap", "transport", "runtime_sleep", "kernels")
 #: One line per suite for ``bench --help`` (kept here so listing them imports nothing).
 SUITE_HELP = {
     "schedules": "step time and bubble of each schedule on sleep-timed stages vs the simulator, and torch's peers",
     "overlap": "share of communication hidden behind compute, per transport",
     "transport": "point-to-point bandwidth and latency: native shared memory vs gloo vs memcpy",
     "runtime_sleep": "DualPipeV 4x16 on sleep-timed stages: step time vs the simulator, share of comm hidden",
+    "kernels": "pack/unpack bandwidth (lossless, bf16, fp8) vs a same-size copy and unfused torch cat + cast",
 }
 
 _COMMON = ("json", "out", "quick", "no_plots")
