@@ -65,6 +65,14 @@ def cases(seed: int = 0) -> dict[str, list[torch.Tensor]]:
         torch.tensor(2.5),
         torch.zeros(300),
     ]
+    out["whole_blocks"] = [  # full blocks take the kernels' aligned path; a misaligned start does not
+        _float((8192,), torch.float32, g),
+        _float((8197,), torch.float16, g),
+        _float((2, 4096), torch.bfloat16, g),
+        torch.randint(-(2**40), 2**40, (4096,), generator=g),
+        torch.rand(4100, generator=g) > 0.5,
+        _float((4200,), torch.float32, g)[1:],
+    ]
     out["many_64"] = [_float((int(n),), torch.float32, g) for n in torch.randint(0, 300, (64,), generator=g)]
     return out
 
@@ -301,7 +309,7 @@ def _triton_vs_fallback(ts: list[torch.Tensor], fmt: str) -> None:
 @pytest.mark.skipif(not INTERP, reason="runs in a TRITON_INTERPRET=1 subprocess (test_triton_interpreter_suite)")
 class TestTritonInterpreter:
     @pytest.mark.parametrize("fmt", list(FORMATS))
-    @pytest.mark.parametrize("name", ["fp32_129", "fp32_4097", "noncontig_3d", "mixed", "many_64"])
+    @pytest.mark.parametrize("name", ["fp32_129", "fp32_4097", "noncontig_3d", "mixed", "whole_blocks", "many_64"])
     def test_cases(self, name: str, fmt: str) -> None:
         _triton_vs_fallback(CASES[name], fmt)
 
@@ -352,7 +360,7 @@ def test_triton_interpreter_suite() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("name", ["fp32_4097", "noncontig_3d", "mixed", "many_64"])
+@pytest.mark.parametrize("name", ["fp32_4097", "noncontig_3d", "mixed", "whole_blocks", "many_64"])
 def test_gpu_triton_matches_cpu_fallback(name: str, fmt: str) -> None:
     dtype, pow2 = FORMATS[fmt]
     ts = CASES[name]

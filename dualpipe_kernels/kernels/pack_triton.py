@@ -40,8 +40,9 @@ COPY1, COPY2, COPY4, COPY8 = 0, 1, 2, 3
 BF16_F32, BF16_F16 = 4, 5
 FP8_F32, FP8_F16, FP8_BF16 = 6, 7, 8
 #: table columns
-_ADDR, _NUMEL, _OFF, _SOFF, _CODE, _CONTIG, _D1, _D2, _D3, _S0, _S1, _S2, _S3, _FIRST, _NSTORE, _NSCALE = range(16)
-_WIDTH = 16
+#: (address, numel, data offset, scale offset, code, contiguous, sizes 1..3, strides 0..3, first block,
+#:  elements stored incl. padding, scales stored incl. padding, fast-path flag, address - buffer address)
+_WIDTH = 18
 _MAX_DIMS = 4
 _COPY_CODE = {1: COPY1, 2: COPY2, 4: COPY4, 8: COPY8}
 _BF16_CODE = {torch.float32: BF16_F32, torch.float16: BF16_F16}
@@ -50,12 +51,12 @@ _FP8_CODE = {torch.float32: FP8_F32, torch.float16: FP8_F16, torch.bfloat16: FP8
 
 # ---------------------------------------------------------------- device helpers
 @triton.jit
-def _find_tensor(table, pid, n, LOG_N: tl.constexpr):
+def _find_tensor(table, pid, n, LOG_N: tl.constexpr, W: tl.constexpr):
     """The last tensor whose first block is <= pid (tensors without blocks are skipped by construction)."""
     lo = pid * 0
     for k in tl.static_range(LOG_N):
         cand = lo + (1 << (LOG_N - 1 - k))
-        first = tl.load(table + cand * 16 + 13, mask=cand < n, other=pid + 1)
+        first = tl.load(table + cand * W + 13, mask=cand < n, other=pid + 1)
         lo = tl.where(first <= pid, cand, lo)
     return lo
 
@@ -124,103 +125,144 @@ def _e4m3_value(code):
 
 
 @triton.jit
-def _quantize_store(x, mask, dst, scale_dst, row_ok, POW2: tl.constexpr):
-    """Store e4m3 codes of the [ROWS, 128] fp32 tile ``x`` at ``dst`` and one scale per row at ``scale_dst``."""
+def _quantize(x, POW2: tl.constexpr):
+    """(e4m3 codes of the [ROWS, 128] fp32 tile ``x``, one fp32 scale per row = row absmax / 448)."""
     scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
     if POW2:
         bits = scale.to(tl.uint32, bitcast=True)
         up = (bits & 0xFF800000) + 0x800000
         scale = tl.where((bits & 0x7FFFFF) != 0, up, bits).to(tl.float32, bitcast=True)
     divisor = tl.where(scale == 0.0, 1.0, scale)
-    q = tl.math.div_rn(x, divisor[:, None])
-    tl.store(dst, _e4m3_bits(q), mask=mask)
-    tl.store(scale_dst, scale, mask=row_ok)
+    return _e4m3_bits(tl.math.div_rn(x, divisor[:, None])), scale
 
 
 # ---------------------------------------------------------------- kernels
 @triton.jit
-def _pack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr, POW2: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    t = _find_tensor(table, pid, n, LOG_N)
-    row = table + t * 16
-    addr = tl.load(row + 0)
-    numel = tl.load(row + 1)
-    blk = pid - tl.load(row + 13)
-    rows = tl.arange(0, ROWS)
-    local = blk * (ROWS * 128) + rows[:, None] * 128 + tl.arange(0, 128)[None, :]
-    mask = local < numel
-    # stores run on to the region's aligned end, so the padding gets zeros (loads there give 0)
-    smask = local < tl.load(row + 14)
-    src = _strided(local, row)
-    dst = buf + tl.load(row + 2)
-    code = tl.load(row + 4)
-    if code == 0:
-        tl.store(dst + local, tl.load(addr.to(tl.pointer_type(tl.uint8)) + src, mask=mask, other=0), mask=smask)
-    elif code == 1:
-        v = tl.load(addr.to(tl.pointer_type(tl.uint16)) + src, mask=mask, other=0)
-        tl.store(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, v, mask=smask)
-    elif code == 2:
-        v = tl.load(addr.to(tl.pointer_type(tl.uint32)) + src, mask=mask, other=0)
-        tl.store(dst.to(tl.pointer_type(tl.uint32), bitcast=True) + local, v, mask=smask)
-    elif code == 3:
-        v = tl.load(addr.to(tl.pointer_type(tl.uint64)) + src, mask=mask, other=0)
-        tl.store(dst.to(tl.pointer_type(tl.uint64), bitcast=True) + local, v, mask=smask)
-    elif code == 4 or code == 5:
-        if code == 4:
-            x = tl.load(addr.to(tl.pointer_type(tl.float32)) + src, mask=mask, other=0.0)
-        else:
-            x = tl.load(addr.to(tl.pointer_type(tl.float16)) + src, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, _bf16_bits(x), mask=smask)
+def _ld(ptr, mask, FAST: tl.constexpr):
+    if FAST:
+        v = tl.load(ptr)
     else:
-        if code == 6:
-            x = tl.load(addr.to(tl.pointer_type(tl.float32)) + src, mask=mask, other=0.0)
-        elif code == 7:
-            x = tl.load(addr.to(tl.pointer_type(tl.float16)) + src, mask=mask, other=0.0).to(tl.float32)
-        else:
-            x = _bf16_value(tl.load(addr.to(tl.pointer_type(tl.uint16)) + src, mask=mask, other=0))
-        scale_idx = blk * ROWS + rows
-        scale_dst = (buf + tl.load(row + 3)).to(tl.pointer_type(tl.float32), bitcast=True) + scale_idx
-        _quantize_store(x, smask, dst + local, scale_dst, scale_idx < tl.load(row + 15), POW2)
+        v = tl.load(ptr, mask=mask, other=0)
+    return v
 
 
 @triton.jit
-def _unpack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    t = _find_tensor(table, pid, n, LOG_N)
-    row = table + t * 16
-    addr = tl.load(row + 0)
-    numel = tl.load(row + 1)
-    blk = pid - tl.load(row + 13)
+def _st(ptr, value, mask, FAST: tl.constexpr):
+    if FAST:
+        tl.store(ptr, value)
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
+def _tile(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
+    """(tensor base as a byte pointer, row-major indices of this block, their element offsets, mask)."""
     rows = tl.arange(0, ROWS)
     local = blk * (ROWS * 128) + rows[:, None] * 128 + tl.arange(0, 128)[None, :]
-    mask = local < numel
-    dst = _strided(local, row)
-    src = buf + tl.load(row + 2)
+    if FAST:
+        # contiguous, a whole block, 16 bytes apart from the buffer: addressed from the buffer pointer
+        # with a `// 16 * 16` offset, the compiler knows the alignment and vectorises
+        base = buf + tl.load(row + 17) // 16 * 16
+        off = local
+    else:
+        base = tl.load(row + 0).to(tl.pointer_type(tl.uint8))
+        off = _strided(local, row)
+    return base, local, off, local < tl.load(row + 1)
+
+
+@triton.jit
+def _pack_block(row, buf, blk, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.constexpr):
+    base, local, src, mask = _tile(row, buf, blk, ROWS, FAST)
+    # stores run on to the region's aligned end, so the padding gets zeros (masked loads there give 0)
+    smask = local < tl.load(row + 14)
+    dst = buf + tl.load(row + 2) // 16 * 16
     code = tl.load(row + 4)
     if code == 0:
-        tl.store(addr.to(tl.pointer_type(tl.uint8)) + dst, tl.load(src + local, mask=mask), mask=mask)
+        _st(dst + local, _ld(base + src, mask, FAST), smask, FAST)
     elif code == 1:
-        v = tl.load(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask=mask)
-        tl.store(addr.to(tl.pointer_type(tl.uint16)) + dst, v, mask=mask)
+        v = _ld(base.to(tl.pointer_type(tl.uint16), bitcast=True) + src, mask, FAST)
+        _st(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, v, smask, FAST)
     elif code == 2:
-        v = tl.load(src.to(tl.pointer_type(tl.uint32), bitcast=True) + local, mask=mask)
-        tl.store(addr.to(tl.pointer_type(tl.uint32)) + dst, v, mask=mask)
+        v = _ld(base.to(tl.pointer_type(tl.uint32), bitcast=True) + src, mask, FAST)
+        _st(dst.to(tl.pointer_type(tl.uint32), bitcast=True) + local, v, smask, FAST)
     elif code == 3:
-        v = tl.load(src.to(tl.pointer_type(tl.uint64), bitcast=True) + local, mask=mask)
-        tl.store(addr.to(tl.pointer_type(tl.uint64)) + dst, v, mask=mask)
+        v = _ld(base.to(tl.pointer_type(tl.uint64), bitcast=True) + src, mask, FAST)
+        _st(dst.to(tl.pointer_type(tl.uint64), bitcast=True) + local, v, smask, FAST)
+    else:
+        if code == 4 or code == 6:
+            x = _ld(base.to(tl.pointer_type(tl.float32), bitcast=True) + src, mask, FAST)
+        elif code == 5 or code == 7:
+            x = _ld(base.to(tl.pointer_type(tl.float16), bitcast=True) + src, mask, FAST).to(tl.float32)
+        else:
+            x = _bf16_value(_ld(base.to(tl.pointer_type(tl.uint16), bitcast=True) + src, mask, FAST))
+        if code == 4 or code == 5:
+            _st(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, _bf16_bits(x), smask, FAST)
+        else:
+            scale_idx = blk * ROWS + tl.arange(0, ROWS)
+            scale_dst = (buf + tl.load(row + 3) // 16 * 16).to(tl.pointer_type(tl.float32), bitcast=True)
+            q, scale = _quantize(x, POW2)
+            _st(dst + local, q, smask, FAST)
+            _st(scale_dst + scale_idx, scale, scale_idx < tl.load(row + 15), FAST)
+
+
+@triton.jit
+def _unpack_block(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
+    base, local, dst, mask = _tile(row, buf, blk, ROWS, FAST)
+    src = buf + tl.load(row + 2) // 16 * 16
+    code = tl.load(row + 4)
+    if code == 0:
+        _st(base + dst, _ld(src + local, mask, FAST), mask, FAST)
+    elif code == 1:
+        v = _ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask, FAST)
+        _st(base.to(tl.pointer_type(tl.uint16), bitcast=True) + dst, v, mask, FAST)
+    elif code == 2:
+        v = _ld(src.to(tl.pointer_type(tl.uint32), bitcast=True) + local, mask, FAST)
+        _st(base.to(tl.pointer_type(tl.uint32), bitcast=True) + dst, v, mask, FAST)
+    elif code == 3:
+        v = _ld(src.to(tl.pointer_type(tl.uint64), bitcast=True) + local, mask, FAST)
+        _st(base.to(tl.pointer_type(tl.uint64), bitcast=True) + dst, v, mask, FAST)
     else:
         if code == 4 or code == 5:
-            x = _bf16_value(tl.load(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask=mask, other=0))
+            x = _bf16_value(_ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask, FAST))
         else:
-            scales = (buf + tl.load(row + 3)).to(tl.pointer_type(tl.float32), bitcast=True) + blk * ROWS + rows
-            scale = tl.load(scales, mask=blk * (ROWS * 128) + rows * 128 < numel, other=0.0)
-            x = _e4m3_value(tl.load(src + local, mask=mask, other=0)) * scale[:, None]
+            scale_idx = blk * ROWS + tl.arange(0, ROWS)
+            scales = (buf + tl.load(row + 3) // 16 * 16).to(tl.pointer_type(tl.float32), bitcast=True)
+            scale = _ld(scales + scale_idx, scale_idx * 128 < tl.load(row + 1), FAST)
+            x = _e4m3_value(_ld(src + local, mask, FAST)) * scale[:, None]
         if code == 4 or code == 6:
-            tl.store(addr.to(tl.pointer_type(tl.float32)) + dst, x, mask=mask)
+            _st(base.to(tl.pointer_type(tl.float32), bitcast=True) + dst, x, mask, FAST)
         elif code == 5 or code == 7:
-            tl.store(addr.to(tl.pointer_type(tl.float16)) + dst, x.to(tl.float16), mask=mask)
+            _st(base.to(tl.pointer_type(tl.float16), bitcast=True) + dst, x.to(tl.float16), mask, FAST)
         else:
-            tl.store(addr.to(tl.pointer_type(tl.uint16)) + dst, _bf16_bits(x), mask=mask)
+            _st(base.to(tl.pointer_type(tl.uint16), bitcast=True) + dst, _bf16_bits(x), mask, FAST)
+
+
+@triton.jit
+def _fast(row, blk, ROWS: tl.constexpr):
+    """Whether this block takes the unmasked aligned path (host flag, and the block lies wholly inside)."""
+    return (tl.load(row + 16) != 0) & ((blk + 1) * (ROWS * 128) <= tl.load(row + 1))
+
+
+@triton.jit
+def _pack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = table + _find_tensor(table, pid, n, LOG_N, W) * W
+    blk = pid - tl.load(row + 13)
+    if _fast(row, blk, ROWS):
+        _pack_block(row, buf, blk, ROWS, POW2, True)
+    else:
+        _pack_block(row, buf, blk, ROWS, POW2, False)
+
+
+@triton.jit
+def _unpack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = table + _find_tensor(table, pid, n, LOG_N, W) * W
+    blk = pid - tl.load(row + 13)
+    if _fast(row, blk, ROWS):
+        _unpack_block(row, buf, blk, ROWS, True)
+    else:
+        _unpack_block(row, buf, blk, ROWS, False)
 
 
 # ---------------------------------------------------------------- host side
@@ -252,7 +294,9 @@ def _code(kind: int, dtype: torch.dtype) -> int:
     return _BF16_CODE[dtype] if kind == KIND_BF16 else _FP8_CODE[dtype]
 
 
-def _table(tensors: Sequence[torch.Tensor], layout: PackLayout, block: int) -> tuple[list[list[int]], int]:
+def _table(
+    tensors: Sequence[torch.Tensor], layout: PackLayout, block: int, buf_addr: int
+) -> tuple[list[list[int]], int]:
     """One row per tensor (see the module docstring) and the total number of blocks."""
     rows, first = [], 0
     for t, e in zip(tensors, layout.entries, strict=True):
@@ -263,20 +307,22 @@ def _table(tensors: Sequence[torch.Tensor], layout: PackLayout, block: int) -> t
         # elements and scales written, padding included (the region's aligned end)
         nstore = _align(e.nbytes) // (e.nbytes // e.numel) if e.numel else 0
         nscale = _align(4 * e.num_scales) // 4
+        delta = t.data_ptr() - buf_addr
+        fast = int(contig and delta % ALIGN == 0)
         rows.append([t.data_ptr(), e.numel, e.offset, max(e.scale_offset, 0), _code(e.kind, e.dtype), contig,
-                     *sizes[1:], *strides, first, nstore, nscale])  # fmt: skip
+                     *sizes[1:], *strides, first, nstore, nscale, fast, delta])  # fmt: skip
         first += -(-nstore // block)
     return rows, first
 
 
 def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor, **kw) -> None:
     rows = rows_per_block(buffer.device)
-    table, nblocks = _table(tensors, layout, rows * FP8_BLOCK)
+    table, nblocks = _table(tensors, layout, rows * FP8_BLOCK, buffer.data_ptr())
     if nblocks == 0:
         return
     meta = torch.tensor(table, dtype=torch.int64).to(buffer.device, non_blocking=True)
     log_n = max(1, math.ceil(math.log2(len(table))) + 1)
-    kernel[(nblocks,)](meta, buffer, len(table), LOG_N=log_n, ROWS=rows, **kw)
+    kernel[(nblocks,)](meta, buffer, len(table), LOG_N=log_n, ROWS=rows, W=_WIDTH, **kw)
 
 
 def _as_copyable(t: torch.Tensor) -> torch.Tensor:
