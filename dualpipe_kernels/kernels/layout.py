@@ -124,11 +124,14 @@ class Entry:
     def kind_name(self) -> str:
         return _KIND_NAMES[self.kind]
 
+    @property
+    def end(self) -> int:
+        """One past the entry's last byte (its scales' when fp8), before the padding."""
+        return self.scale_offset + 4 * self.num_scales if self.kind == KIND_FP8 else self.offset + self.nbytes
+
     def padding(self) -> list[tuple[int, int]]:
         """(offset, nbytes) of the zero bytes after the data (and after the scales) up to ALIGN."""
-        ends = [self.offset + self.nbytes]
-        if self.kind == KIND_FP8:
-            ends.append(self.scale_offset + 4 * self.num_scales)
+        ends = [self.offset + self.nbytes, self.end] if self.kind == KIND_FP8 else [self.end]
         return [(end, _align(end) - end) for end in ends if _align(end) > end]
 
 
@@ -223,10 +226,6 @@ def _entry(dtype: torch.dtype, shape: tuple[int, ...], fmt: str, offset: int) ->
     return Entry(dtype, shape, KIND_COPY, offset, numel * dtype.itemsize)
 
 
-def _entry_end(e: Entry) -> int:
-    return e.scale_offset + 4 * e.num_scales if e.kind == KIND_FP8 else e.offset + e.nbytes
-
-
 def plan_layout(specs: Sequence[tuple[torch.dtype, Sequence[int]]], fmt: str = "packed") -> PackLayout:
     """The layout for tensors of these ``(dtype, shape)`` in this format (one of :data:`FORMATS`)."""
     if fmt not in FORMATS:
@@ -240,7 +239,7 @@ def plan_layout(specs: Sequence[tuple[torch.dtype, Sequence[int]]], fmt: str = "
             raise TypeError(f"pack: tensor {i} has unsupported dtype {dtype}; supported: {supported}")
         e = _entry(dtype, tuple(int(s) for s in shape), fmt, offset)
         entries.append(e)
-        offset = _align(_entry_end(e))
+        offset = _align(e.end)
     return PackLayout(fmt, tuple(entries), offset)
 
 

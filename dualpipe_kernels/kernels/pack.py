@@ -46,11 +46,11 @@ def triton_module() -> ModuleType | None:
 def resolve_backend(device: torch.device, backend: str = "auto") -> str:
     """``torch`` or ``triton`` for tensors on ``device`` (a clear error when ``triton`` cannot run there)."""
     _check_backend_name(backend)
-    if backend == "torch":
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return "torch"
     mod = triton_module() if device.type in ("cuda", "cpu") else None
     if backend == "auto":
-        return "triton" if mod is not None and device.type == "cuda" else "torch"
+        return "triton" if mod is not None else "torch"
     if mod is None:
         raise RuntimeError(f"pack: backend 'triton' needs an importable triton and a CUDA or CPU device, got {device}")
     if device.type == "cpu" and not mod.INTERPRETED:

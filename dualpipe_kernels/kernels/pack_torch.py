@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from dualpipe_kernels.kernels.layout import FP8_BLOCK, FP8_MAX, KIND_BF16, KIND_COPY, Entry, PackLayout
+from dualpipe_kernels.kernels.layout import ALIGN, FP8_BLOCK, FP8_MAX, KIND_BF16, KIND_COPY, Entry, PackLayout
 
 __all__ = ["pack_into", "unpack_into", "fp8_scales", "quantize_fp8", "dequantize_fp8"]
 
@@ -56,25 +56,37 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (vals * scale[:, None]).view(-1)[: q.numel()]
 
 
-def _pack_one(t: torch.Tensor, e: Entry, buffer: torch.Tensor, pow2: bool) -> None:
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _packed_parts(t: torch.Tensor, e: Entry, pow2: bool) -> list[torch.Tensor]:
+    """The bytes of one entry's region(s), in buffer order (zero padding not included)."""
     if e.kind == KIND_COPY:
-        _region(buffer, e.offset, e.nbytes, e.dtype).view(e.shape).copy_(t)
-    elif e.kind == KIND_BF16:
-        _region(buffer, e.offset, e.nbytes, torch.bfloat16).view(e.shape).copy_(t)
-    else:
-        q, scale = quantize_fp8(t, pow2)
-        _region(buffer, e.offset, e.nbytes, torch.float8_e4m3fn).copy_(q)
-        _region(buffer, e.scale_offset, 4 * e.num_scales, torch.float32).copy_(scale)
+        return [_bytes(t)]
+    if e.kind == KIND_BF16:
+        return [_bytes(t.to(torch.bfloat16))]
+    q, scale = quantize_fp8(t, pow2)
+    pad = torch.zeros(e.scale_offset - e.offset - e.nbytes, dtype=torch.uint8, device=t.device)
+    return [_bytes(q), pad, _bytes(scale)]
 
 
 def pack_into(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor) -> None:
-    """Write ``tensors`` into ``buffer`` (1-D uint8, ``layout.nbytes`` long) as ``layout`` says."""
+    """Write ``tensors`` into ``buffer`` (1-D uint8, exactly ``layout.nbytes`` long) as ``layout`` says.
+
+    One ``torch.cat`` of every region's bytes and the zero padding writes the whole buffer (the
+    casts make temporaries first); per-tensor copies cost more in Python than in bytes moved.
+    """
     pow2 = layout.format == "fp8_pow2"
+    zeros = torch.zeros(16, dtype=torch.uint8, device=buffer.device)
+    parts: list[torch.Tensor] = []
     for t, e in zip(tensors, layout.entries, strict=True):
         if e.numel:
-            _pack_one(t, e, buffer, pow2)
-        for offset, nbytes in e.padding():
-            buffer[offset : offset + nbytes].zero_()
+            parts += _packed_parts(t, e, pow2)
+        pad = -e.end % ALIGN
+        if pad:
+            parts.append(zeros.narrow(0, 0, pad))
+    torch.cat(parts, out=buffer)
 
 
 def _unpack_one(buffer: torch.Tensor, e: Entry, out: torch.Tensor) -> None:
