@@ -86,7 +86,8 @@ def pack_into(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch
         pad = -e.end % ALIGN
         if pad:
             parts.append(zeros.narrow(0, 0, pad))
-    torch.cat(parts, out=buffer)
+    if parts:  # all tensors empty: a 0-byte buffer
+        torch.cat(parts, out=buffer)
 
 
 def _unpack_one(buffer: torch.Tensor, e: Entry, out: torch.Tensor) -> None:
