@@ -187,6 +187,16 @@ def test_out_slot_and_strided_outputs() -> None:
     _assert_same_bits(outs, ts)
 
 
+def test_tensors_requiring_grad_pack_and_unpack_without_autograd() -> None:
+    leaf = torch.randn(3, 4, requires_grad=True)
+    buf, layout = pack([leaf * 2, leaf], torch.float8_e4m3fn)
+    assert not buf.requires_grad
+    out = [torch.empty(3, 4, requires_grad=True), torch.empty(3, 4, requires_grad=True)]
+    got = unpack(buf, layout, out=out)
+    assert got[1].requires_grad and not unpack(buf, layout)[0].requires_grad
+    _check_fp8_bound(leaf.detach(), got[1].detach())
+
+
 def test_bad_inputs_get_clear_errors() -> None:
     x = torch.randn(10)
     with pytest.raises(TypeError, match="tensor 1 has unsupported dtype torch.complex128"):

@@ -10,7 +10,10 @@ tensors to bf16 (round to nearest even); ``torch.float8_e4m3fn`` quantises
 fp32/fp16/bf16 tensors to e4m3 with one fp32 scale per 128 elements (scale =
 block absmax / 448, or the next power of two with ``pow2_scales``).  Every
 other dtype (integers, bool, float64, complex64, fp8) is carried bit for bit.
-Unpacking restores each tensor's dtype and shape.
+Unpacking restores each tensor's dtype and shape.  Neither is differentiable: they
+run under ``torch.no_grad`` (inputs may require grad; outputs do not; ``out`` tensors
+that require grad are written in place), and the caller sets ``requires_grad`` on
+what it unpacks.
 
 Both are also ``torch.library`` custom ops (``torch.ops.dualpipe_kernels.pack``,
 ``pack_into``, ``unpack``, ``unpack_into``, taking the layout as
@@ -100,6 +103,7 @@ def _check_outs(outs: Sequence[torch.Tensor], layout: PackLayout, device: torch.
 
 
 # ---------------------------------------------------------------- implementations
+@torch.no_grad()
 def _pack_impl(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor, backend: str) -> None:
     if resolve_backend(buffer.device, backend) == "triton":
         triton_module().pack_into(tensors, layout, buffer)  # type: ignore[union-attr]
@@ -107,6 +111,7 @@ def _pack_impl(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torc
         pack_torch.pack_into(tensors, layout, buffer)
 
 
+@torch.no_grad()
 def _unpack_impl(buffer: torch.Tensor, layout: PackLayout, outs: Sequence[torch.Tensor], backend: str) -> None:
     if resolve_backend(buffer.device, backend) == "triton":
         triton_module().unpack_into(buffer, layout, outs)  # type: ignore[union-attr]
