@@ -65,6 +65,10 @@ def cases(seed: int = 0) -> dict[str, list[torch.Tensor]]:
         torch.tensor(2.5),
         torch.zeros(300),
     ]
+    out["five_dims"] = [  # more than 4 strided dims after collapsing: gathered through a contiguous copy
+        _float((2, 3, 4, 5, 6), torch.float32, g).permute(4, 2, 0, 3, 1),
+        torch.randn(2, 3, 2, 3, 4, generator=g, dtype=torch.complex64)[:, ::2, :, ::2, 1:],
+    ]
     out["whole_blocks"] = [  # full blocks take the kernels' aligned path; a misaligned start does not
         _float((8192,), torch.float32, g),
         _float((8197,), torch.float16, g),
@@ -83,6 +87,11 @@ CASES = cases()
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of ``t`` (compares -0.0, NaN payloads and bools exactly)."""
     return t.contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _transposed_empty(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``t``'s shape and dtype whose strides run the other way (a non-contiguous ``out``)."""
+    return torch.empty(tuple(reversed(t.shape)), dtype=t.dtype).permute(tuple(reversed(range(t.dim()))))
 
 
 def _payload(buf: torch.Tensor, layout: PackLayout) -> torch.Tensor:
@@ -181,7 +190,7 @@ def test_out_slot_and_strided_outputs() -> None:
     assert torch.equal(_payload(view, layout), _payload(buf, layout))
     assert torch.equal(view, buf)  # padding included
     assert (slot[layout.nbytes :] == 7).all()  # nothing past the layout is written
-    outs = [torch.empty(tuple(reversed(t.shape)), dtype=t.dtype).permute(tuple(reversed(range(t.dim())))) for t in ts]
+    outs = [_transposed_empty(t) for t in ts]
     got = unpack(buf, layout, out=outs)
     assert got == outs
     _assert_same_bits(outs, ts)
@@ -314,12 +323,14 @@ def _triton_vs_fallback(ts: list[torch.Tensor], fmt: str) -> None:
         assert torch.equal(b_triton[o : o + n], b_torch[o : o + n]), f"region at {o}+{n} differs ({fmt})"
     assert torch.equal(b_triton, b_torch)  # the zero padding too
     _assert_same_bits(unpack(b_torch, layout, backend="triton"), unpack(b_torch, layout, backend="torch"))
+    strided = [_transposed_empty(t) for t in ts]
+    _assert_same_bits(unpack(b_torch, layout, out=strided, backend="triton"), unpack(b_torch, layout, backend="torch"))
 
 
 @pytest.mark.skipif(not INTERP, reason="runs in a TRITON_INTERPRET=1 subprocess (test_triton_interpreter_suite)")
 class TestTritonInterpreter:
     @pytest.mark.parametrize("fmt", list(FORMATS))
-    @pytest.mark.parametrize("name", ["fp32_129", "fp32_4097", "noncontig_3d", "mixed", "whole_blocks", "many_64"])
+    @pytest.mark.parametrize("name", ["fp32_129", "noncontig_3d", "five_dims", "mixed", "whole_blocks", "many_64"])
     def test_cases(self, name: str, fmt: str) -> None:
         _triton_vs_fallback(CASES[name], fmt)
 

@@ -39,10 +39,14 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 COPY1, COPY2, COPY4, COPY8 = 0, 1, 2, 3
 BF16_F32, BF16_F16 = 4, 5
 FP8_F32, FP8_F16, FP8_BF16 = 6, 7, 8
-#: table columns
-#: (address, numel, data offset, scale offset, code, contiguous, sizes 1..3, strides 0..3, first block,
-#:  elements stored incl. padding, scales stored incl. padding, fast-path flag, address - buffer address)
+#: table columns (the kernels read them as ``row + i``):
+#:  0 address, 1 numel, 2 data byte offset, 3 scale byte offset, 4 code, 5 contiguous flag,
+#:  6..8 sizes of dims 1..3, 9..12 strides of dims 0..3 (elements; dims collapsed, padded in front),
+#:  13 first block, 14 elements stored incl. padding, 15 scales stored incl. padding,
+#:  16 fast-path flag (contiguous and 16 bytes apart from the buffer), 17 address - buffer address
 _WIDTH = 18
+#: binary-search steps at least (covers 32 tensors; one compiled variant for the common counts)
+_MIN_LOG_N = 6
 _MAX_DIMS = 4
 _COPY_CODE = {1: COPY1, 2: COPY2, 4: COPY4, 8: COPY8}
 _BF16_CODE = {torch.float32: BF16_F32, torch.float16: BF16_F16}
@@ -321,14 +325,18 @@ def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer:
     if nblocks == 0:
         return
     meta = torch.tensor(table, dtype=torch.int64).to(buffer.device, non_blocking=True)
-    log_n = max(1, math.ceil(math.log2(len(table))) + 1)
+    log_n = max(_MIN_LOG_N, math.ceil(math.log2(len(table))) + 1)
     kernel[(nblocks,)](meta, buffer, len(table), LOG_N=log_n, ROWS=rows, W=_WIDTH, **kw)
 
 
+def _bit_view(t: torch.Tensor) -> torch.Tensor:
+    """complex64 as int64 (same bits: the kernels copy it by element size); other dtypes as they are."""
+    return t.view(torch.int64) if t.dtype == torch.complex64 else t
+
+
 def _as_copyable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a tensor the table can describe: complex64 viewed as int64 pairs; > 4 strided dims made contiguous."""
-    if t.dtype == torch.complex64:
-        t = t.view(torch.int64)
+    """``t`` as a tensor the table can describe: a bit view, contiguous if it has more than 4 strided dims."""
+    t = _bit_view(t)
     return t if len(_collapse(t.shape, t.stride())) <= _MAX_DIMS else t.contiguous()
 
 
@@ -343,5 +351,5 @@ def unpack_into(buffer: torch.Tensor, layout: PackLayout, outs: Sequence[torch.T
     dsts = [_as_copyable(o) for o in outs]
     _launch(_unpack_kernel, dsts, layout, buffer)
     for o, d in zip(outs, dsts, strict=True):
-        if o.dtype != torch.complex64 and d.data_ptr() != o.data_ptr():  # a > 4-dim view went through a copy
-            o.copy_(d)
+        if d.data_ptr() != o.data_ptr():  # a > 4-dim strided view went through a contiguous copy
+            _bit_view(o).copy_(d)
