@@ -349,6 +349,26 @@ class TestTritonInterpreter:
         blocks = [torch.cat([torch.tensor([448.0]), xs[i : i + 127]]) for i in range(0, xs.numel(), 127)]
         _triton_vs_fallback(blocks, "fp8")
 
+    def test_one_launch_for_many_tensors(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from dualpipe_kernels.kernels import pack_triton as pt
+
+        grids: list[tuple[int, ...]] = []
+
+        class Counting:
+            def __init__(self, kernel: object) -> None:
+                self.kernel = kernel
+
+            def __getitem__(self, grid: tuple[int, ...]) -> object:
+                grids.append(grid)
+                return self.kernel[grid]  # type: ignore[index]
+
+        monkeypatch.setattr(pt, "_pack_kernel", Counting(pt._pack_kernel))
+        monkeypatch.setattr(pt, "_unpack_kernel", Counting(pt._unpack_kernel))
+        ts = CASES["many_64"] + CASES["noncontig_3d"] + CASES["mixed"]
+        buf, layout = pack(ts, FP8, backend="triton")
+        unpack(buf, layout, backend="triton")
+        assert len(grids) == 2  # one pack launch, one unpack launch, for 81 tensors
+
     def test_property_triton_matches_fallback(self) -> None:
         from hypothesis import given, settings
         from hypothesis import strategies as st
@@ -396,7 +416,12 @@ def test_gpu_triton_matches_cpu_fallback(name: str, fmt: str) -> None:
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 def test_gpu_large_pack_is_one_launch_and_exact() -> None:
     ts = [torch.randn(1 << 22, device="cuda"), torch.randn(3, 1 << 20, device="cuda").t()]
-    buf, layout = pack(ts)
+    pack(ts)  # compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        buf, layout = pack(ts)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("pack_kernel" in k for k in kernels) == 1, kernels
     _assert_same_bits([t.cpu() for t in unpack(buf, layout)], [t.cpu() for t in ts])
     assert layout.nbytes == sum(math.ceil(t.numel() * 4 / 16) * 16 for t in ts)
 
