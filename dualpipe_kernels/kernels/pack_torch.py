@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from dualpipe_kernels.kernels.layout import ALIGN, FP8_BLOCK, FP8_MAX, KIND_BF16, KIND_COPY, Entry, PackLayout
+from dualpipe_kernels.kernels.layout import ALIGN, FP8_BLOCK, FP8_MAX, KIND_BF16, KIND_COPY, KIND_FP8, Entry, PackLayout
 
 __all__ = ["pack_into", "unpack_into", "fp8_scales", "quantize_fp8", "dequantize_fp8"]
 
@@ -60,15 +60,26 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _packed_parts(t: torch.Tensor, e: Entry, pow2: bool) -> list[torch.Tensor]:
-    """The bytes of one entry's region(s), in buffer order (zero padding not included)."""
-    if e.kind == KIND_COPY:
-        return [_bytes(t)]
-    if e.kind == KIND_BF16:
-        return [_bytes(t.to(torch.bfloat16))]
-    q, scale = quantize_fp8(t, pow2)
-    pad = torch.zeros(e.scale_offset - e.offset - e.nbytes, dtype=torch.uint8, device=t.device)
-    return [_bytes(q), pad, _bytes(scale)]
+def _quantize_all(tensors: Sequence[torch.Tensor], entries: Sequence[Entry], pow2: bool) -> list[list[torch.Tensor]]:
+    """[codes bytes, scales bytes] of every fp8 entry, quantised together (one pass, not one per tensor).
+
+    Each tensor is zero-padded to whole blocks before the concatenation, so no block spans two tensors.
+    """
+    chosen = [(t, e) for t, e in zip(tensors, entries, strict=True) if e.kind == KIND_FP8 and e.numel]
+    if not chosen:
+        return []
+    zeros = torch.zeros(FP8_BLOCK, dtype=torch.float32, device=chosen[0][0].device)
+    pieces: list[torch.Tensor] = []
+    for t, e in chosen:
+        pieces += [t.reshape(-1).to(torch.float32), zeros.narrow(0, 0, -e.numel % FP8_BLOCK)]
+    q, scale = quantize_fp8(torch.cat(pieces), pow2)
+    q = q.view(torch.uint8)
+    out, block = [], 0
+    for _, e in chosen:
+        n = e.num_scales
+        out.append([q.narrow(0, block * FP8_BLOCK, e.numel), _bytes(scale.narrow(0, block, n))])
+        block += n
+    return out
 
 
 def pack_into(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor) -> None:
@@ -77,32 +88,50 @@ def pack_into(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch
     One ``torch.cat`` of every region's bytes and the zero padding writes the whole buffer (the
     casts make temporaries first); per-tensor copies cost more in Python than in bytes moved.
     """
-    pow2 = layout.format == "fp8_pow2"
-    zeros = torch.zeros(16, dtype=torch.uint8, device=buffer.device)
+    fp8 = iter(_quantize_all(tensors, layout.entries, layout.format == "fp8_pow2"))
+    zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=buffer.device)
     parts: list[torch.Tensor] = []
     for t, e in zip(tensors, layout.entries, strict=True):
-        if e.numel:
-            parts += _packed_parts(t, e, pow2)
-        pad = -e.end % ALIGN
-        if pad:
-            parts.append(zeros.narrow(0, 0, pad))
+        if e.numel == 0:
+            pass
+        elif e.kind == KIND_COPY:
+            parts.append(_bytes(t))
+        elif e.kind == KIND_BF16:
+            parts.append(_bytes(t.to(torch.bfloat16)))
+        else:
+            codes, scales = next(fp8)
+            parts += [codes, zeros.narrow(0, 0, e.scale_offset - e.offset - e.nbytes), scales]
+        parts.append(zeros.narrow(0, 0, -e.end % ALIGN))
     if parts:  # all tensors empty: a 0-byte buffer
         torch.cat(parts, out=buffer)
 
 
-def _unpack_one(buffer: torch.Tensor, e: Entry, out: torch.Tensor) -> None:
-    if e.kind == KIND_COPY:
-        out.copy_(_region(buffer, e.offset, e.nbytes, e.dtype).view(e.shape))
-    elif e.kind == KIND_BF16:
-        out.copy_(_region(buffer, e.offset, e.nbytes, torch.bfloat16).view(e.shape))
-    else:
-        q = _region(buffer, e.offset, e.nbytes, torch.float8_e4m3fn)
-        scale = _region(buffer, e.scale_offset, 4 * e.num_scales, torch.float32)
-        out.copy_(dequantize_fp8(q, scale).view(e.shape))
+def _dequantize_all(buffer: torch.Tensor, entries: Sequence[Entry]) -> list[torch.Tensor]:
+    """fp32 values of every fp8 entry (flat), dequantised together; the inverse of :func:`_quantize_all`."""
+    chosen = [e for e in entries if e.kind == KIND_FP8 and e.numel]
+    if not chosen:
+        return []
+    zeros = torch.zeros(FP8_BLOCK, dtype=torch.uint8, device=buffer.device)
+    codes: list[torch.Tensor] = []
+    for e in chosen:
+        codes += [buffer.narrow(0, e.offset, e.nbytes), zeros.narrow(0, 0, -e.numel % FP8_BLOCK)]
+    scales = torch.cat([buffer.narrow(0, e.scale_offset, 4 * e.num_scales) for e in chosen]).view(torch.float32)
+    vals = dequantize_fp8(torch.cat(codes).view(torch.float8_e4m3fn), scales)
+    out, block = [], 0
+    for e in chosen:
+        out.append(vals.narrow(0, block * FP8_BLOCK, e.numel))
+        block += e.num_scales
+    return out
 
 
 def unpack_into(buffer: torch.Tensor, layout: PackLayout, outs: Sequence[torch.Tensor]) -> None:
     """Fill ``outs`` (one tensor per entry, the entry's shape and dtype, any strides) from ``buffer``."""
+    fp8 = iter(_dequantize_all(buffer, layout.entries))
     for e, out in zip(layout.entries, outs, strict=True):
-        if e.numel:
-            _unpack_one(buffer, e, out)
+        if e.numel == 0:
+            continue
+        if e.kind == KIND_FP8:
+            out.copy_(next(fp8).view(e.shape))
+        else:
+            stored = e.dtype if e.kind == KIND_COPY else torch.bfloat16
+            out.copy_(_region(buffer, e.offset, e.nbytes, stored).view(e.shape))
