@@ -21,6 +21,7 @@ CPU tensors; :data:`INTERPRETED` says which mode the kernels were built in.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -326,7 +327,9 @@ def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer:
         return
     meta = torch.tensor(table, dtype=torch.int64).to(buffer.device, non_blocking=True)
     log_n = max(_MIN_LOG_N, math.ceil(math.log2(len(table))) + 1)
-    kernel[(nblocks,)](meta, buffer, len(table), LOG_N=log_n, ROWS=rows, W=_WIDTH, **kw)
+    on_device = torch.cuda.device(buffer.device) if buffer.device.type == "cuda" else contextlib.nullcontext()
+    with on_device:  # Triton launches on the current device; the buffer's may be another
+        kernel[(nblocks,)](meta, buffer, len(table), LOG_N=log_n, ROWS=rows, W=_WIDTH, **kw)
 
 
 def _bit_view(t: torch.Tensor) -> torch.Tensor:
