@@ -236,6 +236,13 @@ def test_bad_inputs_get_clear_errors() -> None:
         unpack(buf, layout.encode())
 
 
+@pytest.mark.skipif(INTERP, reason="checks the error outside the interpreter")
+def test_triton_on_cpu_without_the_interpreter_says_how() -> None:
+    pytest.importorskip("triton")
+    with pytest.raises(RuntimeError, match="needs TRITON_INTERPRET=1 set before triton is first imported"):
+        pack([torch.randn(4)], backend="triton")
+
+
 def test_custom_ops_opcheck() -> None:
     ts = [torch.randn(3, 5), torch.randint(0, 9, (4,)), torch.randn(130).half()]
     for dtype in (None, torch.bfloat16, FP8):
