@@ -60,6 +60,11 @@ def test_encode_decode_tensor_and_pickle_round_trip(fmt: str) -> None:
     assert PackLayout.decode(layout.encode()) == layout
     assert PackLayout.from_tensor(layout.to_tensor()) == layout
     assert pickle.loads(pickle.dumps(layout)) == layout
+    raw = layout.to_bytes()
+    assert PackLayout.from_bytes(raw) == layout
+    assert PackLayout.from_bytes(torch.frombuffer(bytearray(raw), dtype=torch.uint8).numpy().tobytes()) == layout
+    with pytest.raises(ValueError, match="not a whole number of int64s"):
+        PackLayout.from_bytes(raw[:-3])
     assert len(layout.encode()) < 64  # small enough to send once per signature
 
 

@@ -5,7 +5,8 @@ format alone (never from their values or strides), so two micro-batches with the
 same shapes share one layout: the receiver needs it once per *signature*
 (:attr:`PackLayout.signature`), and :class:`LayoutCache` keeps them.  It
 travels between processes as a pickle (a frozen dataclass of tuples) or as
-a 1-D int64 tensor (:meth:`PackLayout.to_tensor` / :meth:`PackLayout.from_tensor`),
+a 1-D int64 tensor (:meth:`PackLayout.to_tensor` / :meth:`PackLayout.from_tensor`) or
+bytes (:meth:`PackLayout.to_bytes` / :meth:`PackLayout.from_bytes`),
 and :attr:`PackLayout.digest` names it in 8 bytes, stable across processes.
 
 Buffer format (bytes, 1-D ``torch.uint8``): tensor after tensor in the given
@@ -192,11 +193,22 @@ class PackLayout:
             )
         return cls.decode(t.tolist())
 
+    def to_bytes(self) -> bytes:
+        """The encoding as little-endian int64s (``torch.frombuffer(..., dtype=torch.uint8)`` makes it a tensor)."""
+        return b"".join(i.to_bytes(8, "little", signed=True) for i in self.encode())
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | bytearray | memoryview) -> PackLayout:
+        """The layout :meth:`to_bytes` wrote."""
+        raw = bytes(raw)
+        if len(raw) % 8:
+            raise ValueError(f"PackLayout.from_bytes: {len(raw)} bytes is not a whole number of int64s")
+        return cls.decode([int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)])
+
     @property
     def digest(self) -> int:
         """A 63-bit name of the layout, the same in every process (blake2b of the encoding)."""
-        raw = b"".join(i.to_bytes(8, "little", signed=True) for i in self.encode())
-        return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
+        return int.from_bytes(hashlib.blake2b(self.to_bytes(), digest_size=8).digest(), "little") >> 1
 
     def regions(self) -> list[tuple[int, int]]:
         """(offset, nbytes) of every byte range that carries data or scales (the rest is zero padding)."""
