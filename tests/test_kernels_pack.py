@@ -266,6 +266,17 @@ def test_torch_compile_traces_pack_and_unpack() -> None:
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(a, b), step(a, b))
 
+    def into(a: torch.Tensor, slot: torch.Tensor, outs: list[torch.Tensor]) -> torch.Tensor:
+        buf, layout = pack([a, a.half()], torch.float8_e4m3fn, out=slot)
+        unpack(buf, layout, out=outs)
+        return outs[0] * 2
+
+    slot = torch.zeros(1024, dtype=torch.uint8)
+    outs = [torch.empty(4, 8), torch.empty(4, 8, dtype=torch.float16)]
+    want = into(a, slot.clone(), [o.clone() for o in outs])
+    got = torch.compile(into, backend="aot_eager", fullgraph=True)(a, slot, outs)
+    assert torch.equal(got, want) and torch.equal(outs[1], unpack(*pack([a.half()], torch.float8_e4m3fn))[0])
+
 
 # ---------------------------------------------------------------- property tests (fallback)
 def _shapes_strategy():  # type: ignore[no-untyped-def]
