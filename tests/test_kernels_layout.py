@@ -84,7 +84,8 @@ def test_cache_plans_once_per_signature() -> None:
     cache = LayoutCache()
     a = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.int64)]
     b = [torch.ones(3, 4).t().t(), torch.ones(5, dtype=torch.int64)]  # same dtypes and shapes
-    first = cache.get(a, "bf16")
+    first, new = cache.lookup(a, "bf16")
+    assert new and cache.lookup(b, "bf16") == (first, False)
     assert cache.get(b, "bf16") is first and len(cache) == 1
     assert cache.get(a, "fp8") is not first and len(cache) == 2
     assert cache.by_digest(first.digest) is first and cache.by_digest(12345) is None

@@ -462,7 +462,8 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
     from dualpipe_kernels.kernels import pack_triton as pt
 
     consts = {"LOG_N": 3, "ROWS": 16, "W": pt._WIDTH}
-    for kernel, extra in ((pt._pack_kernel, {"POW2": False}), (pt._unpack_kernel, {})):
+    variants = ((pt._pack_kernel, {"POW2": False}), (pt._pack_kernel, {"POW2": True}), (pt._unpack_kernel, {}))
+    for kernel, extra in variants:
         sig = {"table": "*i64", "buf": "*u8", "n": "i32", **dict.fromkeys({**consts, **extra}, "constexpr")}
         src = ASTSource(
             fn=kernel, signature=sig, constexprs={**consts, **extra}, attrs={(1,): [["tt.divisibility", 16]]}

@@ -256,10 +256,11 @@ def plan_layout(specs: Sequence[tuple[torch.dtype, Sequence[int]]], fmt: str = "
 
 
 class LayoutCache:
-    """Layouts by signature, owned by one sender or receiver (e.g. one pipeline boundary).
+    """Layouts by signature, owned by one sender or receiver (e.g. one pipeline boundary and direction).
 
-    ``get`` returns the cached layout for these tensors' dtypes and shapes (planning it the
-    first time); ``is_new`` tells a sender whether the peer has seen this signature yet.
+    A sender calls :meth:`lookup` and sends the layout (:meth:`PackLayout.to_tensor`) only when it
+    is new, then just its :attr:`PackLayout.digest` with each message; the receiver :meth:`add` s
+    what it receives and finds it again with :meth:`by_digest`.  Not thread-safe: one owner.
     """
 
     def __init__(self) -> None:
@@ -269,13 +270,19 @@ class LayoutCache:
     def __len__(self) -> int:
         return len(self._by_signature)
 
-    def get(self, tensors: Sequence[torch.Tensor], fmt: str = "packed") -> PackLayout:
+    def lookup(self, tensors: Sequence[torch.Tensor], fmt: str = "packed") -> tuple[PackLayout, bool]:
+        """(the layout for these tensors' dtypes and shapes, True when it was planned by this call)."""
         key = (fmt, tuple((t.dtype, tuple(t.shape)) for t in tensors))
         layout = self._by_signature.get(key)
-        if layout is None:
-            layout = plan_layout(key[1], fmt)
-            self.add(layout)
-        return layout
+        if layout is not None:
+            return layout, False
+        layout = plan_layout(key[1], fmt)
+        self.add(layout)
+        return layout, True
+
+    def get(self, tensors: Sequence[torch.Tensor], fmt: str = "packed") -> PackLayout:
+        """The layout for these tensors' dtypes and shapes (planned the first time)."""
+        return self.lookup(tensors, fmt)[0]
 
     def add(self, layout: PackLayout) -> None:
         """Remember a layout (e.g. one received from the peer)."""
