@@ -1,10 +1,14 @@
-"""The torch fallback of pack/unpack: a loop of torch ops, bit-identical to the Triton kernels.
+"""The torch fallback of pack/unpack: a few torch ops per call, bit-identical to the Triton kernels.
 
 Used on CPU and wherever Triton is missing.  Every conversion is torch's own:
 bf16 is ``tensor.to(torch.bfloat16)`` (round to nearest even), fp8 is
 ``(x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`` with ``scale = block absmax / 448``
-in fp32 (the clamp only matters when the scale is subnormal; otherwise the
-quotient is already within range), and unpacking casts back with ``copy_``.
+in fp32, and unpacking casts back with ``copy_``.  The clamp only matters when the
+scale is an fp32 subnormal (block absmax below 448 * 2^-126): the quotient can then
+exceed 448; such blocks stay finite but lose the 2^-4 * absmax error bound.
+
+Packing writes the whole buffer with one ``torch.cat`` (region bytes and zero padding);
+all fp8 tensors of a call are quantised in one pass, each padded to whole blocks.
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ and the index of its first block).  Every program handles one block of
 ``ROWS x 128`` elements of one tensor; it finds its tensor by a binary search
 over the first-block column, then branches on the conversion code.  Raw
 addresses work in the interpreter too (it reads CPU memory at those addresses).
+A whole block of a contiguous tensor whose address is 16 bytes apart from the
+buffer's takes an unmasked path addressed from the buffer pointer, which the
+compiler can vectorise (16-byte accesses); the rest go through masked, strided code.
+The padding after each region is written with zeros (the stores run on to the
+region's aligned end), so a buffer's bytes depend only on its inputs.
 
 Rounding is done explicitly on the fp32 bit patterns, so results do not depend
 on the backend's casts (the interpreter truncates fp32 -> bf16 and misrounds
