@@ -18,6 +18,7 @@ ROW_KEYS = ("kernel", "format", "num_tensors", "bytes", "ours_gbps", "copy_gbps"
 def test_bench_kernels_quick_json_contract(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     args = ["bench", "kernels", "--quick", "--samples", "1", "--num-tensors", "1,3", "--json", "--out", str(tmp_path)]
+    # (plots on: the PNG is checked below)
     cmd = [sys.executable, "-m", "dualpipe_kernels", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -37,3 +38,4 @@ def test_bench_kernels_quick_json_contract(tmp_path: Path) -> None:
     assert "torch fallback" in (tmp_path / "kernels.md").read_text()
     written = json.loads((tmp_path / "kernels.json").read_text())
     assert written["rows"] == rows and "stamp" in written
+    assert (tmp_path / "kernels_bandwidth.png").stat().st_size > 0

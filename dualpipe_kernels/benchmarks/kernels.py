@@ -46,7 +46,7 @@ QUICK_COUNTS = (1, 8)
 #: bytes moved per timed sample (small sizes repeat the call within one sample)
 SAMPLE_BYTES = 64 * MIB
 
-__all__ = ["NAME", "add_arguments", "run", "to_markdown"]
+__all__ = ["NAME", "add_arguments", "run", "to_markdown", "write_plots"]
 
 
 def _int_list(text: str) -> list[int]:
@@ -237,3 +237,42 @@ def to_markdown(result: dict[str, Any]) -> str:
     if result.get("device") == "cpu":
         head += " No GPU: these are the torch fallback's figures on one CPU thread, not the Triton kernel's."
     return "\n".join([head, "", markdown_table(result["rows"], cols, heads), "", str(result.get("note", ""))])
+
+
+def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:
+    """``kernels_bandwidth.png``: GB/s vs input size, ours and torch per kernel and format (most tensors)."""
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.get("rows", [])
+    if not rows:
+        return []
+    most = max(r["num_tensors"] for r in rows)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, kernel in zip(axes, ("pack", "unpack"), strict=True):
+        mine = [r for r in rows if r["kernel"] == kernel and r["num_tensors"] == most]
+        for fmt in FORMATS:
+            pts = sorted((r["bytes"], r["ours_gbps"], r["torch_gbps"]) for r in mine if r["format"] == fmt)
+            if pts:
+                xs, ours, theirs = zip(*pts, strict=True)
+                line = ax.plot(xs, ours, marker="o", label=f"ours {fmt}")[0]
+                ax.plot(xs, theirs, linestyle=":", color=line.get_color(), label=f"torch {fmt}")
+        copies = sorted({(r["bytes"], r["copy_gbps"]) for r in mine})
+        if copies:
+            ax.plot(*zip(*copies, strict=True), color="black", linestyle="--", label="copy (ceiling)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("input bytes (fp32)")
+        ax.set_title(f"{kernel}, {most} tensors, {result.get('backend')}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("GB/s (read + written)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(out_dir) / "kernels_bandwidth.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
