@@ -105,7 +105,8 @@ def pack_into(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch
         else:
             codes, scales = next(fp8)
             parts += [codes, zeros.narrow(0, 0, e.scale_offset - e.offset - e.nbytes), scales]
-        parts.append(zeros.narrow(0, 0, -e.end % ALIGN))
+        if e.end % ALIGN:
+            parts.append(zeros.narrow(0, 0, -e.end % ALIGN))
     if parts:  # all tensors empty: a 0-byte buffer
         torch.cat(parts, out=buffer)
 
