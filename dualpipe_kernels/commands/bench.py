@@ -32,6 +32,7 @@ SUITES: dict[str, str] = {
     "overlap": "share of communication hidden behind compute, per transport and activation size",
     "transport": "point-to-point bandwidth and latency: native shared memory vs gloo vs a cross-core copy",
     "engine": "schedule engine speed: build + validate + simulate DualPipeV 64 ranks x 1024 micro-batches",
+    "kernels": "pack/unpack bandwidth (lossless, bf16, fp8) vs a same-size copy and unfused torch cat + cast",
 }
 
 _COMMON = ("json", "out", "quick", "no_plots")

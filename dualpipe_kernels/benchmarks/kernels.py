@@ -1,0 +1,278 @@
+"""kernels: pack/unpack bandwidth per format, size and tensor count, vs a plain copy and vs unfused torch.
+
+For every format (``packed`` lossless, ``bf16``, ``fp8``), total size (fp32 bytes
+of the inputs) and number of tensors (the size split evenly), three things are
+timed in the same run on the same device:
+
+* ours: :func:`dualpipe_kernels.kernels.pack` into a preallocated buffer (and
+  :func:`unpack` into preallocated tensors): one Triton launch on a GPU, the torch
+  fallback on CPU (the row's ``backend`` says which);
+* copy: ``dst.copy_(src)`` of the same number of input bytes (the bandwidth ceiling);
+* torch: the unfused way, ``torch.cat`` of the flattened tensors then the cast
+  (fp8: blockwise absmax, divide, cast), and for unpack ``split`` then cast/copy.
+
+Bandwidth counts the bytes each operation must move (read + written): for pack,
+the inputs plus the packed buffer; for unpack the reverse; for the copy twice its
+size.  ``ours`` and ``torch`` move the same logical bytes, so ``ours_vs_torch`` is
+a speed ratio; ``ours_vs_copy`` is the fraction of the copy's bandwidth reached.
+Each figure is a median over samples (each sample repeats the call until it has
+moved about 64 MiB); ``ours_spread`` is (max - min) / median of ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dualpipe_kernels.benchmarks.common import Progress, markdown_table
+from dualpipe_kernels.kernels import pack, resolve_backend, unpack
+from dualpipe_kernels.kernels.pack_torch import dequantize_fp8, quantize_fp8
+
+NAME = "kernels"
+KIB, MIB = 1024, 1024 * 1024
+FORMATS = {"packed": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+DEFAULT_SIZES = (64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB)
+#: a GPU-less run stops at 64 MiB by default (the fallback on two shared cores takes seconds per call above it)
+CPU_MAX_SIZE = 64 * MIB
+QUICK_SIZES = (64 * KIB, 1 * MIB)
+DEFAULT_COUNTS = (1, 8, 64)
+QUICK_COUNTS = (1, 8)
+#: bytes moved per timed sample (small sizes repeat the call within one sample)
+SAMPLE_BYTES = 64 * MIB
+
+__all__ = ["NAME", "add_arguments", "run", "to_markdown", "write_plots"]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma list among {','.join(FORMATS)}")
+    p.add_argument(
+        "--sizes", type=_int_list, default=None, help="total input bytes, comma list (default 64 KiB .. 256 MiB)"
+    )
+    p.add_argument("--max-size", type=int, default=None, help="drop sizes above this (default: 64 MiB on CPU)")
+    p.add_argument("--num-tensors", type=_int_list, default=None, help="tensors per pack, comma list (default 1,8,64)")
+    p.add_argument("--samples", type=int, default=None, help="timed samples per figure (default 7; quick 3)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when present")
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    quick = bool(getattr(args, "quick", False))
+    fmts = [f.strip() for f in str(args.formats).split(",") if f.strip()]
+    if not fmts or any(f not in FORMATS for f in fmts):
+        raise ValueError(f"--formats must be among {','.join(FORMATS)}, got {args.formats}")
+    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible")
+    sizes = args.sizes or list(QUICK_SIZES if quick else DEFAULT_SIZES)
+    max_size = args.max_size if args.max_size is not None else (CPU_MAX_SIZE if device.type == "cpu" else None)
+    sizes = [s for s in sizes if max_size is None or s <= max_size]
+    if not sizes:
+        raise ValueError(f"no size left at or below --max-size {max_size}")
+    counts = args.num_tensors or list(QUICK_COUNTS if quick else DEFAULT_COUNTS)
+    samples = args.samples if args.samples is not None else (3 if quick else 7)
+    if samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {samples}")
+    return {"formats": fmts, "device": device, "sizes": sizes, "counts": counts, "samples": samples}
+
+
+# ---------------------------------------------------------------- timing
+def _sampler(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
+    """``time(fn, calls)``: seconds per call of ``fn`` over ``calls`` calls (device-synchronised)."""
+
+    def cpu(fn: Callable[[], Any], calls: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls
+
+    def cuda(fn: Callable[[], Any], calls: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+
+    return cuda if device.type == "cuda" else cpu
+
+
+def _measure(fn: Callable[[], Any], moved: int, samples: int, timer: Callable[..., float]) -> tuple[float, float]:
+    """(median GB/s, spread = (max - min) / median of the per-call times) of ``fn`` moving ``moved`` bytes."""
+    calls = max(1, min(200, SAMPLE_BYTES // max(moved, 1)))
+    timer(fn, 1)  # warm-up (Triton compiles on the first call)
+    times = [timer(fn, calls) for _ in range(samples)]
+    med = statistics.median(times)
+    return moved / med / 1e9, (max(times) - min(times)) / med
+
+
+# ---------------------------------------------------------------- the unfused torch way
+def _torch_pack(ts: list[torch.Tensor], dtype: torch.dtype | None) -> Any:
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    if dtype is None:
+        return flat
+    if dtype == torch.bfloat16:
+        return flat.to(torch.bfloat16)
+    return quantize_fp8(flat)
+
+
+def _torch_unpack(packed: Any, ts: list[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    sizes = [t.numel() for t in ts]
+    if dtype is None:
+        return [p.clone() for p in torch.split(packed, sizes)]
+    if dtype == torch.bfloat16:
+        return [p.to(torch.float32) for p in torch.split(packed, sizes)]
+    return list(torch.split(dequantize_fp8(*packed), sizes))
+
+
+# ---------------------------------------------------------------- one configuration
+def _inputs(total: int, count: int, device: torch.device) -> list[torch.Tensor]:
+    """``count`` fp32 tensors of ``total`` bytes in all (the last takes the remainder)."""
+    n = max(count, total // 4)
+    sizes = [n // count] * (count - 1) + [n - n // count * (count - 1)]
+    g = torch.Generator(device=device).manual_seed(count)
+    return [torch.randn(s, generator=g, device=device) for s in sizes]
+
+
+def _rows_for(fmt: str, total: int, count: int, cfg: dict[str, Any], timer: Any, copy: Any) -> list[dict[str, Any]]:
+    device, samples, dtype = cfg["device"], cfg["samples"], FORMATS[fmt]
+    ts = _inputs(total, count, device)
+    in_bytes = sum(t.numel() * 4 for t in ts)
+    buf, layout = pack(ts, dtype)
+    outs = [torch.empty_like(t) for t in ts]
+    moved = in_bytes + layout.nbytes
+    packed_torch = _torch_pack(ts, dtype)
+    figures = {
+        "pack": (
+            _measure(lambda: pack(ts, dtype, out=buf), moved, samples, timer),
+            _measure(lambda: _torch_pack(ts, dtype), moved, samples, timer),
+        ),
+        "unpack": (
+            _measure(lambda: unpack(buf, layout, out=outs), moved, samples, timer),
+            _measure(lambda: _torch_unpack(packed_torch, ts, dtype), moved, samples, timer),
+        ),
+    }
+    rows = []
+    for kernel, ((ours, spread), (theirs, _)) in figures.items():
+        rows.append(
+            {
+                "kernel": kernel,
+                "format": fmt,
+                "num_tensors": count,
+                "bytes": in_bytes,
+                "wire_bytes": layout.nbytes,
+                "ours_gbps": ours,
+                "copy_gbps": copy,
+                "torch_gbps": theirs,
+                "ours_vs_copy": ours / copy,
+                "ours_vs_torch": ours / theirs,
+                "ours_spread": spread,
+                "device": cfg["device_name"],
+                "backend": cfg["backend"],
+            }
+        )
+    return rows
+
+
+def _copy_gbps(total: int, cfg: dict[str, Any], timer: Any) -> float:
+    src = torch.randn(total // 4, device=cfg["device"])
+    dst = torch.empty_like(src)
+    return _measure(lambda: dst.copy_(src), 2 * src.numel() * 4, cfg["samples"], timer)[0]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = _config(args)
+    device = cfg["device"]
+    backend = resolve_backend(device)
+    cfg["backend"] = "triton" if backend == "triton" else "torch fallback"
+    cfg["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # one core, as the ratios against the copy assume; the machine is shared
+    timer = _sampler(device)
+    combos = [(s, c, f) for s in cfg["sizes"] for c in cfg["counts"] for f in cfg["formats"]]
+    bar = Progress(len(combos), "bench kernels")
+    rows: list[dict[str, Any]] = []
+    copies: dict[int, float] = {}
+    for size, count, fmt in combos:
+        if size not in copies:
+            copies[size] = _copy_gbps(size, cfg, timer)
+        rows += _rows_for(fmt, size, count, cfg, timer, copies[size])
+        bar.update(f"{fmt} x{count} {size} B")
+    bar.close()
+    if device.type == "cpu":
+        sys.stderr.write("bench kernels: no GPU: timing the torch fallback on CPU (one thread)\n")
+    return {
+        "rows": rows,
+        "device": cfg["device_name"],
+        "backend": cfg["backend"],
+        "config": {k: v for k, v in cfg.items() if k in ("formats", "sizes", "counts", "samples")},
+        "note": "GB/s = bytes read + written per second; copy = dst.copy_(src) of the input size; "
+        "torch = torch.cat + cast (unpack: split + cast), unfused",
+    }
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    cols = ["kernel", "format", "num_tensors", "bytes", "wire_bytes", "ours_gbps", "copy_gbps", "torch_gbps",
+            "ours_vs_copy", "ours_vs_torch", "ours_spread"]  # fmt: skip
+    heads = ["kernel", "format", "tensors", "input bytes", "wire bytes", "ours GB/s", "copy GB/s (ceiling)",
+             "torch cat+cast GB/s", "ours / copy", "ours / torch", "spread"]  # fmt: skip
+    head = f"Device: {result.get('device')}; backend: {result.get('backend')}."
+    if result.get("device") == "cpu":
+        head += " No GPU: these are the torch fallback's figures on one CPU thread, not the Triton kernel's."
+    return "\n".join([head, "", markdown_table(result["rows"], cols, heads), "", str(result.get("note", ""))])
+
+
+def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:
+    """``kernels_bandwidth.png``: GB/s vs input size, ours and torch per kernel and format (most tensors)."""
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.get("rows", [])
+    if not rows:
+        return []
+    most = max(r["num_tensors"] for r in rows)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, kernel in zip(axes, ("pack", "unpack"), strict=True):
+        mine = [r for r in rows if r["kernel"] == kernel and r["num_tensors"] == most]
+        for fmt in FORMATS:
+            pts = sorted((r["bytes"], r["ours_gbps"], r["torch_gbps"]) for r in mine if r["format"] == fmt)
+            if pts:
+                xs, ours, theirs = zip(*pts, strict=True)
+                line = ax.plot(xs, ours, marker="o", label=f"ours {fmt}")[0]
+                ax.plot(xs, theirs, linestyle=":", color=line.get_color(), label=f"torch {fmt}")
+        copies = sorted({(r["bytes"], r["copy_gbps"]) for r in mine})
+        if copies:
+            ax.plot(*zip(*copies, strict=True), color="black", linestyle="--", label="copy (ceiling)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("input bytes (fp32)")
+        ax.set_title(f"{kernel}, {most} tensors, {result.get('backend')}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("GB/s (read + written)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(out_dir) / "kernels_bandwidth.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

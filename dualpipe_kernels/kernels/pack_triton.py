@@ -1,0 +1,363 @@
+"""Triton pack/unpack: one launch moves any number of tensors into (or out of) one flat buffer.
+
+How one launch covers many tensors: the host builds a small int64 *table*, one
+row per tensor (base address, element count, byte offsets in the buffer, a
+conversion code, the tensor's shape and strides collapsed to at most 4 dims,
+and the index of its first block).  Every program handles one block of
+``ROWS x 128`` elements of one tensor; it finds its tensor by a binary search
+over the first-block column, then branches on the conversion code.  Raw
+addresses work in the interpreter too (it reads CPU memory at those addresses).
+A whole block of a contiguous tensor whose address is 16 bytes apart from the
+buffer's takes an unmasked path addressed from the buffer pointer, which the
+compiler can vectorise (16-byte accesses); the rest go through masked, strided code.
+The padding after each region is written with zeros (the stores run on to the
+region's aligned end), so a buffer's bytes depend only on its inputs.
+
+Rounding is done explicitly on the fp32 bit patterns, so results do not depend
+on the backend's casts (the interpreter truncates fp32 -> bf16 and misrounds
+fp32 -> e4m3 across a power of two): bf16 is round-to-nearest-even of the top
+16 bits; e4m3 is round-to-nearest-even of 3 mantissa bits, with subnormals
+rounded by adding 2^14 in fp32 (whose ulp, 2^-9, is the e4m3 subnormal step).
+Divisions use ``div_rn`` (IEEE), as torch does.  NaN payloads are not matched.
+
+``TRITON_INTERPRET=1`` must be set before this module is imported to run it on
+CPU tensors; :data:`INTERPRETED` says which mode the kernels were built in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from dualpipe_kernels.kernels.layout import ALIGN, FP8_BLOCK, KIND_BF16, KIND_COPY, PackLayout
+
+__all__ = ["INTERPRETED", "pack_into", "unpack_into", "rows_per_block"]
+
+#: True when the kernels run in Triton's interpreter (TRITON_INTERPRET=1 at import)
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+
+# conversion codes (a column of the table); copies go by element size
+COPY1, COPY2, COPY4, COPY8 = 0, 1, 2, 3
+BF16_F32, BF16_F16 = 4, 5
+FP8_F32, FP8_F16, FP8_BF16 = 6, 7, 8
+#: table columns (the kernels read them as ``row + i``):
+#:  0 address, 1 numel, 2 data byte offset, 3 scale byte offset, 4 code, 5 contiguous flag,
+#:  6..8 sizes of dims 1..3, 9..12 strides of dims 0..3 (elements; dims collapsed, padded in front),
+#:  13 first block, 14 elements stored incl. padding, 15 scales stored incl. padding,
+#:  16 fast-path flag (contiguous and 16 bytes apart from the buffer), 17 address - buffer address
+_WIDTH = 18
+#: binary-search steps at least (covers 32 tensors; one compiled variant for the common counts)
+_MIN_LOG_N = 6
+_MAX_DIMS = 4
+_COPY_CODE = {1: COPY1, 2: COPY2, 4: COPY4, 8: COPY8}
+_BF16_CODE = {torch.float32: BF16_F32, torch.float16: BF16_F16}
+_FP8_CODE = {torch.float32: FP8_F32, torch.float16: FP8_F16, torch.bfloat16: FP8_BF16}
+
+
+# ---------------------------------------------------------------- device helpers
+@triton.jit
+def _find_tensor(table, pid, n, LOG_N: tl.constexpr, W: tl.constexpr):
+    """The last tensor whose first block is <= pid (tensors without blocks are skipped by construction)."""
+    lo = pid * 0
+    for k in tl.static_range(LOG_N):
+        cand = lo + (1 << (LOG_N - 1 - k))
+        first = tl.load(table + cand * W + 13, mask=cand < n, other=pid + 1)
+        lo = tl.where(first <= pid, cand, lo)
+    return lo
+
+
+@triton.jit
+def _strided(local, row):
+    """Element offsets of row-major indices ``local`` in the tensor of table ``row`` (its sizes and strides)."""
+    if tl.load(row + 5) != 0:  # contiguous
+        off = local
+    else:
+        d1 = tl.load(row + 6)
+        d2 = tl.load(row + 7)
+        d3 = tl.load(row + 8)
+        i3 = local % d3
+        r = local // d3
+        i2 = r % d2
+        r = r // d2
+        off = (r // d1) * tl.load(row + 9) + (r % d1) * tl.load(row + 10) + i2 * tl.load(row + 11)
+        off += i3 * tl.load(row + 12)
+    return off
+
+
+@triton.jit
+def _bf16_bits(x):
+    """Round-to-nearest-even bfloat16 bits (uint16) of fp32 ``x``; NaN -> 0xFFFF as torch's CPU cast."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = tl.where(x != x, 0xFFFF, r)
+    return r.to(tl.uint16)
+
+
+@triton.jit
+def _bf16_value(bits):
+    """fp32 value of bfloat16 bits (uint16), exact."""
+    return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits(q):
+    """Round-to-nearest-even float8 e4m3fn code (uint8) of fp32 ``q``, saturated to +-448."""
+    nan = q != q
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    u = q.to(tl.uint32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a_bits = u & 0x7FFFFFFF
+    normal = ((a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) >> 20) - (120 << 3)
+    # below 2^-6 (exponent 121): adding 2^14 leaves round(a / 2^-9) in the low mantissa bits
+    a = a_bits.to(tl.float32, bitcast=True)
+    sub = (a + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
+    code = tl.where(a_bits < (121 << 23), sub, normal) | sign
+    code = tl.where(nan, 0x7F, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """fp32 value of float8 e4m3fn codes (uint8), exact (0x7F / 0xFF are NaN)."""
+    b = code.to(tl.uint32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((b & 0x80) << 24) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125
+    sub = tl.where((b & 0x80) != 0, -sub, sub)
+    val = tl.where(e == 0, sub, normal)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), val)
+
+
+@triton.jit
+def _quantize(x, POW2: tl.constexpr):
+    """(e4m3 codes of the [ROWS, 128] fp32 tile ``x``, one fp32 scale per row = row absmax / 448)."""
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
+    if POW2:
+        bits = scale.to(tl.uint32, bitcast=True)
+        up = (bits & 0xFF800000) + 0x800000
+        scale = tl.where((bits & 0x7FFFFF) != 0, up, bits).to(tl.float32, bitcast=True)
+    divisor = tl.where(scale == 0.0, 1.0, scale)
+    return _e4m3_bits(tl.math.div_rn(x, divisor[:, None])), scale
+
+
+# ---------------------------------------------------------------- kernels
+@triton.jit
+def _ld(ptr, mask, FAST: tl.constexpr):
+    if FAST:
+        v = tl.load(ptr)
+    else:
+        v = tl.load(ptr, mask=mask, other=0)
+    return v
+
+
+@triton.jit
+def _st(ptr, value, mask, FAST: tl.constexpr):
+    if FAST:
+        tl.store(ptr, value)
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+@triton.jit
+def _tile(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
+    """(tensor base as a byte pointer, row-major indices of this block, their element offsets, mask)."""
+    rows = tl.arange(0, ROWS)
+    local = blk * (ROWS * 128) + rows[:, None] * 128 + tl.arange(0, 128)[None, :]
+    if FAST:
+        # contiguous, a whole block, 16 bytes apart from the buffer: addressed from the buffer pointer
+        # with a `// 16 * 16` offset, the compiler knows the alignment and vectorises
+        base = buf + tl.load(row + 17) // 16 * 16
+        off = local
+    else:
+        base = tl.load(row + 0).to(tl.pointer_type(tl.uint8))
+        off = _strided(local, row)
+    return base, local, off, local < tl.load(row + 1)
+
+
+@triton.jit
+def _pack_block(row, buf, blk, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.constexpr):
+    base, local, src, mask = _tile(row, buf, blk, ROWS, FAST)
+    # stores run on to the region's aligned end, so the padding gets zeros (masked loads there give 0)
+    smask = local < tl.load(row + 14)
+    dst = buf + tl.load(row + 2) // 16 * 16
+    code = tl.load(row + 4)
+    if code == 0:
+        _st(dst + local, _ld(base + src, mask, FAST), smask, FAST)
+    elif code == 1:
+        v = _ld(base.to(tl.pointer_type(tl.uint16), bitcast=True) + src, mask, FAST)
+        _st(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, v, smask, FAST)
+    elif code == 2:
+        v = _ld(base.to(tl.pointer_type(tl.uint32), bitcast=True) + src, mask, FAST)
+        _st(dst.to(tl.pointer_type(tl.uint32), bitcast=True) + local, v, smask, FAST)
+    elif code == 3:
+        v = _ld(base.to(tl.pointer_type(tl.uint64), bitcast=True) + src, mask, FAST)
+        _st(dst.to(tl.pointer_type(tl.uint64), bitcast=True) + local, v, smask, FAST)
+    else:
+        if code == 4 or code == 6:
+            x = _ld(base.to(tl.pointer_type(tl.float32), bitcast=True) + src, mask, FAST)
+        elif code == 5 or code == 7:
+            x = _ld(base.to(tl.pointer_type(tl.float16), bitcast=True) + src, mask, FAST).to(tl.float32)
+        else:
+            x = _bf16_value(_ld(base.to(tl.pointer_type(tl.uint16), bitcast=True) + src, mask, FAST))
+        if code == 4 or code == 5:
+            _st(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, _bf16_bits(x), smask, FAST)
+        else:
+            scale_idx = blk * ROWS + tl.arange(0, ROWS)
+            scale_dst = (buf + tl.load(row + 3) // 16 * 16).to(tl.pointer_type(tl.float32), bitcast=True)
+            q, scale = _quantize(x, POW2)
+            _st(dst + local, q, smask, FAST)
+            _st(scale_dst + scale_idx, scale, scale_idx < tl.load(row + 15), FAST)
+
+
+@triton.jit
+def _unpack_block(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
+    base, local, dst, mask = _tile(row, buf, blk, ROWS, FAST)
+    src = buf + tl.load(row + 2) // 16 * 16
+    code = tl.load(row + 4)
+    if code == 0:
+        _st(base + dst, _ld(src + local, mask, FAST), mask, FAST)
+    elif code == 1:
+        v = _ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask, FAST)
+        _st(base.to(tl.pointer_type(tl.uint16), bitcast=True) + dst, v, mask, FAST)
+    elif code == 2:
+        v = _ld(src.to(tl.pointer_type(tl.uint32), bitcast=True) + local, mask, FAST)
+        _st(base.to(tl.pointer_type(tl.uint32), bitcast=True) + dst, v, mask, FAST)
+    elif code == 3:
+        v = _ld(src.to(tl.pointer_type(tl.uint64), bitcast=True) + local, mask, FAST)
+        _st(base.to(tl.pointer_type(tl.uint64), bitcast=True) + dst, v, mask, FAST)
+    else:
+        if code == 4 or code == 5:
+            x = _bf16_value(_ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask, FAST))
+        else:
+            scale_idx = blk * ROWS + tl.arange(0, ROWS)
+            scales = (buf + tl.load(row + 3) // 16 * 16).to(tl.pointer_type(tl.float32), bitcast=True)
+            scale = _ld(scales + scale_idx, scale_idx * 128 < tl.load(row + 1), FAST)
+            x = _e4m3_value(_ld(src + local, mask, FAST)) * scale[:, None]
+        if code == 4 or code == 6:
+            _st(base.to(tl.pointer_type(tl.float32), bitcast=True) + dst, x, mask, FAST)
+        elif code == 5 or code == 7:
+            _st(base.to(tl.pointer_type(tl.float16), bitcast=True) + dst, x.to(tl.float16), mask, FAST)
+        else:
+            _st(base.to(tl.pointer_type(tl.uint16), bitcast=True) + dst, _bf16_bits(x), mask, FAST)
+
+
+@triton.jit
+def _fast(row, blk, ROWS: tl.constexpr):
+    """Whether this block takes the unmasked aligned path (host flag, and the block lies wholly inside)."""
+    return (tl.load(row + 16) != 0) & ((blk + 1) * (ROWS * 128) <= tl.load(row + 1))
+
+
+@triton.jit
+def _pack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = table + _find_tensor(table, pid, n, LOG_N, W) * W
+    blk = pid - tl.load(row + 13)
+    if _fast(row, blk, ROWS):
+        _pack_block(row, buf, blk, ROWS, POW2, True)
+    else:
+        _pack_block(row, buf, blk, ROWS, POW2, False)
+
+
+@triton.jit
+def _unpack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = table + _find_tensor(table, pid, n, LOG_N, W) * W
+    blk = pid - tl.load(row + 13)
+    if _fast(row, blk, ROWS):
+        _unpack_block(row, buf, blk, ROWS, True)
+    else:
+        _unpack_block(row, buf, blk, ROWS, False)
+
+
+# ---------------------------------------------------------------- host side
+def rows_per_block(device: torch.device) -> int:
+    """Rows of 128 elements per program: large tiles on a GPU, and in the interpreter (fewer Python steps)."""
+    return 16 if device.type == "cuda" else 32
+
+
+def _collapse(shape: Sequence[int], stride: Sequence[int]) -> list[tuple[int, int]]:
+    """(size, stride) dims with size-1 dims dropped and mergeable neighbours merged (row-major order kept)."""
+    dims: list[tuple[int, int]] = []
+    for size, st in zip(shape, stride, strict=True):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == st * size:
+            dims[-1] = (dims[-1][0] * size, st)
+        else:
+            dims.append((size, st))
+    return dims
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _code(kind: int, dtype: torch.dtype) -> int:
+    if kind == KIND_COPY:
+        return _COPY_CODE[dtype.itemsize]
+    return _BF16_CODE[dtype] if kind == KIND_BF16 else _FP8_CODE[dtype]
+
+
+def _table(
+    tensors: Sequence[torch.Tensor], layout: PackLayout, block: int, buf_addr: int
+) -> tuple[list[list[int]], int]:
+    """One row per tensor (see the module docstring) and the total number of blocks."""
+    rows, first = [], 0
+    for t, e in zip(tensors, layout.entries, strict=True):
+        dims = _collapse(t.shape, t.stride())
+        contig = int(len(dims) == 0 or (len(dims) == 1 and dims[0][1] == 1))
+        dims = [(1, 0)] * (_MAX_DIMS - len(dims)) + dims
+        sizes, strides = zip(*dims, strict=True)
+        # elements and scales written, padding included (the region's aligned end)
+        nstore = _align(e.nbytes) // (e.nbytes // e.numel) if e.numel else 0
+        nscale = _align(4 * e.num_scales) // 4
+        delta = t.data_ptr() - buf_addr
+        fast = int(contig and delta % ALIGN == 0)
+        rows.append([t.data_ptr(), e.numel, e.offset, max(e.scale_offset, 0), _code(e.kind, e.dtype), contig,
+                     *sizes[1:], *strides, first, nstore, nscale, fast, delta])  # fmt: skip
+        first += -(-nstore // block)
+    return rows, first
+
+
+def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor, **kw) -> None:
+    rows = rows_per_block(buffer.device)
+    table, nblocks = _table(tensors, layout, rows * FP8_BLOCK, buffer.data_ptr())
+    if nblocks == 0:
+        return
+    meta = torch.tensor(table, dtype=torch.int64).to(buffer.device, non_blocking=True)
+    log_n = max(_MIN_LOG_N, math.ceil(math.log2(len(table))) + 1)
+    on_device = torch.cuda.device(buffer.device) if buffer.device.type == "cuda" else contextlib.nullcontext()
+    with on_device:  # Triton launches on the current device; the buffer's may be another
+        kernel[(nblocks,)](meta, buffer, len(table), LOG_N=log_n, ROWS=rows, W=_WIDTH, **kw)
+
+
+def _bit_view(t: torch.Tensor) -> torch.Tensor:
+    """complex64 as int64 (same bits: the kernels copy it by element size); other dtypes as they are."""
+    return t.view(torch.int64) if t.dtype == torch.complex64 else t
+
+
+def _as_copyable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor the table can describe: a bit view, contiguous if it has more than 4 strided dims."""
+    t = _bit_view(t)
+    return t if len(_collapse(t.shape, t.stride())) <= _MAX_DIMS else t.contiguous()
+
+
+def pack_into(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor) -> None:
+    """One kernel launch writing ``tensors`` into ``buffer`` (1-D uint8, same device) as ``layout`` says."""
+    srcs = [_as_copyable(t) for t in tensors]
+    _launch(_pack_kernel, srcs, layout, buffer, POW2=layout.format == "fp8_pow2")
+
+
+def unpack_into(buffer: torch.Tensor, layout: PackLayout, outs: Sequence[torch.Tensor]) -> None:
+    """One kernel launch filling ``outs`` (the layout's shapes and dtypes, any non-overlapping strides)."""
+    dsts = [_as_copyable(o) for o in outs]
+    _launch(_unpack_kernel, dsts, layout, buffer)
+    for o, d in zip(outs, dsts, strict=True):
+        if d.data_ptr() != o.data_ptr():  # a > 4-dim strided view went through a contiguous copy
+            _bit_view(o).copy_(d)
