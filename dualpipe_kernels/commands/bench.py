@@ -26,13 +26,14 @@ from typing import Any
 from dualpipe_kernels.benchmarks.common import DEFAULT_OUT_DIR, plot_bandwidth, write_results
 
 #: Registered suites, in the order ``bench all`` runs them.
-SUITES = ("schedules", "overlap", "transport", "runtime_sleep")
+SUITES = ("schedules", "overlap", "transport", "runtime_sleep", "cuda_ipc")
 #: One line per suite for ``bench --help`` (kept here so listing them imports nothing).
 SUITE_HELP = {
     "schedules": "step time and bubble of each schedule on sleep-timed stages vs the simulator, and torch's peers",
     "overlap": "share of communication hidden behind compute, per transport",
     "transport": "point-to-point bandwidth and latency: native shared memory vs gloo vs memcpy",
     "runtime_sleep": "DualPipeV 4x16 on sleep-timed stages: step time vs the simulator, share of comm hidden",
+    "cuda_ipc": "CUDA IPC between two processes on one GPU vs a same-GPU copy: GB/s, us per message, overlap",
 }
 
 _COMMON = ("json", "out", "quick", "no_plots")
@@ -48,6 +49,12 @@ def _import_suite(name: str) -> tuple[ModuleType | None, str | None]:
     if missing:
         return None, f"module dualpipe_kernels.benchmarks.{name} lacks {', '.join(missing)}"
     return mod, None
+
+
+def _unavailable(mod: ModuleType) -> str | None:
+    """A suite that needs hardware this machine lacks says why in ``unavailable()`` (it is skipped, not failed)."""
+    check = getattr(mod, "unavailable", None)
+    return check() if check is not None else None
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -160,6 +167,10 @@ def run(args: argparse.Namespace) -> int:
             return 1
         mod, _ = _import_suite(args.suite)
         assert mod is not None
+        skip = _unavailable(mod)
+        if skip:
+            sys.stderr.write(f"dualpipe-kernels bench {args.suite}: skipped: {skip}\n")
+            return 0
         from dualpipe_kernels.runtime.launch import RanksFailed
 
         try:
@@ -180,6 +191,10 @@ def run(args: argparse.Namespace) -> int:
         if mod is None:
             failed[name] = f"unavailable: {err}"
             sys.stderr.write(f"bench all: skipping {name}: {failed[name]}\n")
+            continue
+        skip = _unavailable(mod)
+        if skip:
+            sys.stderr.write(f"bench all: skipping {name}: {skip}\n")
             continue
         try:
             results[name] = _run_one(name, mod, _suite_args(mod, args))
