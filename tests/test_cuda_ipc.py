@@ -49,14 +49,14 @@ NUM_SLOTS = 3
 SIZES = [0, 1, 3, 4095, SLOT_BYTES, 5 * SLOT_BYTES + 17, (1 << 20) + 1, 64 << 20]
 WAIT_S = 20.0
 #: process start + CUDA initialisation of a pair (seconds)
-SETUP_TIMEOUT_S = 30.0
+SETUP_TIMEOUT_S = 25.0
 #: one scenario on both ranks; on an H200 the slowest (many_allocations, ~1 GiB) takes about a second
-SCENARIO_TIMEOUT_S = 15.0
+SCENARIO_TIMEOUT_S = 12.0
 #: one set-up's whole run, restarts after stuck scenarios included
-SETUP_BUDGET_S = 50.0
+SETUP_BUDGET_S = 38.0
 #: pytest's limit for the test that runs a set-up: above its budget, and (three set-ups plus the killed-peer
 #: test) well below device_check.sh's transport step, so a hang never costs the JUnit XML
-TEST_TIMEOUT_S = 60
+TEST_TIMEOUT_S = 45
 
 
 # ---------------------------------------------------------------------------
@@ -435,11 +435,11 @@ def test_two_processes_one_gpu(ipc_runs: Callable[[str], PairRun], setup_name: s
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.timeout(45)
+@pytest.mark.timeout(35)
 def test_killed_peer_fails_the_transfer_and_leaves_no_shm(tmp_path: Path) -> None:
     run = run_pair(
         _runner, _prepare, KILL_SETUP, ["peer_killed"], tmp_path, setup_timeout_s=SETUP_TIMEOUT_S,
-        scenario_timeout_s=25.0, budget_s=40.0, max_restarts=0, reporting=(1,),
+        scenario_timeout_s=20.0, budget_s=30.0, max_restarts=0, reporting=(1,),
     )  # fmt: skip
     assert run.results["peer_killed"][1] == "ok", run.results
     for pid in run.pids:
@@ -462,7 +462,7 @@ def _cpu_runner(rank: int, store: Any, setup: str, name: str) -> None:
         raise AssertionError("this scenario fails on purpose")
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(100)
 def test_pair_harness_bounds_a_stuck_scenario_and_runs_the_rest_on_a_fresh_pair(tmp_path: Path) -> None:
     """A failure is reported and the next scenario still runs; a hang costs its own timeout and a restart.
 
@@ -472,7 +472,7 @@ def test_pair_harness_bounds_a_stuck_scenario_and_runs_the_rest_on_a_fresh_pair(
     t0 = time.monotonic()
     run = run_pair(
         _cpu_runner, _cpu_prepare, "cpu", ["first", "fails", "hangs", "after"], tmp_path,
-        setup_timeout_s=60.0, scenario_timeout_s=3.0, budget_s=140.0,
+        setup_timeout_s=40.0, scenario_timeout_s=3.0, budget_s=90.0,
     )  # fmt: skip
     r = run.results
     assert r["setup"] == {0: "ok", 1: "ok"}
@@ -480,7 +480,7 @@ def test_pair_harness_bounds_a_stuck_scenario_and_runs_the_rest_on_a_fresh_pair(
     assert "this scenario fails on purpose" in r["fails"][0] and r["fails"][1] == "ok"
     assert r["hangs"][0] == "ok" and r["hangs"][1].startswith("no outcome within 3 s"), r["hangs"]
     assert r["after"] == {0: "ok", 1: "ok"}, "the scenario after a hang must run on a fresh pair"
-    assert run.restarts == 1 and time.monotonic() - t0 < 140.0
+    assert run.restarts == 1 and time.monotonic() - t0 < 90.0
 
 
 # ---------------------------------------------------------------------------
