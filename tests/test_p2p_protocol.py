@@ -15,7 +15,7 @@ import pytest
 import torch
 from fake_transports import LoopbackPair
 
-from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace
+from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace, wire_device
 from dualpipe_kernels.transport.base import TransportError
 
 KEY = (0, 1, 2)  # direction, consumer stage, micro-batch
@@ -130,3 +130,17 @@ def test_every_tensor_posted_is_on_the_transport_device(pair: LoopbackPair) -> N
         msg = _message(seed, rows)
         got, _ = _exchange(pair, msg, mem_s, mem_r)
         _assert_same(got, msg)
+
+
+def test_wire_device_follows_what_the_transport_moves() -> None:
+    """CUDA IPC: its device; torch over gloo staging CUDA tensors: the host; no declared device: the host."""
+
+    class _Declared:
+        def __init__(self, **attrs: object) -> None:
+            self.__dict__.update(attrs)
+
+    cuda = torch.device("cuda", 1)
+    assert wire_device(_Declared(device=cuda)) == cuda  # type: ignore[arg-type]
+    assert wire_device(_Declared(device=cuda, device_native=False)) == torch.device("cpu")  # type: ignore[arg-type]
+    assert wire_device(_Declared(device=torch.device("cpu"), device_native=True)) == torch.device("cpu")  # type: ignore[arg-type]
+    assert wire_device(_Declared()) == torch.device("cpu")  # type: ignore[arg-type]

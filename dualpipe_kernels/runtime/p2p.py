@@ -30,11 +30,10 @@ transport's completion callback where it has one, otherwise from
 :meth:`BoundaryRecv.progress` between actions).
 
 Devices: every tensor handed to the transport lives on the transport's
-device (its ``device`` attribute; CPU when it has none): the metadata, the
-placeholders and payloads that come from elsewhere (e.g. a CPU mask) are
-staged there first, and received data is allocated on the receiver's device.
-A CUDA transport rejects host tensors, so nothing may be created on the
-default device.
+device (:func:`wire_device`): the metadata, the placeholders and payloads
+that come from elsewhere (e.g. a CPU mask) are staged there first, and
+received data is allocated on the receiver's device.  A CUDA transport
+rejects host tensors, so nothing may be created on the default device.
 
 Tags: ``TagSpace`` gives every (direction, consumer stage, micro-batch, slot)
 its own tag, so transfers between one pair of ranks never mix: slot 0 is the
@@ -154,9 +153,17 @@ class LayoutMemory:
 
 
 def wire_device(transport: Transport) -> torch.device:
-    """The device of every tensor posted to ``transport`` (its ``device`` attribute; CPU when it has none)."""
+    """The device of every tensor posted to ``transport``: its ``device``, or CPU.
+
+    CPU when the transport declares no device, or when it moves host memory
+    and only stages device tensors through it (``device_native`` False, e.g.
+    torch over gloo): its metadata then needs no staging at all, and a data
+    callback never reads a metadata buffer whose staging copy has not run.
+    """
     dev = getattr(transport, "device", None)
-    return torch.device(dev) if dev is not None else torch.device("cpu")
+    if dev is None or not getattr(transport, "device_native", True):
+        return torch.device("cpu")
+    return torch.device(dev)
 
 
 def encode_meta(
@@ -355,6 +362,9 @@ class BoundaryRecv:
         with self._lock:
             if self._metas is not None:
                 return
+            if self._meta_buf.is_cuda:
+                # Reading it on the host goes through the current stream: order it after the transfer's copy.
+                self._meta_handle.wait_stream(torch.cuda.current_stream(self._meta_buf.device))
             metas, speculative = decode_meta(self._meta_buf)
             if speculative != (self._guess is not None and self._guess == layout_of(metas)):
                 raise TransportError(

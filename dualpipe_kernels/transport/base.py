@@ -22,10 +22,12 @@ same exchange (tests/test_runtime_transport_rules.py drives it over a
 transport whose sends complete only when matched).
 
 Devices: a transport that moves tensors of one device exposes it as
-``device`` (CudaIpcTransport: its CUDA device; TorchDistTransport: the device
-it stages from); every tensor posted to it must be on that device (the CUDA
-transport refuses host tensors).  A transport without ``device`` moves CPU
-tensors.  The runtime stages everything it posts onto it (runtime/p2p.py).
+``device`` (CudaIpcTransport: its CUDA device), and every tensor posted to it
+must be on that device (the CUDA transport refuses host tensors).  A
+transport without ``device``, or whose ``device_native`` is False (torch over
+gloo with a CUDA ``device``: it moves host memory and stages device tensors
+through it), takes CPU tensors.  The runtime stages the metadata and
+everything else it posts accordingly (runtime/p2p.py ``wire_device``).
 """
 
 from __future__ import annotations
