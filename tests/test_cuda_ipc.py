@@ -53,10 +53,12 @@ SETUP_TIMEOUT_S = 25.0
 #: one scenario on both ranks; on an H200 the slowest (many_allocations, ~1 GiB) takes about a second
 SCENARIO_TIMEOUT_S = 12.0
 #: one set-up's whole run, restarts after stuck scenarios included
-SETUP_BUDGET_S = 38.0
+SETUP_BUDGET_S = 35.0
 #: pytest's limit for the test that runs a set-up: above its budget, and (three set-ups plus the killed-peer
 #: test) well below device_check.sh's transport step, so a hang never costs the JUnit XML
 TEST_TIMEOUT_S = 45
+#: the killed-peer test's whole run
+KILL_BUDGET_S = 30.0
 
 
 # ---------------------------------------------------------------------------
@@ -439,7 +441,7 @@ def test_two_processes_one_gpu(ipc_runs: Callable[[str], PairRun], setup_name: s
 def test_killed_peer_fails_the_transfer_and_leaves_no_shm(tmp_path: Path) -> None:
     run = run_pair(
         _runner, _prepare, KILL_SETUP, ["peer_killed"], tmp_path, setup_timeout_s=SETUP_TIMEOUT_S,
-        scenario_timeout_s=20.0, budget_s=30.0, max_restarts=0, reporting=(1,),
+        scenario_timeout_s=20.0, budget_s=KILL_BUDGET_S, max_restarts=0, reporting=(1,),
     )  # fmt: skip
     assert run.results["peer_killed"][1] == "ok", run.results
     for pid in run.pids:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -63,3 +64,18 @@ def test_dry_run_with_a_stuck_wait_walks_every_step_and_keeps_its_output(tmp_pat
         log = tar.extractfile("./logs/transport.log").read().decode()  # type: ignore[union-attr]
     assert "PYTORCH_CUDA_ALLOC_CONF=" in smoke and ("compute_mode" in smoke or "nvidia-smi: unavailable" in smoke)
     assert "test_pair_harness_bounds_a_stuck_scenario_and_runs_the_rest_on_a_fresh_pair FAILED" in log
+
+
+def test_step_limits_fit_the_window_and_the_gpu_tests_fit_their_step() -> None:
+    """The step limits sum to the budget (< 8 min); the transport tests' bounded runs fit the transport step."""
+    import test_cuda_ipc as ipc
+
+    text = (ROOT / "bench" / "device_check.sh").read_text()
+    limits = {k: int(v) for k, v in re.findall(r"^LIMIT_(\w+)=(\d+)$", text, re.M)}
+    budget = int(re.search(r"DEVICE_CHECK_BUDGET_S:-(\d+)", text).group(1))  # type: ignore[union-attr]
+    assert set(limits) == {s.upper() for s in STEPS} and sum(limits.values()) <= budget < 480
+    # three set-ups and the killed peer, each bounded by its budget (+5 s to stop its processes), leave 30 s
+    # for the harness and the CPU tests, so pytest ends (and writes its JUnit XML) before the step's timeout
+    gpu_runs = len(ipc.SETUPS) * (ipc.SETUP_BUDGET_S + 5) + ipc.KILL_BUDGET_S + 5
+    assert gpu_runs <= limits["TRANSPORT"] - 30
+    assert ipc.TEST_TIMEOUT_S > ipc.SETUP_BUDGET_S + 5 and ipc.TEST_TIMEOUT_S < limits["TRANSPORT"]
