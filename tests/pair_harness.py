@@ -13,9 +13,10 @@ Made for the GPU tests, where one hang must not eat the whole test step:
 - the parent itself only ever waits on a queue with a timeout, so pytest's
   per-test timeout can always interrupt it and the JUnit XML gets written.
 
-``runner(rank, store, setup, name)`` runs scenario ``name`` on one rank and
-raises on failure; ``prepare(rank, setup)`` runs once per process.  Both must
-be module-level functions (they are pickled by name into spawned processes).
+``prepare(rank, setup)`` runs once per process and returns a context (e.g. a
+holder for the transport the scenarios share); ``runner(ctx, rank, store,
+setup, name)`` runs scenario ``name`` on one rank and raises on failure.  Both
+must be module-level functions (they are pickled by name into spawned processes).
 With ``FAULT_ENV=1`` in the environment, rank 1 runs the scenario
 ``FAULT_SCENARIO`` ahead of the first scenario of the first pair: the
 runner's model of a wait that never fires.
@@ -42,8 +43,8 @@ FAULT_SCENARIO = "__wait_that_never_fires__"
 #: store barriers between scenarios (seconds)
 BARRIER_S = 20.0
 
-Runner = Callable[[int, Any, str, str], None]
-Prepare = Callable[[int, str], None]
+Runner = Callable[[Any, int, Any, str, str], None]
+Prepare = Callable[[int, str], Any]
 
 
 @dataclass
@@ -68,7 +69,7 @@ def _child(
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, 2)
-        prepare(rank, setup)
+        ctx = prepare(rank, setup)
     except Exception:  # noqa: BLE001 - reported to the parent
         out.put((rank, "setup", traceback.format_exc()))
         return
@@ -77,8 +78,8 @@ def _child(
         try:
             barrier(store, name)
             if first and i == 0 and rank == 1 and os.environ.get(FAULT_ENV) == "1":
-                runner(rank, store, setup, FAULT_SCENARIO)
-            runner(rank, store, setup, name)
+                runner(ctx, rank, store, setup, FAULT_SCENARIO)
+            runner(ctx, rank, store, setup, name)
             result = "ok"
         except Exception:  # noqa: BLE001 - reported to the parent
             result = traceback.format_exc()
