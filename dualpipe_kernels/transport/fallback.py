@@ -21,6 +21,7 @@ memory) instead.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -124,9 +125,12 @@ def cuda_ipc_or_none(group: Any, device: Any, timeout_s: float) -> Transport | N
 
     transport, reason = negotiate(store, prefix, rank, world, lambda: probe_cuda_ipc(device), build, timeout_s)
     if transport is None:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        # expandable segments are VMM memory, which the legacy IPC handles cannot export
+        note = f"; PYTORCH_CUDA_ALLOC_CONF={conf}" if conf else ""
         warnings.warn(
-            f"rank {rank}: CUDA IPC is not usable here ({reason}); transport 'auto' uses the torch transport "
-            "instead (CUDA tensors staged through host memory)",
+            f"rank {rank}: CUDA IPC is not usable here ({reason}{note}); transport 'auto' uses the torch "
+            "transport instead (CUDA tensors staged through host memory)",
             RuntimeWarning,
             stacklevel=3,
         )
