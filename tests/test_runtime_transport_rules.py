@@ -26,8 +26,19 @@ import pytest
 import torch
 import torch.distributed as dist
 from fake_transports import DeviceKindTransport, RendezvousTransport
-from runtime_models import DIM, VOCAB, make_stage, rich_criterion
+from runtime_models import (
+    DIM,
+    VOCAB,
+    RunConfig,
+    build_schedule_for,
+    example_criterion,
+    make_all_stages,
+    make_stage,
+    make_tensors,
+    rich_criterion,
+)
 
+from dualpipe_kernels import compat
 from dualpipe_kernels.runtime import Pipeline, spawn
 from dualpipe_kernels.schedules.generators import build_schedule
 from dualpipe_kernels.transport import Transport
@@ -64,6 +75,27 @@ def _losses(rank: int, name: str, transport: Transport, default_device: str | No
     return out
 
 
+def _compat_loss(rank: int, transport: Transport, default_device: str | None) -> torch.Tensor | None:
+    """The reference's API (compat.DualPipeV, 6 chunks) through ``transport``; rank 0's loss."""
+    cfg = RunConfig("dualpipev", 2, 6, api="compat", model="example")
+    stages = make_all_stages(cfg, build_schedule_for(cfg))
+    x, label = make_tensors(cfg.model, cfg.rows, cfg.seed + 1)
+    feeds = rank == 0
+    torch.set_default_device(default_device)
+    try:
+        model = compat.DualPipeV((stages[rank], stages[3 - rank]), transport=transport)
+        loss, _ = model.step(
+            *(x if feeds else (None,)),
+            num_chunks=6,
+            criterion=example_criterion,
+            labels=label if feeds else (None,),
+        )
+        model.close()
+    finally:
+        torch.set_default_device(None)
+    return loss
+
+
 def _worker(rank: int, world: int) -> dict[str, str]:
     plain = TorchDistTransport(timeout_s=PIPELINE_TIMEOUT_S)
     acks = TorchDistTransport(dist.new_group(backend="gloo"), timeout_s=PIPELINE_TIMEOUT_S)
@@ -83,6 +115,15 @@ def _worker(rank: int, world: int) -> dict[str, str]:
             except Exception:  # noqa: BLE001 - reported per case
                 results[f"{variant}/{name}"] = traceback.format_exc()
             dist.barrier()
+    expected_loss = _compat_loss(rank, plain, None)
+    for variant, (transport, default_device) in variants.items():
+        try:
+            loss = _compat_loss(rank, transport, default_device)
+            same = (loss is None and expected_loss is None) or torch.equal(loss, expected_loss)
+            results[f"{variant}/compat"] = "ok" if same else f"loss {loss} vs {expected_loss}"
+        except Exception:  # noqa: BLE001 - reported per case
+            results[f"{variant}/compat"] = traceback.format_exc()
+        dist.barrier()
     plain.close()
     acks.close()
     return results
@@ -93,7 +134,7 @@ def rule_results() -> list[dict[str, str]]:
     return spawn(_worker, 2, timeout_s=240)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "compat"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_runtime_obeys_gpu_transport_rules(rule_results: list[dict[str, str]], variant: str, schedule: str) -> None:
     case = f"{variant}/{schedule}"
