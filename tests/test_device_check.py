@@ -79,3 +79,7 @@ def test_step_limits_fit_the_window_and_the_gpu_tests_fit_their_step() -> None:
     gpu_runs = len(ipc.SETUPS) * (ipc.SETUP_BUDGET_S + 5) + ipc.KILL_BUDGET_S + 5
     assert gpu_runs <= limits["TRANSPORT"] - 30
     assert ipc.TEST_TIMEOUT_S > ipc.SETUP_BUDGET_S + 5 and ipc.TEST_TIMEOUT_S < limits["TRANSPORT"]
+    # the compat step's two GPU tests, each under its pytest timeout, plus pytest's start
+    compat_text = (ROOT / "tests" / "test_compat.py").read_text()
+    marker = re.search(r"timeout\((\d+)\)[^\n]*\n(?:@[^\n]*\n)*def test_compat_on_cuda", compat_text)
+    assert marker is not None and 2 * int(marker.group(1)) + 5 <= limits["COMPAT"]
