@@ -42,10 +42,10 @@ T_START=$(date +%s)
 
 # step limits (seconds); their sum stays within the budget, so the last steps are never starved
 LIMIT_SMOKE=25
-LIMIT_BUILD=110
+LIMIT_BUILD=100
 LIMIT_TRANSPORT=185
 LIMIT_RUNTIME=50
-LIMIT_COMPAT=45
+LIMIT_COMPAT=55
 LIMIT_BENCH=50
 
 if [[ -n "${PYTHON:-}" ]]; then
