@@ -1,37 +1,52 @@
 #!/usr/bin/env bash
-# One-shot GPU check of dualpipe-kernels on a machine with an NVIDIA GPU.
+# One-shot GPU check of dualpipe-kernels, sized for a short device window (the whole run < 8 minutes,
+# even when every GPU test fails or hangs).
 #
-#   bash bench/device_check.sh            # report in $OUT if set, else bench/results/device/
+#   bash bench/device_check.sh              # results in $OUT if set, else bench/results/device/
+#   DEVICE_CHECK_DRY=1 bash bench/device_check.sh   # on a machine without a GPU: walks every step
+#                                            # (the build only checks the extension imports)
+#   DPK_FAULT_IPC_WAIT=1 ...                 # fault injection: in the transport tests rank 1 sticks in a
+#                                            # wait that never fires; the step must still end in time
 #
-# Steps (each with its own timeout, all inside an overall budget of
-# DEVICE_CHECK_BUDGET_S seconds, default 450 = 7.5 minutes; a failing step is
-# recorded and the script goes on):
-#   env     nvidia-smi, python, torch, CUDA visibility
-#   build   python setup.py build_ext --inplace  (MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 DUALPIPE_KERNELS_CUDA=1)
-#   import  dualpipe_kernels._C imports and has the CUDA engine
-#   tests   pytest -m gpu tests/   (JUnit XML kept)
-#   bench   bench/bench_cuda_ipc.py --json  (IPC P2P vs same-GPU copy_, compute/transfer overlap)
-#   report  report.md + report.json (+ logs/ with every step's output)
+# Steps, in order, each with its own timeout (capped by what is left of DEVICE_CHECK_BUDGET_S, default
+# 465 s); a failing step is recorded and the script goes on.  DEVICE_CHECK_STEPS picks a subset.
+#   smoke      GPU, compute mode, PYTORCH_CUDA_ALLOC_CONF; then two processes pass a CUDA tensor and an
+#              interprocess event through torch.multiprocessing (does CUDA IPC work in this sandbox?)
+#   build      python setup.py build_ext --inplace, unless the extension already imports with CUDA and is
+#              newer than every source under csrc/
+#   transport  pytest tests/test_cuda_ipc.py (per-test timeouts below the step's; JUnit XML)
+#   runtime    the demo on the GPU: two processes on GPU 0, --device cuda, transport auto
+#   compat     pytest -m gpu tests/test_compat.py (the reference's API on CUDA; JUnit XML)
+#   bench      dualpipe-kernels bench cuda_ipc --quick (IPC at >= 64 MiB vs a same-GPU copy, us per
+#              message, compute and transfer together); the kernels and memory suites where they exist
 #
-# What the machine needs: a CUDA driver, a CUDA toolkit (nvcc; CUDA_HOME or
-# /usr/local/cuda), and a Python (PYTHON, else ./.venv/bin/python, else
-# python3) with torch (a CUDA build), setuptools, ninja, pybind11, numpy,
-# pytest and pytest-timeout. Nothing is downloaded: the machine may be offline.
-# The build goes in place (the tree is a copy), tests and benchmarks import the
-# package through PYTHONPATH.
+# Output: at most 6 files in the output folder: report.md, report.json, logs.tar.gz (every step's log,
+# steps.tsv, benchmark and demo JSON), junit-transport.xml, junit-compat.xml.  Every step also streams
+# its output to stdout as it runs.  Nothing is downloaded.
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUTDIR="${OUT:-$ROOT/bench/results/device}"
-LOGDIR="$OUTDIR/logs"
+mkdir -p "$OUTDIR"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/dpk-device-check.XXXXXX")"
+LOGDIR="$WORK/logs"
 mkdir -p "$LOGDIR"
-STEPS="$OUTDIR/steps.tsv"
+STEPS="$WORK/steps.tsv"
 : >"$STEPS"
-BUDGET_S="${DEVICE_CHECK_BUDGET_S:-450}"
-# DEVICE_CHECK_STEPS: the steps to run (a dry run elsewhere: DEVICE_CHECK_STEPS="env import")
-WANTED=" ${DEVICE_CHECK_STEPS:-env build import tests bench} "
+BUDGET_S="${DEVICE_CHECK_BUDGET_S:-465}"
+ALL_STEPS="smoke build transport runtime compat bench"
+WANTED=" ${DEVICE_CHECK_STEPS:-$ALL_STEPS} "
+DRY="${DEVICE_CHECK_DRY:-0}"
 T_START=$(date +%s)
+
+# step limits (seconds); their sum stays within the budget, so the last steps are never starved
+LIMIT_SMOKE=25
+LIMIT_BUILD=100
+LIMIT_TRANSPORT=185
+LIMIT_RUNTIME=50
+LIMIT_COMPAT=55
+LIMIT_BENCH=50
 
 if [[ -n "${PYTHON:-}" ]]; then
   PY="$PYTHON"
@@ -45,158 +60,228 @@ export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export PATH="$CUDA_HOME/bin:$PATH"
 export MAX_JOBS="${MAX_JOBS:-16}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export PYTHONUNBUFFERED=1
 
-# run_step NAME LIMIT_S CMD...: runs CMD with a timeout capped by the remaining
-# budget, logs to logs/NAME.log and appends "name rc seconds limit" to steps.tsv.
+# run_step NAME LIMIT CMD...: CMD under `timeout` (its whole process group), output streamed to stdout and
+# to logs/NAME.log; appends "name rc seconds limit" to steps.tsv.
 run_step() {
   local name="$1" limit="$2"
   shift 2
-  local now left t0 rc
+  local left t0 rc
   if [[ "$WANTED" != *" $name "* ]]; then
     printf '%s\t%s\t%s\t%s\n' "$name" "skipped" 0 0 >>"$STEPS"
     return 0
   fi
-  now=$(date +%s)
-  left=$((BUDGET_S - (now - T_START) - 15))  # keep 15 s for the report
-  if ((left < 10)); then
+  left=$((BUDGET_S - ($(date +%s) - T_START) - 10)) # 10 s for the report and the archive
+  if ((left < 5)); then
     printf '%s\t%s\t%s\t%s\n' "$name" "skipped" 0 0 >>"$STEPS"
-    echo "[device_check] $name: skipped (budget spent)" >&2
+    echo "[device_check] $name: skipped (budget spent)"
     return 0
   fi
   ((limit > left)) && limit=$left
-  echo "[device_check] $name (timeout ${limit}s): $*" >&2
+  echo "[device_check] ==== $name (timeout ${limit}s): $(printf '%s' "$*" | tr '\n' ' ' | cut -c1-160)"
   t0=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@" >"$LOGDIR/$name.log" 2>&1
-  rc=$?
+  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$LOGDIR/$name.log"
+  rc=${PIPESTATUS[0]}
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - t0))" "$limit" >>"$STEPS"
-  echo "[device_check] $name: rc=$rc ($(($(date +%s) - t0)) s)" >&2
+  echo "[device_check] ==== $name: rc=$rc ($(($(date +%s) - t0)) s of ${limit})"
   return 0
 }
 
-run_step env 60 bash -c '
-  nvidia-smi || echo "nvidia-smi failed"
-  echo "python: '"$PY"'"; "'"$PY"'" --version
-  command -v nvcc && nvcc --version | tail -2
-  "'"$PY"'" -c "import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available(), \"devices\", torch.cuda.device_count()); print(torch.cuda.get_device_name(0))"
-  nproc; free -g; df -h /dev/shm'
+# the Python parts of the smoke and build steps, as files (bash -c cannot carry here-documents in functions)
+cat >"$WORK/smoke_ipc.py" <<'PYEOF'
+import sys
+import time
 
-run_step build 300 env DUALPIPE_KERNELS_CUDA=1 "$PY" setup.py build_ext --inplace
+import torch
+import torch.multiprocessing as mp
 
-run_step import 60 "$PY" -c '
-import json
-import torch  # loads libc10 & co. before the extension
-from dualpipe_kernels import _C
-info = _C.build_info()
-print(json.dumps(info))
-assert _C.has_cuda(), "extension built without CUDA"
-print("cuda runtime", _C.cuda.runtime_version(), "devices", _C.cuda.device_count())
-assert _C.cuda.device_count() >= 1, "no CUDA device visible to the extension"'
 
-run_step tests 200 "$PY" -m pytest -m gpu tests/ -q -rfEs -p no:cacheprovider --continue-on-collection-errors \
-  --junitxml="$OUTDIR/pytest-gpu.xml"
+def child(q, r):
+    t, ev = q.get(timeout=10)
+    torch.cuda.current_stream().wait_event(ev)
+    r.put(float(t.sum().item()))
 
-run_step bench 180 bash -c '"'"$PY"'" bench/bench_cuda_ipc.py --json --timeout 150 >"'"$OUTDIR"'/bench_cuda_ipc.json"'
+
+if __name__ == "__main__":
+    print(f"torch {torch.__version__} (cuda {torch.version.cuda}); devices {torch.cuda.device_count()}", flush=True)
+    if not torch.cuda.is_available():
+        sys.exit("smoke: no CUDA device visible")
+    t0 = time.monotonic()
+    ctx = mp.get_context("spawn")
+    q, r = ctx.Queue(), ctx.Queue()
+    t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    ev = torch.cuda.Event(interprocess=True)
+    ev.record()
+    p = ctx.Process(target=child, args=(q, r), daemon=True)
+    p.start()
+    q.put((t, ev))
+    got = r.get(timeout=15)
+    p.join(5)
+    want = float(t.sum().item())
+    print(f"smoke: CUDA tensor + interprocess event through torch.multiprocessing: got {got}, want {want} "
+          f"({time.monotonic() - t0:.1f} s)")
+    sys.exit(0 if got == want else 1)
+PYEOF
+cat >"$WORK/build_check.py" <<'PYEOF'
+import sys
+from pathlib import Path
+
+import torch  # noqa: F401 - loads libc10 before the extension
+
+try:
+    from dualpipe_kernels import _C
+except ImportError as exc:
+    sys.exit(f"build: the extension does not import ({exc})")
+so = Path(_C.__file__).stat().st_mtime
+newer = [p for p in Path("csrc").rglob("*") if p.is_file() and p.stat().st_mtime > so]
+print(f"build: {_C.__file__}: {_C.build_info()}")
+if not _C.has_cuda() or newer:
+    sys.exit(f"build: needed (with CUDA: {_C.has_cuda()}; sources newer than the extension: {len(newer)})")
+print("build: up to date, with CUDA")
+PYEOF
+
+smoke() {
+  nvidia-smi --query-gpu=name,compute_mode,driver_version,memory.total,memory.used --format=csv 2>&1 ||
+    echo "nvidia-smi: unavailable"
+  echo "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-<unset>}  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-<unset>}"
+  echo "python: $PY ($("$PY" --version 2>&1)); nproc $(nproc); /dev/shm: $(df -h /dev/shm 2>/dev/null | tail -1)"
+  "$PY" "$WORK/smoke_ipc.py"
+}
+
+build() {
+  "$PY" "$WORK/build_check.py" && return 0
+  if [[ "$DRY" == 1 ]]; then
+    echo "build: dry run: would run: DUALPIPE_KERNELS_CUDA=1 $PY setup.py build_ext --inplace"
+    return 0
+  fi
+  DUALPIPE_KERNELS_CUDA=1 "$PY" setup.py build_ext --inplace
+}
+
+bench() {
+  local rc=0 suite
+  "$PY" -m dualpipe_kernels bench cuda_ipc --quick --json --no-plots --out "$WORK/bench" --timeout 35 \
+    >"$WORK/bench/cuda_ipc.stdout.json" || rc=1
+  for suite in kernels memory; do
+    if "$PY" -c "import dualpipe_kernels.benchmarks.$suite" 2>/dev/null; then
+      timeout 30 "$PY" -m dualpipe_kernels bench "$suite" --quick --json --no-plots --out "$WORK/bench" \
+        >"$WORK/bench/$suite.stdout.json" || rc=1
+    else
+      echo "bench: no suite '$suite' in this tree"
+    fi
+  done
+  return $rc
+}
+
+mkdir -p "$WORK/bench"
+run_step smoke "$LIMIT_SMOKE" bash -c "$(declare -f smoke); PY='$PY' WORK='$WORK' smoke"
+run_step build "$LIMIT_BUILD" bash -c "$(declare -f build); PY='$PY' WORK='$WORK' DRY='$DRY' build"
+# pytest: -v -rA so that every test reports as it ends; --timeout below the step's (markers: below too)
+run_step transport "$LIMIT_TRANSPORT" "$PY" -m pytest tests/test_cuda_ipc.py -v -rA -p no:cacheprovider \
+  --timeout 60 --junitxml="$OUTDIR/junit-transport.xml"
+run_step runtime "$LIMIT_RUNTIME" bash -c "set -o pipefail; '$PY' -m dualpipe_kernels demo --device cuda --ranks 2 --steps 2 --json \
+  | tee '$WORK/demo.json'"
+run_step compat "$LIMIT_COMPAT" "$PY" -m pytest -m gpu tests/test_compat.py -v -rA -p no:cacheprovider \
+  --timeout 40 --junitxml="$OUTDIR/junit-compat.xml"
+run_step bench "$LIMIT_BENCH" bash -c "$(declare -f bench); PY='$PY' WORK='$WORK' bench"
 
 # ---------------------------------------------------------------------------
-# report (python if it runs, else a minimal one from bash)
+# report (python if it runs, else a minimal one from bash), then the log archive
 # ---------------------------------------------------------------------------
 TOTAL_S=$(($(date +%s) - T_START))
-if ! "$PY" - "$OUTDIR" "$TOTAL_S" <<'PYEOF'; then
+if ! "$PY" - "$OUTDIR" "$WORK" "$TOTAL_S" <<'PYEOF'; then
 import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-out, total_s = Path(sys.argv[1]), int(sys.argv[2])
+out, work, total_s = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+
+
+def status(rc: str) -> str:
+    return {"skipped": "skipped", "0": "ok", "124": "timeout", "137": "timeout"}.get(rc, "failed")
+
+
 steps = []
-for line in (out / "steps.tsv").read_text().splitlines():
+for line in (work / "steps.tsv").read_text().splitlines():
     name, rc, secs, limit = line.split("\t")
-    status = "skipped" if rc == "skipped" else ("ok" if rc == "0" else ("timeout" if rc in ("124", "137") else "failed"))
-    steps.append({"step": name, "status": status, "rc": rc, "seconds": int(secs), "limit_s": int(limit)})
+    steps.append({"step": name, "status": status(rc), "rc": rc, "seconds": int(secs), "limit_s": int(limit)})
 
-tests = None
-xml = out / "pytest-gpu.xml"
-if xml.exists():
-    try:
-        root = ET.parse(xml).getroot()
-        suite = root if root.tag == "testsuite" else root.find("testsuite")
-        a = suite.attrib
-        failed = [
-            f"{c.get('classname')}::{c.get('name')}"
-            for c in suite.iter("testcase")
-            if c.find("failure") is not None or c.find("error") is not None
-        ]
-        tests = {k: int(a.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-        tests["passed"] = tests["tests"] - tests["failures"] - tests["errors"] - tests["skipped"]
-        tests["failed_cases"] = failed
-    except Exception as e:  # noqa: BLE001
-        tests = {"error": f"unreadable JUnit XML: {e}"}
 
-bench = None
-bj = out / "bench_cuda_ipc.json"
-if bj.exists() and bj.stat().st_size:
+def junit(path: Path) -> dict | None:
+    if not path.exists():
+        return None
     try:
-        bench = json.loads(bj.read_text())
+        root = ET.parse(path).getroot()
+    except ET.ParseError as e:
+        return {"error": f"unreadable JUnit XML: {e}"}
+    cases = list(root.iter("testcase"))
+    bad = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
+    skipped = [c for c in cases if c.find("skipped") is not None]
+    return {
+        "tests": len(cases), "failed": len(bad), "skipped": len(skipped),
+        "passed": len(cases) - len(bad) - len(skipped),
+        "failed_cases": [f"{c.get('classname')}::{c.get('name')}" for c in bad],
+    }
+
+
+def load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text()) if path.exists() and path.stat().st_size else None
     except json.JSONDecodeError as e:
-        bench = {"error": f"unreadable benchmark JSON: {e}"}
+        return {"error": f"unreadable JSON {path.name}: {e}"}
 
-env_log = out / "logs" / "env.log"
+
+bench = {p.stem: load(p) for p in sorted((work / "bench").glob("*.stdout.json"))}
 report = {
     "total_s": total_s,
     "steps": steps,
     "all_steps_ok": all(s["status"] == "ok" for s in steps),
-    "tests": tests,
-    "bench_cuda_ipc": bench,
-    "env": env_log.read_text()[-4000:] if env_log.exists() else "",
+    "tests": {k: junit(out / f"junit-{k}.xml") for k in ("transport", "compat")},
+    "demo": load(work / "demo.json"),
+    "bench": {k.removesuffix(".stdout"): v for k, v in bench.items()},
 }
-(out / "report.json").write_text(json.dumps(report, indent=2))
+(out / "report.json").write_text(json.dumps(report, indent=2, default=str))
 
-md = [f"# dualpipe-kernels device check ({total_s} s)", "", "| step | status | rc | seconds | limit |", "|---|---|---|---|---|"]
+md = [f"# dualpipe-kernels device check ({total_s} s)", "", "| step | status | rc | seconds | limit |",
+      "|---|---|---|---|---|"]
 md += [f"| {s['step']} | {s['status']} | {s['rc']} | {s['seconds']} | {s['limit_s']} |" for s in steps]
-md.append("")
-if tests and "error" not in tests:
-    md.append(f"GPU tests: {tests['passed']} passed, {tests['failures']} failed, {tests['errors']} errors, "
-              f"{tests['skipped']} skipped of {tests['tests']}")
-    md += [f"- FAILED {c}" for c in tests["failed_cases"]]
-elif tests:
-    md.append(f"GPU tests: {tests['error']}")
-else:
-    md.append("GPU tests: no JUnit XML (see logs/tests.log)")
-md.append("")
-if bench and "rows" in bench:
-    md.append(f"## CUDA IPC P2P vs same-GPU copy_ on {bench['device']} ({bench['staging']} staging)")
-    md += ["", "| size (B) | msgs | IPC GB/s | copy_ GB/s | IPC / copy_ | us/msg |", "|---|---|---|---|---|---|"]
-    for r in bench["rows"]:
-        md.append(f"| {r['size_bytes']} | {r['messages']} | {r['ipc_gbps']:.1f} | {r['d2d_gbps']:.1f} | "
-                  f"{r['ratio']:.2f} | {r['us_per_msg']:.1f} |")
-    md.append("")
-    md.append(f"Min IPC/copy_ ratio at >= 1 MiB: {bench['bandwidth_ratio_min_ge_1MiB']:.2f} "
-              f"(target >= {bench['bandwidth_target_ratio']}): {'PASS' if bench['bandwidth_pass'] else 'FAIL'}")
-    o = bench["overlap"]
-    md.append(f"Overlap: compute {o['compute_ms']:.1f} ms, transfer {o['transfer_ms']:.1f} ms, both "
-              f"{o['both_ms']:.1f} ms = {o['ratio']:.2f} x the longer (target <= {o['target']}): "
-              f"{'PASS' if o['pass'] else 'FAIL'}")
-else:
-    md.append(f"Benchmark: {bench['error'] if bench else 'no output (see logs/bench.log)'}")
+for k, t in report["tests"].items():
+    if t is None or "error" in t:
+        md.append(f"\n{k} tests: {t['error'] if t else 'no JUnit XML'}")
+        continue
+    md.append(f"\n{k} tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped of {t['tests']}")
+    md += [f"- FAILED {c}" for c in t["failed_cases"]]
+demo = report["demo"]
+if demo and "losses" in demo:
+    md.append(f"\ndemo on CUDA: {demo.get('ranks')} ranks, bit-exact first step {demo.get('bit_exact_first_step')}, "
+              f"hidden comm share {demo.get('hidden_comm_share')}")
+ipc = report["bench"].get("cuda_ipc")
+if ipc and "rows" in ipc:
+    md.append(f"\nCUDA IPC ({ipc['staging']} staging) vs same-GPU copy: min ratio at >= 64 MiB "
+              f"{ipc['bandwidth_ratio_min']}, {ipc['latency_us_per_msg']:.1f} us/message, overlap "
+              f"{ipc['overlap'].get('ratio') if ipc['overlap'] else None}")
+    md += ["", "| size (B) | IPC GB/s | copy GB/s | IPC / copy | us/msg |", "|---|---|---|---|---|"]
+    md += [f"| {r['size_bytes']} | {r['ipc_gbps']:.1f} | {r['d2d_gbps']:.1f} | {r['ratio']:.2f} | "
+           f"{r['us_per_msg']:.1f} |" for r in ipc["rows"]]
 for s in steps:
-    log = out / "logs" / f"{s['step']}.log"
+    log = work / "logs" / f"{s['step']}.log"
     if s["status"] in ("failed", "timeout") and log.exists():
-        tail = log.read_text(errors="replace").splitlines()[-15:]
+        tail = log.read_text(errors="replace").splitlines()[-12:]
         md += ["", f"### {s['step']} ({s['status']}, rc {s['rc']}): last lines of logs/{s['step']}.log", "", "```"]
         md += tail + ["```"]
-md += ["", "Logs: logs/<step>.log"]
+md += ["", "Logs: logs.tar.gz (logs/<step>.log, steps.tsv, bench/, demo.json)"]
 (out / "report.md").write_text("\n".join(md) + "\n")
 print("\n".join(md))
 PYEOF
   {
     echo "# dualpipe-kernels device check (${TOTAL_S} s; python report failed)"
-    echo
     echo '```'
     cat "$STEPS"
     echo '```'
   } >"$OUTDIR/report.md"
-  printf '{"total_s": %s, "report_error": "python report step failed", "steps_tsv": "%s"}\n' "$TOTAL_S" "$STEPS" \
-    >"$OUTDIR/report.json"
+  printf '{"total_s": %s, "report_error": "python report step failed"}\n' "$TOTAL_S" >"$OUTDIR/report.json"
   cat "$OUTDIR/report.md"
 fi
-echo "[device_check] report: $OUTDIR/report.md" >&2
+tar -czf "$OUTDIR/logs.tar.gz" -C "$WORK" . && rm -rf "$WORK"
+echo "[device_check] done in $(($(date +%s) - T_START)) s: $(ls "$OUTDIR" | tr '\n' ' ')"

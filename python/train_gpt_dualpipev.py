@@ -4,7 +4,8 @@
 Two ways to start it:
 
     python python/train_gpt_dualpipev.py --ranks 2 --steps 20
-        starts 2 local processes itself (CPU + gloo, or one GPU each when GPUs are present)
+        starts 2 local processes itself (CPU by default when no GPU is visible; --device cuda puts the
+        ranks on the GPUs round-robin, so two ranks may share one GPU and talk over CUDA IPC)
     torchrun --nproc-per-node 2 python/train_gpt_dualpipev.py --steps 20
         torchrun starts the processes; RANK / WORLD_SIZE / LOCAL_RANK come from the environment
 
@@ -47,14 +48,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--transport", choices=("auto", "torch", "native"), default="auto")
-    return p.parse_args(argv)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU; none is visible")
+    return args
 
 
 def train(rank: int, world: int, args: argparse.Namespace) -> list[float]:
     """Run the training loop on this rank (process group already initialised); return the per-step losses."""
-    # One GPU per rank over NCCL; CPU tensors over gloo.
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    # The transport moves the activations (CUDA IPC between GPU ranks on one host); gloo only coordinates.
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     n = args.microbatches or 4 * world
     schedule = build_schedule("dualpipev", world, n)
     cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers or max(4, 2 * world))
@@ -72,7 +80,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[float]:
             opt.step()
             opt.zero_grad(set_to_none=True)
             # Losses live on the rank holding the last stage; share their mean with everyone.
-            total = torch.tensor([sum(float(v) for v in res.losses.values()), float(len(res.losses))], device=device)
+            total = torch.tensor([sum(float(v) for v in res.losses.values()), float(len(res.losses))])
             dist.all_reduce(total)
             loss = float(total[0] / total[1])
             history.append(loss)
@@ -86,10 +94,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group("gloo")
         try:
             train(dist.get_rank(), dist.get_world_size(), args)
         finally:
@@ -97,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from dualpipe_kernels.runtime.launch import spawn
 
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks else "gloo"
-    losses = spawn(train, args.ranks, args, backend=backend, timeout_s=3600)
+    losses = spawn(train, args.ranks, args, backend="gloo", timeout_s=3600)
     print(f"final loss {losses[0][-1]:.4f} after {args.steps} steps (first {losses[0][0]:.4f})")
     return 0
 

@@ -1097,7 +1097,7 @@ def example_port(rank: int, world_size: int, which: str, num_chunks: int) -> dic
 # compat on CUDA (tests marked gpu)
 # --------------------------------------------------------------------------------------------
 def cuda_compat(rank: int, world_size: int, which: str, num_chunks: int) -> dict[str, bool]:
-    """Rank function: compat DualPipe/DualPipeV with CUDA modules (gloo between ranks sharing GPU 0).
+    """Rank function: compat DualPipe/DualPipeV with CUDA modules, ranks sharing GPU 0 (transport "auto").
 
     Same checks as the CPU configurations, against a single-process run on the same GPU.
     """

@@ -33,6 +33,7 @@ SUITES: dict[str, str] = {
     "transport": "point-to-point bandwidth and latency: native shared memory vs gloo vs a cross-core copy",
     "engine": "schedule engine speed: build + validate + simulate DualPipeV 64 ranks x 1024 micro-batches",
     "kernels": "pack/unpack bandwidth (lossless, bf16, fp8) vs a same-size copy and unfused torch cat + cast",
+    "cuda_ipc": "CUDA IPC between two processes on one GPU vs a same-GPU copy: GB/s, us per message, overlap",
 }
 
 _COMMON = ("json", "out", "quick", "no_plots")
@@ -48,6 +49,12 @@ def _import_suite(name: str) -> tuple[ModuleType | None, str | None]:
     if missing:
         return None, f"module dualpipe_kernels.benchmarks.{name} lacks {', '.join(missing)}"
     return mod, None
+
+
+def _unavailable(mod: ModuleType) -> str | None:
+    """A suite that needs hardware this machine lacks says why in ``unavailable()`` (it is skipped, not failed)."""
+    check = getattr(mod, "unavailable", None)
+    return check() if check is not None else None
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -158,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
             return 1
         mod, _ = _import_suite(args.suite)
         assert mod is not None
+        skip = _unavailable(mod)
+        if skip:
+            sys.stderr.write(f"dualpipe-kernels bench {args.suite}: skipped: {skip}\n")
+            return 0
         from dualpipe_kernels.runtime.launch import RanksFailed
 
         try:
@@ -178,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
         if mod is None:
             failed[name] = f"unavailable: {err}"
             sys.stderr.write(f"bench all: skipping {name}: {failed[name]}\n")
+            continue
+        skip = _unavailable(mod)
+        if skip:
+            sys.stderr.write(f"bench all: skipping {name}: {skip}\n")
             continue
         try:
             results[name] = _run_one(name, mod, _suite_args(mod, args))

@@ -70,7 +70,7 @@ def add_parser(subparsers: Any) -> None:
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
-        help="auto: one rank per GPU when CUDA GPUs are present, else CPU processes",
+        help="auto: CUDA when a GPU is visible, else CPU processes; on CUDA ranks share the GPUs round-robin",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress stays on stderr)")
     p.set_defaults(func=run)
@@ -109,11 +109,11 @@ def _config(args: argparse.Namespace) -> DemoConfig:
     if args.device == "cuda" and not cuda:
         raise ValueError("--device cuda needs a CUDA GPU; none is visible")
     use_cuda = args.device == "cuda" or (args.device == "auto" and cuda)
-    ranks = args.ranks if args.ranks is not None else (torch.cuda.device_count() if use_cuda else 2)
+    # On CUDA several ranks may share one GPU (rank r uses GPU r % count): two processes on one GPU still
+    # exercise the CUDA IPC transport.
+    ranks = args.ranks if args.ranks is not None else (max(2, torch.cuda.device_count()) if use_cuda else 2)
     if ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {ranks}")
-    if use_cuda and ranks > torch.cuda.device_count():
-        raise ValueError(f"--ranks {ranks} needs one GPU per rank; {torch.cuda.device_count()} visible")
     if ranks > 64:
         raise ValueError(f"--ranks must be <= 64 for local processes, got {ranks}")
     if args.steps < 1:
@@ -175,6 +175,8 @@ def _rank_main(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
     from dualpipe_kernels.schedules.generators import build_schedule
     from dualpipe_kernels.transport import make_transport
 
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
     sched = build_schedule(cfg.schedule, world, cfg.microbatches)
     gcfg = cfg.model
@@ -337,7 +339,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from dualpipe_kernels.schedules.generators import build_schedule
 
     t_start = time.perf_counter()
-    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    # gloo also on CUDA: the transport moves the tensors (CUDA IPC, or host staging), gloo only coordinates.
+    backend = "gloo"
     _progress(
         f"starting {cfg.ranks} rank processes ({backend}, {cfg.device}), {cfg.schedule}, "
         f"{cfg.microbatches} micro-batches, {cfg.steps} steps, transport {cfg.transport}"

@@ -733,7 +733,9 @@ def _presplit(
 
 def _pack_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """``[has-grad mask (uint8), one flat buffer per dtype (zeros where no grad)]``: a few tensors per stage."""
-    mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+    # On the parameters' device, not the default one: a GPU transport refuses host tensors.
+    dev = params[0].device if params else torch.device("cpu")
+    mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=dev)
     out: list[torch.Tensor | None] = [mask]
     for dtype in sorted({p.dtype for p in params}, key=str):
         out.append(torch.cat([_or_zeros(p).reshape(-1) for p in params if p.dtype == dtype]))

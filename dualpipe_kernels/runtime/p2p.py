@@ -29,6 +29,12 @@ metadata first, data receives posted the moment it arrives (from the
 transport's completion callback where it has one, otherwise from
 :meth:`BoundaryRecv.progress` between actions).
 
+Devices: every tensor handed to the transport lives on the transport's
+device (:func:`wire_device`): the metadata, the placeholders and payloads
+that come from elsewhere (e.g. a CPU mask) are staged there first, and
+received data is allocated on the receiver's device.  A CUDA transport
+rejects host tensors, so nothing may be created on the default device.
+
 Tags: ``TagSpace`` gives every (direction, consumer stage, micro-batch, slot)
 its own tag, so transfers between one pair of ranks never mix: slot 0 is the
 metadata, slots 1..31 the speculative and 32..62 the fresh tensor transfers.
@@ -56,6 +62,7 @@ __all__ = [
     "BoundaryRecv",
     "TensorMeta",
     "LayoutMemory",
+    "wire_device",
 ]
 
 META_LEN = 128
@@ -145,10 +152,27 @@ class LayoutMemory:
         self.encoded: dict[tuple[object, ...], torch.Tensor] = {}
 
 
+def wire_device(transport: Transport) -> torch.device:
+    """The device of every tensor posted to ``transport``: its ``device``, or CPU.
+
+    CPU when the transport declares no device, or when it moves host memory
+    and only stages device tensors through it (``device_native`` False, e.g.
+    torch over gloo): its metadata then needs no staging at all, and a data
+    callback never reads a metadata buffer whose staging copy has not run.
+    """
+    dev = getattr(transport, "device", None)
+    if dev is None or not getattr(transport, "device_native", True):
+        return torch.device("cpu")
+    return torch.device(dev)
+
+
 def encode_meta(
-    tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool], speculative: bool = False
+    tensors: Sequence[torch.Tensor | None],
+    grad_flags: Sequence[bool],
+    speculative: bool = False,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """The metadata tensor (int64, ``META_LEN`` entries, CPU) for ``tensors``.
+    """The metadata tensor (int64, ``META_LEN`` entries, on ``device``) for ``tensors``.
 
     ``speculative``: the data goes to the speculative tags (the receiver's
     remembered layout matches).
@@ -167,7 +191,8 @@ def encode_meta(
         raise ValueError(
             f"stage boundary metadata needs {len(words)} words, more than {META_LEN}: too many tensors or dimensions"
         )
-    return torch.tensor(words + [0] * (META_LEN - len(words)), dtype=torch.int64)
+    # Built on the host (the words are Python ints), then moved: one small copy per distinct layout (cached).
+    return torch.tensor(words + [0] * (META_LEN - len(words)), dtype=torch.int64, device="cpu").to(device)
 
 
 def _meta_signature(
@@ -184,7 +209,7 @@ def _meta_signature(
 
 
 def decode_meta(meta: torch.Tensor) -> tuple[list[TensorMeta | None], bool]:
-    """``(per-tensor metadata, speculative flag)`` of a metadata tensor."""
+    """``(per-tensor metadata, speculative flag)`` of a metadata tensor (on any device; read after its transfer)."""
     words = meta.tolist()
     if words[0] != _MAGIC:
         raise TransportError(f"corrupt stage boundary metadata (magic {words[0]:#x}): sender and receiver disagree")
@@ -208,6 +233,8 @@ class BoundarySend:
 
     ``memory``: the sender's layout memory (see the module docstring); None
     disables speculation for this message (the receiver must pass None too).
+    Every tensor posted is on the transport's device (:func:`wire_device`);
+    payloads elsewhere are copied there first.
     """
 
     def __init__(
@@ -223,6 +250,7 @@ class BoundarySend:
     ) -> None:
         direction, stage, mb = key
         self.what = what
+        wire = wire_device(transport)
         layout = _layout_of_tensors(tensors)
         guess = memory.sent.get(key) if memory is not None else None
         hit = guess is not None and guess == layout
@@ -234,17 +262,19 @@ class BoundarySend:
             if meta is None:
                 if len(memory.encoded) >= _MAX_ENCODED:
                     memory.encoded.clear()  # shapes that change every step: keep the cache small
-                meta = memory.encoded[sig] = encode_meta(tensors, grad_flags, speculative=hit)
+                meta = memory.encoded[sig] = encode_meta(tensors, grad_flags, speculative=hit, device=wire)
         else:
-            meta = encode_meta(tensors, grad_flags, speculative=hit)
+            meta = encode_meta(tensors, grad_flags, speculative=hit, device=wire)
         self._meta = meta
-        self._payload: list[torch.Tensor | None] = [None if t is None else t.detach().contiguous() for t in tensors]
+        self._payload: list[torch.Tensor | None] = [
+            None if t is None else t.detach().to(wire).contiguous() for t in tensors
+        ]
         self._handles: list[Handle] = [transport.isend(self._meta, peer, tags.tag(direction, stage, mb, 0), what)]
         if guess is not None and not hit:
             # The receiver posted receives of the remembered layout: satisfy them with placeholders.
             for i, g in enumerate(guess):
                 if g is not None and math.prod(g[1]) > 0:
-                    dummy = torch.zeros(g[1], dtype=g[0])
+                    dummy = torch.zeros(g[1], dtype=g[0], device=wire)
                     self._payload.append(dummy)
                     tag = tags.tag(direction, stage, mb, _SPEC_BASE + i)
                     self._handles.append(transport.isend(dummy, peer, tag, f"{what} placeholder {i}"))
@@ -270,7 +300,8 @@ class BoundaryRecv:
 
     ``memory``: the receiver's layout memory; with a remembered layout for
     ``key`` the data receives are posted at once (speculatively), see the
-    module docstring.
+    module docstring.  ``device``: where the received tensors are allocated
+    (the transport's device; the metadata buffer is always there).
     """
 
     def __init__(
@@ -290,7 +321,7 @@ class BoundaryRecv:
         self._key = key
         self._device = device
         self._memory = memory
-        self._meta_buf = torch.empty(META_LEN, dtype=torch.int64)
+        self._meta_buf = torch.empty(META_LEN, dtype=torch.int64, device=wire_device(transport))
         self._metas: list[TensorMeta | None] | None = None
         self._tensors: list[torch.Tensor | None] = []
         self._handles: list[Handle] = []
@@ -331,6 +362,9 @@ class BoundaryRecv:
         with self._lock:
             if self._metas is not None:
                 return
+            if self._meta_buf.is_cuda:
+                # Reading it on the host goes through the current stream: order it after the transfer's copy.
+                self._meta_handle.wait_stream(torch.cuda.current_stream(self._meta_buf.device))
             metas, speculative = decode_meta(self._meta_buf)
             if speculative != (self._guess is not None and self._guess == layout_of(metas)):
                 raise TransportError(

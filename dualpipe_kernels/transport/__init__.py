@@ -40,7 +40,10 @@ def make_transport(
 
     ``"auto"`` (the runtime's default): ``"native"`` when the compiled engine is
     available for ``device`` (always for CPU tensors; for CUDA tensors when the
-    extension was built with CUDA), else ``"torch"``.
+    extension was built with CUDA), else ``"torch"``.  On CUDA, "auto" uses
+    CUDA IPC only if every step of it works on every rank of ``group``
+    (exporting buffers and events, opening the peers'), and otherwise warns
+    which step failed on which rank and returns ``"torch"`` (see fallback.py).
     ``"torch"``: torch.distributed point-to-point over a gloo group (CUDA tensors
     are staged through host memory; NCCL groups are refused, see torch_dist.py).
     ``"native"``: the compiled engine (shared memory between CPU processes, CUDA
@@ -53,6 +56,13 @@ def make_transport(
     import torch
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    if kind == "auto" and dev.type == "cuda" and native_available(dev):
+        from dualpipe_kernels.transport.fallback import cuda_ipc_or_none
+
+        ipc = cuda_ipc_or_none(group, dev, timeout_s)
+        if ipc is not None:
+            return ipc
+        kind = "torch"
     if kind == "auto":
         kind = "native" if native_available(dev) else "torch"
     if kind == "torch":

@@ -11,6 +11,23 @@ transport and must not be read before its handle completes.  ``tag``
 disambiguates several transfers in flight between the same pair of ranks;
 ``what`` is a short human label (e.g. ``"3RECV_F7 tensor 0"``) that goes into
 every error message.
+
+Completion: a send may complete only once the peer has posted (and, for a
+zero-copy CUDA IPC send of at least ``direct_min_bytes``, even copied) the
+matching receive.  So "isend -> wait -> irecv" on both ranks of a pair may
+deadlock (it does over CUDA IPC above 1 MiB and passes below): a caller posts
+every receive a send's completion could depend on before waiting for that
+send.  The runtime never waits for a send before posting the receives of the
+same exchange (tests/test_runtime_transport_rules.py drives it over a
+transport whose sends complete only when matched).
+
+Devices: a transport that moves tensors of one device exposes it as
+``device`` (CudaIpcTransport: its CUDA device), and every tensor posted to it
+must be on that device (the CUDA transport refuses host tensors).  A
+transport without ``device``, or whose ``device_native`` is False (torch over
+gloo with a CUDA ``device``: it moves host memory and stages device tensors
+through it), takes CPU tensors.  The runtime stages the metadata and
+everything else it posts accordingly (runtime/p2p.py ``wire_device``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,170 @@
+"""Run named scenarios on a pair of spawned processes, with every wait bounded.
+
+Made for the GPU tests, where one hang must not eat the whole test step:
+
+- each rank reports every scenario's outcome to the parent as soon as it has
+  it (so whatever ran before a hang is kept);
+- the parent waits for each scenario at most ``scenario_timeout_s``; a
+  scenario without an outcome by then is reported as stuck, the pair is
+  killed, and a fresh pair (fresh channels, nothing left queued from the
+  stuck scenario) runs the remaining scenarios, at most ``max_restarts`` times;
+- a pair that fails to set up is not retried, and the caller caches the
+  result (every test of that set-up reads the same failure);
+- the parent itself only ever waits on a queue with a timeout, so pytest's
+  per-test timeout can always interrupt it and the JUnit XML gets written.
+
+``prepare(rank, setup)`` runs once per process and returns a context (e.g. a
+holder for the transport the scenarios share); ``runner(ctx, rank, store,
+setup, name)`` runs scenario ``name`` on one rank and raises on failure.  Both
+must be module-level functions (they are pickled by name into spawned processes).
+With ``FAULT_ENV=1`` in the environment, rank 1 runs the scenario
+``FAULT_SCENARIO`` ahead of the first scenario of the first pair: the
+runner's model of a wait that never fires.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+FAULT_ENV = "DPK_FAULT_IPC_WAIT"
+FAULT_SCENARIO = "__wait_that_never_fires__"
+#: store barriers between scenarios (seconds)
+BARRIER_S = 20.0
+
+Runner = Callable[[Any, int, Any, str, str], None]
+Prepare = Callable[[int, str], Any]
+
+
+@dataclass
+class PairRun:
+    """``results[scenario][rank]``: "ok", a traceback, or why it has no outcome."""
+
+    results: dict[str, dict[int, str]] = field(default_factory=dict)
+    pids: list[int] = field(default_factory=list)
+    restarts: int = 0
+    elapsed_s: float = 0.0
+
+
+def barrier(store: Any, name: str, timeout_s: float = BARRIER_S) -> None:
+    if store.add(f"barrier/{name}", 1) == 2:
+        store.set(f"barrier/{name}/done", "1")
+    store.wait([f"barrier/{name}/done"], timedelta(seconds=timeout_s))
+
+
+def _child(
+    rank: int, runner: Runner, prepare: Prepare, store_path: str, setup: str, names: list[str], first: bool, out: Any
+) -> None:
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, 2)
+        ctx = prepare(rank, setup)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        out.put((rank, "setup", traceback.format_exc()))
+        return
+    out.put((rank, "setup", "ok"))
+    for i, name in enumerate(names):
+        try:
+            barrier(store, name)
+            if first and i == 0 and rank == 1 and os.environ.get(FAULT_ENV) == "1":
+                runner(ctx, rank, store, setup, FAULT_SCENARIO)
+            runner(ctx, rank, store, setup, name)
+            result = "ok"
+        except Exception:  # noqa: BLE001 - reported to the parent
+            result = traceback.format_exc()
+        out.put((rank, name, result))
+
+
+def _stop(procs: Sequence[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def _collect(out: Any, want: set[tuple[int, str]], got: dict[str, dict[int, str]], deadline: float) -> bool:
+    """Read outcomes until every (rank, name) of ``want`` arrived (True) or ``deadline`` passed (False)."""
+    while want:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            rank, name, result = out.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            continue
+        got.setdefault(name, {})[rank] = result
+        want.discard((rank, name))
+    return True
+
+
+def run_pair(
+    runner: Runner,
+    prepare: Prepare,
+    setup: str,
+    names: Sequence[str],
+    tmp_dir: Path,
+    *,
+    setup_timeout_s: float,
+    scenario_timeout_s: float,
+    budget_s: float,
+    max_restarts: int = 2,
+    reporting: Sequence[int] = (0, 1),
+) -> PairRun:
+    """Run ``names`` in order on ranks 0 and 1 (see the module docstring); ``reporting``: ranks expected to report.
+
+    The whole call takes at most about ``budget_s`` (no restart that could not finish in it).
+    """
+    run = PairRun(results={n: {} for n in ["setup", *names]})
+    t0 = time.monotonic()
+    end = t0 + budget_s
+    todo = list(names)
+    ctx = mp.get_context("spawn")
+    while todo:
+        out = ctx.Queue()
+        store_path = str(tmp_dir / f"store-{setup}-{run.restarts}")
+        args = (runner, prepare, store_path, setup, todo, run.restarts == 0, out)
+        procs = [ctx.Process(target=_child, args=(r, *args), daemon=True) for r in range(2)]
+        for p in procs:
+            p.start()
+        run.pids += [p.pid for p in procs if p.pid is not None]
+        stuck = None
+        try:
+            ok = _collect(
+                out, {(r, "setup") for r in (0, 1)}, run.results, min(end, time.monotonic() + setup_timeout_s)
+            )
+            if not ok or any(v != "ok" for v in run.results["setup"].values()):
+                for r in (0, 1):
+                    run.results["setup"].setdefault(r, f"no set-up outcome within {setup_timeout_s:.0f} s")
+                break
+            for name in todo:
+                want = {(r, name) for r in reporting}
+                if not _collect(out, want, run.results, min(end, time.monotonic() + scenario_timeout_s)):
+                    stuck = name
+                    for r in reporting:
+                        run.results[name].setdefault(
+                            r, f"no outcome within {scenario_timeout_s:.0f} s (stuck: a wait that never fires?)"
+                        )
+                    break
+        finally:
+            _stop(procs)
+        if stuck is None or run.restarts >= max_restarts or time.monotonic() + setup_timeout_s > end:
+            break
+        run.restarts += 1
+        todo = todo[todo.index(stuck) + 1 :]
+    for name in names:
+        for r in reporting:
+            run.results[name].setdefault(r, "not run (the pair was stopped earlier)")
+    run.elapsed_s = time.monotonic() - t0
+    return run
