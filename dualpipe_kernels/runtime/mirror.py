@@ -1,0 +1,165 @@
+"""DualPipe's mirror-gradient sync: the two copies of a model stage end the step with equal gradients.
+
+DualPipe holds each model stage twice (stage ``s`` and its mirror ``t``, on
+two ranks or, for DualPipeV's middle, on one).  At the end of a training step
+each copy's gradients become the sum of both: on one rank by adding in place,
+across ranks by one exchange of a few packed tensors per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace
+from dualpipe_kernels.schedules.ir import Schedule
+from dualpipe_kernels.transport import Transport
+
+__all__ = ["MirrorSync", "mirrors"]
+
+_DIR_MIRROR = 2  # TagSpace direction of end-of-step exchanges (0 and 1 are the data kinds ACT and GRAD)
+
+
+def mirrors(schedule: Schedule) -> dict[int, int]:
+    """stage -> the other stage computing the same model stage (DualPipe's copies); empty when none."""
+    by_model: dict[int, list[int]] = {}
+    for s, m in enumerate(schedule.model_stage):
+        by_model.setdefault(m, []).append(s)
+    out: dict[int, int] = {}
+    for m, ss in by_model.items():
+        if len(ss) > 2:
+            raise ValueError(f"model stage {m} has {len(ss)} copies; at most 2 are supported")
+        if len(ss) == 2:
+            out[ss[0]], out[ss[1]] = ss[1], ss[0]
+    return out
+
+
+class MirrorSync:
+    """Sums the gradients of each duplicated model stage this rank holds with its mirror copy."""
+
+    def __init__(
+        self,
+        rank: int,
+        schedule: Schedule,
+        modules: Mapping[int, nn.Module],
+        transport: Transport,
+        to_group_rank: Sequence[int],
+        tags: TagSpace,
+        layouts: LayoutMemory,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        self.rank = rank
+        self.stage_to_rank = schedule.stage_to_rank
+        self.mirror_of = mirrors(schedule)
+        self.modules = modules
+        self.transport = transport
+        self.to_group_rank = to_group_rank
+        self.tags = tags
+        self.layouts = layouts
+        self.device = device
+        self.timeout_s = timeout_s
+
+    def __bool__(self) -> bool:
+        return bool(self.mirror_of)
+
+    def _local(self, s: int, t: int) -> None:
+        params, other = list(self.modules[s].parameters()), list(self.modules[t].parameters())
+        if [tuple(p.shape) for p in params] != [tuple(q.shape) for q in other]:
+            raise ValueError(f"stages {s} and {t} copy the same model stage but have different parameter shapes")
+        for p, q in zip(params, other, strict=False):
+            if p.grad is None and q.grad is None:
+                continue
+            total = _or_zeros(p) + _or_zeros(q)
+            p.grad, q.grad = total, total.clone()
+
+    def run(self) -> None:
+        """Sum the gradients of the two copies of each duplicated model stage (both copies end equal)."""
+        sends: list[BoundarySend] = []
+        recvs: list[tuple[int, BoundaryRecv]] = []
+        local_done: set[int] = set()
+        for s in sorted(self.modules):
+            t = self.mirror_of.get(s)
+            if t is None:
+                continue
+            peer = self.stage_to_rank[t]
+            if peer == self.rank:
+                if s not in local_done:
+                    local_done.update((s, t))
+                    self._local(s, t)
+                continue
+            packed = _pack_grads(list(self.modules[s].parameters()))
+            what = f"pipeline rank {self.rank}: mirror-gradient exchange of stage {s} with stage {t}"
+            group_peer = self.to_group_rank[peer]
+            sends.append(
+                BoundarySend(
+                    self.transport,
+                    packed,
+                    [False] * len(packed),
+                    group_peer,
+                    self.tags,
+                    (_DIR_MIRROR, s, 0),
+                    f"{what} (to peer pipeline rank {peer})",
+                    self.layouts,
+                )
+            )
+            where = f"{what} (from peer pipeline rank {peer})"
+            recv = BoundaryRecv(
+                self.transport, group_peer, self.tags, (_DIR_MIRROR, t, 0), where, self.device, self.layouts
+            )
+            recvs.append((s, recv))
+        for s, recv in recvs:
+            theirs = _unpack_grads(list(self.modules[s].parameters()), recv.wait(self.timeout_s), s)
+            with torch.no_grad():
+                for param, grad in theirs:
+                    # own + theirs on one side, theirs + own on the other: IEEE addition
+                    # commutes, so both copies end bit-identical.
+                    param.grad = grad if param.grad is None else param.grad + grad
+        for send in sends:
+            send.wait(self.timeout_s)
+
+
+def _or_zeros(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _pack_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``[has-grad mask (uint8), one flat buffer per dtype (zeros where no grad)]``: a few tensors per stage."""
+    mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+    out: list[torch.Tensor | None] = [mask]
+    for dtype in sorted({p.dtype for p in params}, key=str):
+        out.append(torch.cat([_or_zeros(p).reshape(-1) for p in params if p.dtype == dtype]))
+    return out
+
+
+def _unpack_grads(
+    params: Sequence[torch.Tensor], packed: Sequence[torch.Tensor | None], stage: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Inverse of :func:`_pack_grads` against this copy's parameters: ``(param, its mirror's grad)`` pairs."""
+    dtypes = sorted({p.dtype for p in params}, key=str)
+    mask = packed[0]
+    sizes = {d: sum(p.numel() for p in params if p.dtype == d) for d in dtypes}
+    flats = dict(zip(dtypes, packed[1:], strict=False))
+    if (
+        mask is None
+        or mask.numel() != len(params)
+        or len(packed) != len(dtypes) + 1
+        or any(f is None or f.dtype != d or f.numel() != sizes[d] for d, f in flats.items())
+    ):
+        raise ValueError(
+            f"stage {stage}: its mirror copy has different parameters; the two copies of a model stage "
+            "must be the same module"
+        )
+    offsets = dict.fromkeys(dtypes, 0)
+    has = mask.tolist()
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for p, h in zip(params, has, strict=True):
+        flat = flats[p.dtype]
+        assert flat is not None
+        g = flat[offsets[p.dtype] : offsets[p.dtype] + p.numel()].view_as(p)
+        offsets[p.dtype] += p.numel()
+        if h or p.grad is not None:
+            out.append((p, g if h else torch.zeros_like(p)))
+    return out
