@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from dualpipe_kernels.runtime.zero_bubble import DeferredWeightGrad, WeightGradStore, backward_full, backward_input
-from dualpipe_kernels.schedules.deps import Topology
+from dualpipe_kernels.schedules.deps import DepKind, Topology
 from dualpipe_kernels.schedules.ir import T_I, T_RECV_B, T_RECV_F, Action, ActionType
 
 __all__ = ["ComputeState", "StageCompute", "Key"]
@@ -124,8 +124,7 @@ class StageCompute:
             st.roots[key] = [(get_gradient_edge(o), i) for i, o in enumerate(outs) if o.requires_grad]
         if self.overlap_hook and not st.forward_only:
             st.hook_outputs[key] = outs  # the hook's outputs1 for this stage's backward
-        nxt = topo.next_stage(s, mb)
-        assert nxt is not None
+        nxt = topo.consumer(DepKind.ACT, s, mb)
         if topo.stage_to_rank[nxt] == self.rank:
             # Same-rank handoff: cut the graph so each stage backward stays separate.
             st.inputs[(nxt, mb)] = [o.detach().requires_grad_(o.requires_grad) for o in outs]
@@ -169,8 +168,8 @@ class StageCompute:
         """Hand the stage's input gradients to the previous stage (locally or to the outbox of a SEND_B)."""
         ins = st.inputs.pop((s, mb), [])
         grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf else None for x in ins]
-        prv = self.topo.prev_stage(s, mb)
-        if prv is None:
+        prv = self.topo.consumer(DepKind.GRAD, s, mb)
+        if prv < 0:
             return
         if self.topo.stage_to_rank[prv] == self.rank:
             st.out_grads[(prv, mb)] = grads

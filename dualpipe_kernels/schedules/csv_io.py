@@ -28,7 +28,7 @@ from typing import IO
 
 from .deps import Topology
 from .generators import schedule_layout
-from .ir import Action, ActionType, Schedule, parse_action
+from .ir import Action, Schedule, parse_action
 
 __all__ = ["to_csv", "load_csv", "csv_text", "schedule_to_rows", "schedule_from_rows"]
 
@@ -128,9 +128,8 @@ def _with_peers(schedule: Schedule) -> Schedule:
         for i, a in enumerate(acts):
             if not a.is_comm or not topo.stage_on_path(a.stage, a.microbatch):
                 continue
-            to_next = a.type in (ActionType.SEND_F, ActionType.RECV_B)
-            other = topo.next_stage(a.stage, a.microbatch) if to_next else topo.prev_stage(a.stage, a.microbatch)
-            if other is not None:
+            other = topo.comm_other_stage(a)
+            if other >= 0:
                 acts[i] = Action(a.type, a.stage, a.microbatch, (), s2r[other])
     return schedule
 

@@ -152,8 +152,12 @@ class Topology:
     def num_keys(self) -> int:
         return NUM_KINDS * self.num_stages * self.num_microbatches
 
+    def chunk(self, stage: int, mb: int) -> int:
+        """Index of ``(stage, mb)`` in ``0 .. S*N-1``: a key is ``kind * S * N + chunk``."""
+        return stage * self.num_microbatches + mb
+
     def key(self, kind: DepKind | int, stage: int, mb: int) -> int:
-        return (int(kind) * self.num_stages + stage) * self.num_microbatches + mb
+        return int(kind) * self.num_stages * self.num_microbatches + self.chunk(stage, mb)
 
     def unkey(self, key: int) -> Dep:
         N, S = self.num_microbatches, self.num_stages
@@ -172,6 +176,15 @@ class Topology:
     def flow(self, kind: DepKind, path: int, stage: int, towards_consumer: bool) -> int:
         """The stage a transfer of ``kind`` made on (or read by) ``stage`` goes to (comes from); -1: none."""
         return self.flow_table(kind, towards_consumer)[path][stage]
+
+    def consumer(self, kind: DepKind, stage: int, mb: int) -> int:
+        """The stage that reads ``kind`` of ``(stage, mb)`` across the path (-1: none, the path ends)."""
+        return self.flow_table(kind, True)[self.mb_path[mb]][stage]
+
+    def comm_other_stage(self, action: Action) -> int:
+        """The stage at the other end of comm ``action`` (-1 at a path end); a SEND's stage makes, a RECV's reads."""
+        kind, is_send = _COMM_KIND[action.type]
+        return self.flow(kind, self.mb_path[action.microbatch], action.stage, towards_consumer=is_send)
 
     def flow_table(self, kind: DepKind | int, towards_consumer: bool) -> list[list[int]]:
         """``next`` or ``prev``: activations flow along the path, gradients against it."""
@@ -415,9 +428,9 @@ class Program:
         A SEND's stage is the producer's, a RECV's the consumer's (torch's notation).
         """
         kind, is_send = _COMM_KIND[a.type]
-        p = self._check_place(a, r, i)
+        self._check_place(a, r, i)
         topo = self.topo
-        other = topo.flow(kind, p, a.stage, towards_consumer=is_send)
+        other = topo.comm_other_stage(a)
         if other == _NONE:
             raise ProgramError("no neighbour stage to exchange with at this end of the path", r, i)
         orank = topo.stage_to_rank[other]

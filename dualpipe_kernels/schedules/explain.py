@@ -40,7 +40,7 @@ def check_layout(schedule: Schedule) -> Topology:
 
 
 class _Positions(NamedTuple):
-    """Per ``stage * N + mb``: step of its F, of its B/I, of its W (-1: none) and the B/I kind (0 none, 1 B, 2 I)."""
+    """Per chunk (``Topology.chunk``): step of its F, B/I and W (-1: none); B/I kind (0 none, 1 B, 2 I)."""
 
     f: list[int]
     g: list[int]
@@ -91,7 +91,7 @@ def _check_static(schedule: Schedule, topo: Topology) -> None:
         for i, a in enumerate(acts):
             for c in _plain_computes(schedule, r, i, a):
                 ct, s, m = c.type, c.stage, c.microbatch
-                k = s * N + m
+                k = topo.chunk(s, m)
                 chunk = f"stage {s}, micro-batch {m}"
                 if ct is T_F:
                     if pf[k] >= 0:
@@ -120,7 +120,7 @@ def _check_complete(schedule: Schedule, topo: Topology, pos: _Positions) -> None
     pf, pg, pw, gk = pos
     for m in range(N):
         for s in schedule.paths[topo.mb_path[m]]:
-            k = s * N + m
+            k = topo.chunk(s, m)
             missing = None
             if pf[k] < 0:
                 missing = "F"
