@@ -25,7 +25,7 @@ from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import T_SEND_B, T_SEND_F, Action, ActionType
 from dualpipe_kernels.transport import Transport
 
-__all__ = ["Boundary", "BoundaryState", "RecvKey"]
+__all__ = ["Boundary", "BoundaryState", "RecvKey", "Wire"]
 
 RecvKey = tuple[ActionType, int, int]  # (RECV type, consumer stage, micro-batch)
 
@@ -40,29 +40,38 @@ class BoundaryState:
     sends: list[tuple[BoundarySend, tuple[torch.Tensor, ...]]] = field(default_factory=list)
 
 
-class Boundary:
-    """This rank's stage-boundary transfers over ``transport`` (see the module docstring)."""
+@dataclass(frozen=True)
+class Wire:
+    """How this pipeline rank reaches its peers (shared by the boundary transfers and the mirror sync).
 
-    def __init__(
-        self,
-        rank: int,
-        program: Program,
-        transport: Transport,
-        to_group_rank: Sequence[int],
-        tags: TagSpace,
-        layouts: LayoutMemory,
-        device: torch.device,
-        timeout_s: float,
-    ) -> None:
-        self.rank = rank
-        self.program = program
-        self.actions = program.schedule.actions[rank]
-        self.transport = transport
-        self.to_group_rank = to_group_rank
-        self.tags = tags
-        self.layouts = layouts
-        self.device = device
-        self.timeout_s = timeout_s
+    ``to_group_rank[pipeline rank]``: the peer's rank in the process group;
+    ``layouts``: message layouts of the previous step (speculative receives, p2p.py);
+    ``device``: where received tensors go; ``timeout_s``: every wait.
+    """
+
+    rank: int
+    transport: Transport
+    to_group_rank: Sequence[int]
+    tags: TagSpace
+    layouts: LayoutMemory
+    device: torch.device
+    timeout_s: float
+
+
+@dataclass
+class Boundary:
+    """This rank's stage-boundary transfers over ``wire`` (see the module docstring)."""
+
+    wire: Wire
+    program: Program
+
+    @property
+    def rank(self) -> int:
+        return self.wire.rank
+
+    @property
+    def actions(self) -> list[Action]:
+        return self.program.schedule.actions[self.wire.rank]
 
     def _what(self, a: Action, peer: int) -> str:
         arrow = "to" if a.type in (T_SEND_F, T_SEND_B) else "from"
@@ -77,16 +86,10 @@ class Boundary:
             return
         key = self.program.remote[self.rank][i][0]
         peer = self.program.topo.key_rank(key)
+        w = self.wire
         # Transport errors already name this rank, the peer, the action and the micro-batch (``what``).
-        st.recvs[k] = BoundaryRecv(
-            self.transport,
-            self.to_group_rank[peer],
-            self.tags,
-            self.program.tag_key(key),
-            self._what(a, peer),
-            self.device,
-            self.layouts,
-        )
+        tag, what = self.program.tag_key(key), self._what(a, peer)
+        st.recvs[k] = BoundaryRecv(w.transport, w.to_group_rank[peer], w.tags, tag, what, w.device, w.layouts)
 
     def progress(self, st: BoundaryState) -> None:
         for r in st.recvs.values():
@@ -97,8 +100,9 @@ class Boundary:
         a = self.actions[i]
         self.post_recv(st, i, skip_grads=False)
         recv = st.recvs.pop((a.type, a.stage, a.microbatch))
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        return recv.wait(self.timeout_s, stream)
+        device = self.wire.device
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        return recv.wait(self.wire.timeout_s, stream)
 
     # ---- sends --------------------------------------------------------------------
     def send(
@@ -112,16 +116,9 @@ class Boundary:
         """Post SEND action ``i`` of ``tensors``; ``keep``: hook outputs whose storage goes once sent."""
         a = self.actions[i]
         key, dst = self.program.sends[self.rank][i][0]
-        send = BoundarySend(
-            self.transport,
-            tensors,
-            grad_flags,
-            self.to_group_rank[dst],
-            self.tags,
-            self.program.tag_key(key),
-            self._what(a, dst),
-            self.layouts,
-        )
+        w = self.wire
+        tag, what = self.program.tag_key(key), self._what(a, dst)
+        send = BoundarySend(w.transport, tensors, grad_flags, w.to_group_rank[dst], w.tags, tag, what, w.layouts)
         st.sends.append((send, keep))
 
     def reap(self, st: BoundaryState, block: bool) -> None:
@@ -133,7 +130,7 @@ class Boundary:
             # one still in flight (it is polled again at the next action).
             stop = stop or (not block and not send.is_completed())
             if not stop:
-                send.wait(self.timeout_s)
+                send.wait(self.wire.timeout_s)
                 for t in hooked:
                     # The reference's memory trick: the hook path keeps output tensors
                     # (for outputs1), so drop their storage once sent.

@@ -68,6 +68,7 @@ def _as_tuple(out: Any, stage: int) -> tuple[Any, ...]:
     raise ValueError(f"stage {stage} returned {type(out).__name__}; a stage must return a tensor or a tuple of tensors")
 
 
+@dataclass
 class StageCompute:
     """Runs this rank's stage modules for F, B, I, W and F&B actions.
 
@@ -76,20 +77,15 @@ class StageCompute:
     ``overlap_hook``: the stage modules' class defines ``overlapped_forward_backward``.
     """
 
-    def __init__(
-        self,
-        rank: int,
-        topo: Topology,
-        modules: Mapping[int, nn.Module],
-        store: WeightGradStore,
-        zero_bubble: str,
-    ) -> None:
-        self.rank = rank
-        self.topo = topo
-        self.modules = modules
-        self.store = store
-        self.zero_bubble = zero_bubble
-        types = {type(m) for m in modules.values()}
+    rank: int
+    topo: Topology
+    modules: Mapping[int, nn.Module]
+    store: WeightGradStore
+    zero_bubble: str
+    overlap_hook: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        types = {type(m) for m in self.modules.values()}
         self.overlap_hook = len(types) == 1 and hasattr(next(iter(types)), "overlapped_forward_backward")
 
     # ---- forward ------------------------------------------------------------

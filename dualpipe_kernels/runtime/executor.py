@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState
+from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState, Wire
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.construction import (
     check_mapping,
@@ -164,9 +164,11 @@ class Pipeline(nn.Module):
             self.rank, self.program.topo, self.stage_modules, self.weight_grad_store, zero_bubble
         )
         self.overlap_hook = self._compute.overlap_hook
-        comm = (self._transport, self.to_group_rank, self.tags, self._layouts, self.device, self.timeout_s)
-        self._boundary = Boundary(self.rank, self.program, *comm)
-        self._mirrors = MirrorSync(self.rank, schedule, self.stage_modules, *comm)
+        wire = Wire(
+            self.rank, self._transport, self.to_group_rank, self.tags, self._layouts, self.device, self.timeout_s
+        )
+        self._boundary = Boundary(wire, self.program)
+        self._mirrors = MirrorSync(wire, schedule, self.stage_modules)
         self.mirror_of = self._mirrors.mirror_of
         self._loop = ActionLoop(schedule.actions[self.rank], recv_lookahead)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
@@ -53,25 +54,19 @@ def window_ends(actions: Sequence[Action], lookahead: int) -> list[int]:
     return ends
 
 
+@dataclass
 class StepRun:
     """One step on this rank: the compute and boundary states and the timeline recorder."""
 
-    def __init__(
-        self,
-        loop: ActionLoop,
-        compute: StageCompute,
-        boundary: Boundary,
-        cst: ComputeState,
-        bst: BoundaryState,
-        rec: TimelineRecorder,
-    ) -> None:
-        self.loop = loop
-        self.compute = compute
-        self.boundary = boundary
-        self.cst = cst
-        self.bst = bst
-        self.rec = rec
-        cst.fetch = self.fetch
+    loop: ActionLoop
+    compute: StageCompute
+    boundary: Boundary
+    cst: ComputeState
+    bst: BoundaryState
+    rec: TimelineRecorder
+
+    def __post_init__(self) -> None:
+        self.cst.fetch = self.fetch
 
     def fetch(self, t: ActionType, s: int, mb: int) -> None:
         """Complete the receive ``(t, s, mb)`` if the action list has reached it, and deliver its data."""

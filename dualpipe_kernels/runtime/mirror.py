@@ -9,13 +9,14 @@ across ranks by one exchange of a few packed tensors per stage.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace
+from dualpipe_kernels.runtime.boundary import Wire
+from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend
 from dualpipe_kernels.schedules.ir import Schedule
-from dualpipe_kernels.transport import Transport
 
 __all__ = ["MirrorSync", "mirrors"]
 
@@ -36,31 +37,17 @@ def mirrors(schedule: Schedule) -> dict[int, int]:
     return out
 
 
+@dataclass
 class MirrorSync:
     """Sums the gradients of each duplicated model stage this rank holds with its mirror copy."""
 
-    def __init__(
-        self,
-        rank: int,
-        schedule: Schedule,
-        modules: Mapping[int, nn.Module],
-        transport: Transport,
-        to_group_rank: Sequence[int],
-        tags: TagSpace,
-        layouts: LayoutMemory,
-        device: torch.device,
-        timeout_s: float,
-    ) -> None:
-        self.rank = rank
-        self.stage_to_rank = schedule.stage_to_rank
-        self.mirror_of = mirrors(schedule)
-        self.modules = modules
-        self.transport = transport
-        self.to_group_rank = to_group_rank
-        self.tags = tags
-        self.layouts = layouts
-        self.device = device
-        self.timeout_s = timeout_s
+    wire: Wire
+    schedule: Schedule
+    modules: Mapping[int, nn.Module]
+    mirror_of: dict[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mirror_of = mirrors(self.schedule)
 
     def __bool__(self) -> bool:
         return bool(self.mirror_of)
@@ -84,41 +71,42 @@ class MirrorSync:
             t = self.mirror_of.get(s)
             if t is None:
                 continue
-            peer = self.stage_to_rank[t]
-            if peer == self.rank:
+            peer = self.schedule.stage_to_rank[t]
+            if peer == self.wire.rank:
                 if s not in local_done:
                     local_done.update((s, t))
                     self._local(s, t)
                 continue
-            packed = _pack_grads(list(self.modules[s].parameters()))
-            what = f"pipeline rank {self.rank}: mirror-gradient exchange of stage {s} with stage {t}"
-            group_peer = self.to_group_rank[peer]
-            sends.append(
-                BoundarySend(
-                    self.transport,
-                    packed,
-                    [False] * len(packed),
-                    group_peer,
-                    self.tags,
-                    (_DIR_MIRROR, s, 0),
-                    f"{what} (to peer pipeline rank {peer})",
-                    self.layouts,
-                )
-            )
-            where = f"{what} (from peer pipeline rank {peer})"
-            recv = BoundaryRecv(
-                self.transport, group_peer, self.tags, (_DIR_MIRROR, t, 0), where, self.device, self.layouts
-            )
-            recvs.append((s, recv))
+            sends.append(self._send(s, t, peer))
+            recvs.append((s, self._recv(s, t, peer)))
+        timeout = self.wire.timeout_s
         for s, recv in recvs:
-            theirs = _unpack_grads(list(self.modules[s].parameters()), recv.wait(self.timeout_s), s)
+            theirs = _unpack_grads(list(self.modules[s].parameters()), recv.wait(timeout), s)
             with torch.no_grad():
                 for param, grad in theirs:
                     # own + theirs on one side, theirs + own on the other: IEEE addition
                     # commutes, so both copies end bit-identical.
                     param.grad = grad if param.grad is None else param.grad + grad
         for send in sends:
-            send.wait(self.timeout_s)
+            send.wait(timeout)
+
+    def _what(self, s: int, t: int) -> str:
+        return f"pipeline rank {self.wire.rank}: mirror-gradient exchange of stage {s} with stage {t}"
+
+    def _send(self, s: int, t: int, peer: int) -> BoundarySend:
+        """Post this copy's packed gradients to the rank of its mirror ``t``."""
+        w = self.wire
+        packed = _pack_grads(list(self.modules[s].parameters()))
+        what = f"{self._what(s, t)} (to peer pipeline rank {peer})"
+        flags = [False] * len(packed)
+        return BoundarySend(
+            w.transport, packed, flags, w.to_group_rank[peer], w.tags, (_DIR_MIRROR, s, 0), what, w.layouts
+        )
+
+    def _recv(self, s: int, t: int, peer: int) -> BoundaryRecv:
+        w = self.wire
+        what = f"{self._what(s, t)} (from peer pipeline rank {peer})"
+        return BoundaryRecv(w.transport, w.to_group_rank[peer], w.tags, (_DIR_MIRROR, t, 0), what, w.device, w.layouts)
 
 
 def _or_zeros(p: torch.Tensor) -> torch.Tensor:

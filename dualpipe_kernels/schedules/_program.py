@@ -133,7 +133,12 @@ class RankProgram:
 
 
 def make_schedule(
-    name: str, num_ranks: int, num_microbatches: int, layout: Layout, actions: list[list[Action]]
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    layout: Layout,
+    actions: list[list[Action]],
+    lowered: bool = False,
 ) -> Schedule:
     return Schedule(
         name=name,
@@ -144,4 +149,5 @@ def make_schedule(
         microbatch_path=layout.microbatch_path,
         actions=actions,
         model_stage=layout.model_stage,
+        lowered=lowered,
     )

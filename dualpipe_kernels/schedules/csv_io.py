@@ -26,6 +26,7 @@ import io
 import os
 from typing import IO
 
+from ._program import make_schedule
 from .deps import Topology
 from .generators import schedule_layout
 from .ir import Action, Schedule, parse_action
@@ -104,17 +105,7 @@ def schedule_from_rows(
     lowered = any(a.is_comm for acts in actions for a in acts)
     if name is not None:
         layout = schedule_layout(name, len(actions), n_mb, stages_per_rank)
-        sched = Schedule(
-            name=name,
-            num_ranks=len(actions),
-            num_microbatches=n_mb,
-            stage_to_rank=layout.stage_to_rank,
-            paths=layout.paths,
-            microbatch_path=layout.microbatch_path,
-            actions=actions,
-            model_stage=layout.model_stage,
-            lowered=lowered,
-        )
+        sched = make_schedule(name, len(actions), n_mb, layout, actions, lowered)
     else:
         sched = _infer(actions, computes, n_mb, lowered)
     return _with_peers(sched) if lowered else sched

@@ -58,7 +58,7 @@ from numbers import Real
 from ._program import gc_paused
 from .costs import CommModel, CostModel, Num, StageCosts
 from .deps import ROLE_COMPUTE, ROLE_SEND, RULES, Program
-from .ir import T_B, T_F, T_I, T_PAIR, T_W, Schedule
+from .ir import T_B, T_F, T_I, T_PAIR, T_W, Action, Schedule
 from .simresult import SimEvent, SimResult, Timeline, action_kind, make_event
 from .validate import validate
 
@@ -69,6 +69,7 @@ def simulate(
     schedule: Schedule,
     costs: CostModel | None = None,
     comm: CommModel | None = None,
+    *,
     program: Program | None = None,
 ) -> SimResult:
     """Simulate ``schedule`` (compute-only or lowered) under ``costs`` and ``comm``.
@@ -172,16 +173,38 @@ def _deadlock(sched: Schedule, pos: list[int]) -> None:
         raise ValueError(f"schedule {sched.name!r} deadlocks: {where}")
 
 
-def _other_cost(sc: StageCosts, a: object) -> tuple[Num, int]:
-    """(duration, activations allocated) of a compute kind with no fast path here: from its rule."""
-    rule = RULES[a.type]  # type: ignore[attr-defined]
-    return rule.cost(sc, a.stage), rule.live  # type: ignore[attr-defined]
+def _cost_of(sc: StageCosts) -> Callable[[Action], tuple[Num, int, int]]:
+    """``cost_of(action)``: (duration, change of live activations, bump of the peak before it).
+
+    The peak counts an F before anything frees: F (+1, bump 1); an F&B pair
+    (0, bump 1: its F counts before its backward frees); B or I (-1, 0); W (0, 0);
+    another kind: its rule's ``cost`` and ``live``.
+    """
+    fc, bc, wc, ic, pair_cost = sc.f, sc.b, sc.w, sc.i, sc.pair
+
+    def cost_of(a: Action) -> tuple[Num, int, int]:
+        ty = a.type
+        if ty is T_F:
+            return fc[a.stage], 1, 1
+        if ty is T_B:
+            return bc[a.stage], -1, 0
+        if ty is T_I:
+            return ic[a.stage], -1, 0
+        if ty is T_W:
+            return wc[a.stage], 0, 0
+        if ty is T_PAIR:
+            fa, ba = a.sub_actions
+            return pair_cost(fa.stage, ba.stage, ba.type is T_B), 0, 1
+        rule = RULES[ty]
+        return rule.cost(sc, a.stage), rule.live, max(rule.live, 0)
+
+    return cost_of
 
 
 def _run_lowered(prog: Program, sc: StageCosts, comm: CommModel) -> SimResult:
     """Walk the lowered lists, recording every action's start and end."""
     sched = prog.schedule
-    fc, bc, wc, ic, pair_cost = sc.f, sc.b, sc.w, sc.i, sc.pair
+    cost_of = _cost_of(sc)
     n_ranks = sched.num_ranks
     acts = sched.actions
     offsets = [0] * (n_ranks + 1)
@@ -250,29 +273,10 @@ def _run_lowered(prog: Program, sc: StageCosts, comm: CommModel) -> SimResult:
                     lg = g
                 p += 1
                 continue
-            ty = a.type
-            if ty is T_F:
-                d = fc[a.stage]
-                lv += 1
-                if lv > pk:
-                    pk = lv
-            elif ty is T_PAIR:
-                fa, ba = a.sub_actions
-                d = pair_cost(fa.stage, ba.stage, ba.type is T_B)
-                if lv + 1 > pk:  # the F counts before the backward frees
-                    pk = lv + 1
-            elif ty is T_B:
-                d = bc[a.stage]
-                lv -= 1
-            elif ty is T_I:
-                d = ic[a.stage]
-                lv -= 1
-            elif ty is T_W:
-                d = wc[a.stage]
-            else:
-                d, more = _other_cost(sc, a)
-                lv += more
-                pk = max(pk, lv)
+            d, delta, bump = cost_of(a)
+            if lv + bump > pk:
+                pk = lv + bump
+            lv += delta
             start[g] = t
             pred[g] = lg
             t += d
@@ -303,7 +307,7 @@ def _run_direct(prog: Program, sc: StageCosts, comm: CommModel, replay: Callable
     right after the producer), without building them or keeping a timeline.
     """
     sched = prog.schedule
-    fc, bc, wc, ic, pair_cost = sc.f, sc.b, sc.w, sc.i, sc.pair
+    cost_of = _cost_of(sc)
     n_ranks = sched.num_ranks
     acts = sched.actions
     blocking = comm.blocking
@@ -371,30 +375,10 @@ def _run_direct(prog: Program, sc: StageCosts, comm: CommModel, replay: Callable
                     break
                 if x > t:
                     t = x
-            a = ra[p]
-            ty = a.type
-            if ty is T_F:
-                d = fc[a.stage]
-                lv += 1
-                if lv > pk:
-                    pk = lv
-            elif ty is T_B:
-                d = bc[a.stage]
-                lv -= 1
-            elif ty is T_I:
-                d = ic[a.stage]
-                lv -= 1
-            elif ty is T_W:
-                d = wc[a.stage]
-            elif ty is T_PAIR:
-                fa, ba = a.sub_actions
-                d = pair_cost(fa.stage, ba.stage, ba.type is T_B)
-                if lv + 1 > pk:  # the F counts before the backward frees
-                    pk = lv + 1
-            else:
-                d, more = _other_cost(sc, a)
-                lv += more
-                pk = max(pk, lv)
+            d, delta, bump = cost_of(ra[p])
+            if lv + bump > pk:
+                pk = lv + bump
+            lv += delta
             t += d
             bsy += d
             for k, dst in sends[p]:
