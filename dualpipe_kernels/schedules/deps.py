@@ -366,26 +366,21 @@ class Program:
                 remote.append(() if is_send else (key,))
                 makes.append(())
                 continue
-            subs = a.sub_actions
-            if not subs:  # the hot path: one plain compute, placement checked inline
-                s, m = a.stage, a.microbatch
+            # Hot path (10^5-10^6 actions, most of DualPipe's are pairs): placement checked inline,
+            # rules looked up per (kind, path, stage), keys = the cached bases + the micro-batch.
+            lo = re = mk = ()
+            for c in a.sub_actions or (a,):
+                s, m = c.stage, c.microbatch
                 if not (0 <= m < N and 0 <= s < S and on_path[mbp[m]][s] and s2r[s] == r):
-                    self._check_place(a, r, i)
-                p = mbp[m]
-                e = cache.get((id(t), p, s)) or self._entry(t, p, s, r, i)
-                e0, e1, e2 = e
-                lo = (e0[0] + m,) if len(e0) == 1 else _shift(e0, m)
-                re = (e1[0] + m,) if len(e1) == 1 else _shift(e1, m)
-                mk = (e2[0] + m,) if len(e2) == 1 else _shift(e2, m)
-            else:
-                lo = re = mk = ()
-                for c in subs:
-                    p = self._check_place(c, r, i)
-                    e = cache.get((id(c.type), p, c.stage)) or self._entry(c.type, p, c.stage, r, i)
-                    m = c.microbatch
-                    lo += _shift(e[0], m)
-                    re += _shift(e[1], m)
-                    mk += _shift(e[2], m)
+                    self._check_place(c, r, i)
+                ct, p = c.type, mbp[m]
+                e0, e1, e2 = cache.get((id(ct), p, s)) or self._entry(ct, p, s, r, i)
+                if e0:
+                    lo += (e0[0] + m,) if len(e0) == 1 else _shift(e0, m)
+                if e1:
+                    re += (e1[0] + m,) if len(e1) == 1 else _shift(e1, m)
+                if e2:
+                    mk += (e2[0] + m,) if len(e2) == 1 else _shift(e2, m)
             for k in re:
                 if dest[k] != r:
                     if dest[k] != _NONE:
