@@ -159,8 +159,9 @@ def test_deadlock_names_rank_step_and_action() -> None:
     r0 = parse_actions("0RECV_B0 0F0 0SEND_F0 0B0")
     r1 = parse_actions("1RECV_F0 1F0 1B0 1SEND_B0")
     s = Schedule("bad", 2, 1, (0, 1), ((0, 1),), (0,), [r0, r1], lowered=True)
+    # simulate validates first: the validator names the wait-for cycle
     with pytest.raises(
-        ValueError, match=r"deadlocks: rank 0 step 0 waits at 0RECV_B0; rank 1 step 0 waits at 1RECV_F0"
+        ValueError, match=r"deadlock: rank 0 at step 0 \(0RECV_B0\) .* rank 1 at step 0 \(1RECV_F0\) .* a cycle"
     ):
         simulate(s)
 
@@ -175,11 +176,11 @@ def test_to_dict_is_json_and_exact_for_ints() -> None:
 
 
 def test_deadlock_in_compute_only_schedule() -> None:
-    # rank 0 wants 1's gradient before sending its activation: a cross-rank cycle
-    r0 = parse_actions("0B0 0F0")
-    r1 = parse_actions("1F0 1B0")
-    s = Schedule("cycle", 2, 1, (0, 1), ((0, 1),), (0,), [r0, r1])
-    with pytest.raises(ValueError, match=r"deadlocks: rank 0 step 0 waits at 0B0; rank 1 step 0 waits at 1F0"):
+    # rank 1 runs micro-batch 1 before 0, rank 0 sends 0 first and waits for its gradient: a cross-rank cycle
+    r0 = parse_actions("0F0 0B0 0F1 0B1")
+    r1 = parse_actions("1F1 1B1 1F0 1B0")
+    s = Schedule("cycle", 2, 2, (0, 1), ((0, 1),), (0, 0), [r0, r1])
+    with pytest.raises(ValueError, match=r"deadlock: rank 0 at step 1 \(0B0\) .* rank 1 at step 0 \(1F1\)"):
         simulate(s)
 
 

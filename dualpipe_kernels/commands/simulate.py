@@ -100,7 +100,7 @@ def _finite_or_none(x: Num | None) -> Num | None:
 
 def run(args: argparse.Namespace) -> int:
     schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.stages_per_rank)
-    validate(schedule)
+    program = validate(schedule)  # simulate() below reuses it instead of validating again
     cost = CostModel(f=args.f, b=args.b, w=args.w, fb=args.fb)
     comm = CommModel(
         latency=args.comm_latency,
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         inter_bandwidth=args.inter_bandwidth,
         blocking=args.blocking_comm,
     )
-    res = simulate(schedule, cost, comm)
+    res = simulate(schedule, cost, comm, program=program)
     ref = reference_bubble(schedule.name, schedule.num_ranks, cost)
 
     # Exports first, so a --json consumer sees complete files once the JSON is printed.

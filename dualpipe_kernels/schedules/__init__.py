@@ -8,10 +8,22 @@ not import matplotlib.
 from .ascii import to_ascii
 from .costs import CommModel, CostModel
 from .csv_io import load_csv, to_csv
-from .deps import Dep, DepKind, Topology, dependencies, dependency_keys, produced_keys
+from .deps import (
+    RULES,
+    TRANSFER,
+    Dep,
+    DepKind,
+    Program,
+    ProgramError,
+    Rule,
+    Topology,
+    dependencies,
+    dependency_keys,
+    produced_keys,
+)
 from .generators import SCHEDULE_NAMES, build_schedule, schedule_layout
 from .ir import COMM_TYPES, COMPUTE_TYPES, Action, ActionType, Schedule, format_actions, parse_action, parse_actions
-from .lowering import lower_comms
+from .lowering import lower_comms, lower_program
 from .simulator import SimEvent, SimResult, reference_bubble, simulate
 from .trace import chrome_trace, chrome_trace_compare, to_events, write_chrome_trace
 from .validate import CommPair, ScheduleError, comm_pairs, validate
@@ -38,6 +50,12 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Topology",
+    "Program",
+    "ProgramError",
+    "Rule",
+    "RULES",
+    "TRANSFER",
+    "lower_program",
     "build_schedule",
     "comm_pairs",
     "dependencies",

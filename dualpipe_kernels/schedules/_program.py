@@ -8,11 +8,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .ir import Action, ActionType, Schedule
+from .ir import T_B, T_F, T_I, T_PAIR, T_W, Action, ActionType, Schedule
 
 __all__ = ["Layout", "RankProgram", "make_schedule", "gc_paused", "new_action"]
-
-_F, _B, _I, _W, _PAIR = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
 
 
 def _make_fast_constructor() -> Callable[..., Action]:
@@ -94,16 +92,16 @@ class RankProgram:
     def _f(self, stage: int) -> Action:
         mb = self._next_f[stage]
         self._next_f[stage] = mb + 1
-        return new_action(_F, stage, mb)
+        return new_action(T_F, stage, mb)
 
     def _b(self, stage: int, zero_bubble: bool) -> Action:
         mb = self._next_b[stage]
         self._next_b[stage] = mb + 1
         if zero_bubble:
-            a = new_action(_I, stage, mb)
+            a = new_action(T_I, stage, mb)
             self._pending_w.append(a)
             return a
-        return new_action(_B, stage, mb)
+        return new_action(T_B, stage, mb)
 
     def forward(self, stage: int) -> None:
         self.actions.append(self._f(stage))
@@ -117,7 +115,7 @@ class RankProgram:
         if not self._pending_w:
             raise RuntimeError("generator bug: W requested with no pending I")
         i = self._pending_w.popleft()
-        self.actions.append(new_action(_W, i.stage, i.microbatch))
+        self.actions.append(new_action(T_W, i.stage, i.microbatch))
 
     def weight_if_pending(self) -> None:
         if self._pending_w:
@@ -131,11 +129,16 @@ class RankProgram:
         """F of ``f_stage`` paired with a full B of ``b_stage``, as one OVERLAP_F_B unit."""
         f = self._f(f_stage)
         b = self._b(b_stage, zero_bubble=False)
-        self.actions.append(new_action(_PAIR, f.stage, f.microbatch, (f, b)))
+        self.actions.append(new_action(T_PAIR, f.stage, f.microbatch, (f, b)))
 
 
 def make_schedule(
-    name: str, num_ranks: int, num_microbatches: int, layout: Layout, actions: list[list[Action]]
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    layout: Layout,
+    actions: list[list[Action]],
+    lowered: bool = False,
 ) -> Schedule:
     return Schedule(
         name=name,
@@ -146,4 +149,5 @@ def make_schedule(
         microbatch_path=layout.microbatch_path,
         actions=actions,
         model_stage=layout.model_stage,
+        lowered=lowered,
     )

@@ -26,9 +26,10 @@ import io
 import os
 from typing import IO
 
+from ._program import make_schedule
 from .deps import Topology
 from .generators import schedule_layout
-from .ir import Action, ActionType, Schedule, parse_action
+from .ir import Action, Schedule, parse_action
 
 __all__ = ["to_csv", "load_csv", "csv_text", "schedule_to_rows", "schedule_from_rows"]
 
@@ -104,17 +105,7 @@ def schedule_from_rows(
     lowered = any(a.is_comm for acts in actions for a in acts)
     if name is not None:
         layout = schedule_layout(name, len(actions), n_mb, stages_per_rank)
-        sched = Schedule(
-            name=name,
-            num_ranks=len(actions),
-            num_microbatches=n_mb,
-            stage_to_rank=layout.stage_to_rank,
-            paths=layout.paths,
-            microbatch_path=layout.microbatch_path,
-            actions=actions,
-            model_stage=layout.model_stage,
-            lowered=lowered,
-        )
+        sched = make_schedule(name, len(actions), n_mb, layout, actions, lowered)
     else:
         sched = _infer(actions, computes, n_mb, lowered)
     return _with_peers(sched) if lowered else sched
@@ -128,9 +119,8 @@ def _with_peers(schedule: Schedule) -> Schedule:
         for i, a in enumerate(acts):
             if not a.is_comm or not topo.stage_on_path(a.stage, a.microbatch):
                 continue
-            to_next = a.type in (ActionType.SEND_F, ActionType.RECV_B)
-            other = topo.next_stage(a.stage, a.microbatch) if to_next else topo.prev_stage(a.stage, a.microbatch)
-            if other is not None:
+            other = topo.comm_other_stage(a)
+            if other >= 0:
                 acts[i] = Action(a.type, a.stage, a.microbatch, (), s2r[other])
     return schedule
 

@@ -35,6 +35,15 @@ __all__ = [
     "parse_action",
     "format_actions",
     "parse_actions",
+    "T_F",
+    "T_B",
+    "T_I",
+    "T_W",
+    "T_PAIR",
+    "T_SEND_F",
+    "T_RECV_F",
+    "T_SEND_B",
+    "T_RECV_B",
 ]
 
 
@@ -53,8 +62,12 @@ class ActionType(enum.Enum):
         return self.value
 
 
-COMPUTE_TYPES = frozenset({ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B})
-COMM_TYPES = frozenset({ActionType.SEND_F, ActionType.RECV_F, ActionType.SEND_B, ActionType.RECV_B})
+# Module-level names for the types, for hot loops (a global beats an enum attribute lookup); defined here only.
+T_F, T_B, T_I, T_W, T_PAIR = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
+T_SEND_F, T_RECV_F, T_SEND_B, T_RECV_B = ActionType.SEND_F, ActionType.RECV_F, ActionType.SEND_B, ActionType.RECV_B
+
+COMPUTE_TYPES = frozenset({T_F, T_B, T_I, T_W, T_PAIR})
+COMM_TYPES = frozenset({T_SEND_F, T_RECV_F, T_SEND_B, T_RECV_B})
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +94,8 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        return self.type in COMPUTE_TYPES
+        # Anything that is not a transfer computes: a new action kind needs no entry here.
+        return self.type not in COMM_TYPES
 
     @property
     def is_comm(self) -> bool:
@@ -91,7 +105,7 @@ class Action:
         """The plain compute actions this action performs (the pair's halves for OVERLAP_F_B)."""
         if self.type is ActionType.OVERLAP_F_B:
             return self.sub_actions
-        return (self,) if self.is_compute else ()
+        return (self,) if self.type not in COMM_TYPES else ()
 
     def __str__(self) -> str:
         if self.type is ActionType.OVERLAP_F_B:

@@ -1,0 +1,242 @@
+"""Stage compute: forward, backward, the I/W split and the F&B pair (with the overlap hook) on this rank.
+
+Ownership and lifetimes (per step, in :class:`ComputeState`, dropped at the end):
+
+* stage inputs ``(stage, mb)``: micro-batch slices of the caller's tensors on a
+  first stage, otherwise tensors a receive produced (leaves with
+  ``requires_grad`` when the sender's tensor required grad).  Kept until the
+  backward of that (stage, mb) has read their ``.grad``.
+* stage outputs: only the autograd *edges* of outputs are kept (enough for
+  backward); the tensors themselves go to the ``outbox`` and from there to the
+  send in flight, which releases them when it completes (unless autograd saved
+  them).  With an ``overlapped_forward_backward`` hook the outputs must be
+  handed to the hook, so they are kept in ``hook_outputs`` (the boundary swaps
+  their storage for an empty one once sent, the reference's way).
+
+Data a remote rank sends comes in through ``fetch(type, stage, mb)``, given by
+the action loop: it completes the receive the list has reached, if any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from dualpipe_kernels.runtime.zero_bubble import DeferredWeightGrad, WeightGradStore, backward_full, backward_input
+from dualpipe_kernels.schedules.deps import DepKind, Topology
+from dualpipe_kernels.schedules.ir import T_I, T_RECV_B, T_RECV_F, Action, ActionType
+
+__all__ = ["ComputeState", "StageCompute", "Key"]
+
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+@dataclass
+class ComputeState:
+    """One step's compute data on this rank (see the module docstring for who owns what)."""
+
+    forward_only: bool
+    return_outputs: bool
+    criterion: Callable[..., torch.Tensor] | None
+    mb_inputs: dict[int, tuple[Any, ...]]
+    mb_labels: dict[int, tuple[Any, ...]]
+    # Complete the receive of (RECV type, stage, mb) if the list reached it (set by the action loop).
+    fetch: Callable[[ActionType, int, int], None] = field(default=lambda t, s, mb: None)
+    inputs: dict[Key, list[Any]] = field(default_factory=dict)
+    roots: dict[Key, list[tuple[GradientEdge, int]]] = field(default_factory=dict)
+    loss_tensors: dict[Key, torch.Tensor] = field(default_factory=dict)
+    hook_outputs: dict[Key, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    out_grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    deferred: dict[Key, DeferredWeightGrad] = field(default_factory=dict)
+    # What this rank's SENDs take: activations by (stage, mb) and input gradients by (stage, mb).
+    outbox_f: dict[Key, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    outbox_b: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+
+def _as_tuple(out: Any, stage: int) -> tuple[Any, ...]:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return tuple(out)
+    raise ValueError(f"stage {stage} returned {type(out).__name__}; a stage must return a tensor or a tuple of tensors")
+
+
+@dataclass
+class StageCompute:
+    """Runs this rank's stage modules for F, B, I, W and F&B actions.
+
+    ``zero_bubble``: ``"split"`` (I/W autograd-graph split) or ``"store"``
+    (I runs the full backward with the WeightGradStore enabled, W pops it).
+    ``overlap_hook``: the stage modules' class defines ``overlapped_forward_backward``.
+    """
+
+    rank: int
+    topo: Topology
+    modules: Mapping[int, nn.Module]
+    store: WeightGradStore
+    zero_bubble: str
+    overlap_hook: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        types = {type(m) for m in self.modules.values()}
+        self.overlap_hook = len(types) == 1 and hasattr(next(iter(types)), "overlapped_forward_backward")
+
+    # ---- forward ------------------------------------------------------------
+    def _stage_inputs(self, st: ComputeState, s: int, mb: int) -> list[Any]:
+        key = (s, mb)
+        st.fetch(T_RECV_F, s, mb)
+        if key in st.inputs:
+            return st.inputs[key]
+        if self.topo.is_first_stage(s, mb) and mb in st.mb_inputs:
+            ins = list(st.mb_inputs.pop(mb))
+            st.inputs[key] = ins
+            return ins
+        raise RuntimeError(f"pipeline rank {self.rank}: {s}F{mb} has no inputs (schedule order broken?)")
+
+    def forward(self, st: ComputeState, s: int, mb: int, module_out: Any = None, loss: Any = None) -> None:
+        """F of stage ``s`` for ``mb`` (``module_out``/``loss``: already computed by an overlap hook)."""
+        topo = self.topo
+        key = (s, mb)
+        ins = self._stage_inputs(st, s, mb)
+        if module_out is None:
+            module_out = self.modules[s](*ins)
+        outs = _as_tuple(module_out, s)
+        if st.forward_only:
+            del st.inputs[key]
+        if topo.is_loss_stage(s, mb):
+            self._loss(st, s, mb, outs, loss)
+            return
+        for i, o in enumerate(outs):
+            if not isinstance(o, torch.Tensor):
+                raise ValueError(f"stage {s} output {i} is a {type(o).__name__}; only tensors can cross a boundary")
+        if not st.forward_only:
+            st.roots[key] = [(get_gradient_edge(o), i) for i, o in enumerate(outs) if o.requires_grad]
+        if self.overlap_hook and not st.forward_only:
+            st.hook_outputs[key] = outs  # the hook's outputs1 for this stage's backward
+        nxt = topo.consumer(DepKind.ACT, s, mb)
+        if topo.stage_to_rank[nxt] == self.rank:
+            # Same-rank handoff: cut the graph so each stage backward stays separate.
+            st.inputs[(nxt, mb)] = [o.detach().requires_grad_(o.requires_grad) for o in outs]
+            return
+        for i, o in enumerate(outs):
+            if o.requires_grad and o._base is not None:
+                raise ValueError(
+                    f"stage {s} output {i} (micro-batch {mb}) is a view of another tensor (e.g. of its input); "
+                    "a stage must return fresh tensors (use .clone() or .contiguous())"
+                )
+        st.outbox_f[key] = outs
+
+    def _loss(self, st: ComputeState, s: int, mb: int, outs: tuple[Any, ...], loss: Any) -> None:
+        key = (s, mb)
+        if st.criterion is not None:
+            if loss is None:
+                loss = st.criterion(*outs, *st.mb_labels.get(mb, ()))
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError(f"criterion must return a scalar tensor (stage {s}, micro-batch {mb})")
+            st.losses[mb] = loss.detach()
+            if not st.forward_only:
+                st.loss_tensors[key] = loss
+                st.roots[key] = [(get_gradient_edge(loss), -1)] if loss.requires_grad else []
+        if st.return_outputs:
+            st.outputs[mb] = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
+
+    # ---- backward -----------------------------------------------------------
+    def _grad_roots(self, st: ComputeState, s: int, mb: int) -> list[tuple[GradientEdge, torch.Tensor | None]]:
+        key = (s, mb)
+        st.fetch(T_RECV_B, s, mb)
+        roots = st.roots.pop(key, [])
+        if self.topo.is_loss_stage(s, mb):
+            st.loss_tensors.pop(key, None)
+            return [(e, None) for e, _ in roots]
+        grads = st.out_grads.pop(key, None)
+        if grads is None:
+            raise RuntimeError(f"pipeline rank {self.rank}: backward of stage {s} micro-batch {mb} has no output grads")
+        return [(e, grads[i]) for e, i in roots if i < len(grads) and grads[i] is not None]
+
+    def _after_backward(self, st: ComputeState, s: int, mb: int) -> None:
+        """Hand the stage's input gradients to the previous stage (locally or to the outbox of a SEND_B)."""
+        ins = st.inputs.pop((s, mb), [])
+        grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf else None for x in ins]
+        prv = self.topo.consumer(DepKind.GRAD, s, mb)
+        if prv < 0:
+            return
+        if self.topo.stage_to_rank[prv] == self.rank:
+            st.out_grads[(prv, mb)] = grads
+        else:
+            st.outbox_b[(s, mb)] = grads
+
+    def backward(self, st: ComputeState, s: int, mb: int, split: bool) -> None:
+        """B (``split=False``) or I of stage ``s`` for ``mb``."""
+        st.hook_outputs.pop((s, mb), None)
+        roots = self._grad_roots(st, s, mb)
+        store = self.store
+        if not split:
+            with store.enabled_for(False):
+                backward_full(roots)
+        elif self.zero_bubble == "store":
+            with store.enabled_for(True):
+                backward_full(roots)
+            store.flush((s, mb))
+        else:
+            ins = st.inputs.get((s, mb), [])
+            leaves = [x for x in ins if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf]
+            params = [p for p in self.modules[s].parameters() if p.requires_grad]
+            with store.enabled_for(True):
+                st.deferred[(s, mb)] = backward_input(roots, leaves, params)
+            store.flush((s, mb))
+        self._after_backward(st, s, mb)
+
+    def weight(self, st: ComputeState, s: int, mb: int) -> None:
+        """W of stage ``s`` for ``mb``: the weight-gradient work its I deferred."""
+        deferred = st.deferred.pop((s, mb), None)
+        if deferred is not None:
+            deferred.run()
+        self.store.pop((s, mb))
+
+    # ---- the F&B pair ---------------------------------------------------------
+    def pair(self, st: ComputeState, a: Action) -> None:
+        """An OVERLAP_F_B pair: through the modules' overlap hook when they have one, else F then B."""
+        f, b = a.sub_actions
+        mf, mb_ = self.modules[f.stage], self.modules[b.stage]
+        # The hook runs a full backward of ``b`` (for an I half, custom autograd
+        # functions may still defer their weight work through the store).
+        if st.forward_only or not self.overlap_hook or type(mf) is not type(mb_):
+            self.forward(st, f.stage, f.microbatch)
+            if not st.forward_only:
+                self.backward(st, b.stage, b.microbatch, split=b.type is T_I)
+            return
+        topo = self.topo
+        ins0 = self._stage_inputs(st, f.stage, f.microbatch)
+        crit0 = st.criterion if topo.is_loss_stage(f.stage, f.microbatch) else None
+        labels0 = list(st.mb_labels.get(f.microbatch, ())) if crit0 is not None else []
+        kb = (b.stage, b.microbatch)
+        if topo.is_loss_stage(b.stage, b.microbatch):
+            loss1 = st.loss_tensors.pop(kb, None)
+            outputs1: list[torch.Tensor] = []
+            grads1: list[torch.Tensor] = []
+            st.roots.pop(kb, None)
+        else:
+            loss1 = None
+            st.fetch(T_RECV_B, b.stage, b.microbatch)
+            outs = st.hook_outputs.pop(kb, ())
+            g = st.out_grads.pop(kb, None)
+            if g is None:
+                raise RuntimeError(f"pipeline rank {self.rank}: {b} has no output grads")
+            st.roots.pop(kb, None)
+            pairs = [(o, gi) for o, gi in zip(outs, g, strict=False) if gi is not None]
+            outputs1, grads1 = [o for o, _ in pairs], [gi for _, gi in pairs]
+        store = self.store
+        with store.enabled_for(b.type is T_I):
+            hook = type(mf).overlapped_forward_backward  # type: ignore[attr-defined]
+            out0, loss0 = hook(mf, ins0, crit0, labels0, mb_, loss1, outputs1, grads1)
+        if b.type is T_I:
+            store.flush(kb)
+        self.forward(st, f.stage, f.microbatch, module_out=out0, loss=loss0)
+        self._after_backward(st, b.stage, b.microbatch)

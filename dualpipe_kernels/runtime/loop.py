@@ -1,0 +1,174 @@
+"""The action loop: runs this rank's lowered action list in order, with a window of posted receives.
+
+The list is exactly the lowered schedule the simulator times (schedules.lowering).
+Each action goes to its kind's handler in :data:`HANDLERS`; a new action kind
+adds one entry there (see docs/adding_an_action.md).
+
+Receives are posted ``recv_lookahead`` compute actions ahead of need (metadata
+first, data the moment the metadata is in).  A RECV action the loop reaches is
+not waited for there but by the compute that reads its data (``fetch``), so an
+F&B pair runs its forward half while its backward half's gradient is still in
+flight; its timeline entry spans the actual wait.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState
+from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
+from dualpipe_kernels.runtime.timeline import TimelineRecorder
+from dualpipe_kernels.schedules.ir import (
+    T_B,
+    T_F,
+    T_I,
+    T_PAIR,
+    T_RECV_B,
+    T_RECV_F,
+    T_SEND_B,
+    T_SEND_F,
+    T_W,
+    Action,
+    ActionType,
+)
+
+__all__ = ["ActionLoop", "StepRun", "HANDLERS", "window_ends"]
+
+
+def window_ends(actions: Sequence[Action], lookahead: int) -> list[int]:
+    """end[i]: receives at indices < end[i] are posted before action i runs.
+
+    A compute's receives sit right before it (lowering), so posting everything
+    before the ``lookahead``-th compute after i covers the receives of the next
+    ``lookahead`` computes.  Never less than i + 1: an action's own receive is
+    always posted.
+    """
+    computes = [k for k, a in enumerate(actions) if a.is_compute]
+    ends: list[int] = []
+    for i in range(len(actions)):
+        j = bisect.bisect_right(computes, i) + lookahead - 1  # index of the lookahead-th compute after i
+        ends.append(max(i + 1, computes[j] if j < len(computes) else len(actions)))
+    return ends
+
+
+@dataclass
+class StepRun:
+    """One step on this rank: the compute and boundary states and the timeline recorder."""
+
+    loop: ActionLoop
+    compute: StageCompute
+    boundary: Boundary
+    cst: ComputeState
+    bst: BoundaryState
+    rec: TimelineRecorder
+
+    def __post_init__(self) -> None:
+        self.cst.fetch = self.fetch
+
+    def fetch(self, t: ActionType, s: int, mb: int) -> None:
+        """Complete the receive ``(t, s, mb)`` if the action list has reached it, and deliver its data."""
+        if not self.bst.reached:
+            return
+        i = self.bst.reached.pop((t, s, mb), None)
+        if i is None:
+            return
+        rec = self.rec
+        start = time.perf_counter() if rec.enabled else 0.0
+        self.receive(i)
+        if rec.enabled:
+            rec.add(self.loop.labels[i], start, time.perf_counter())
+
+    def receive(self, i: int) -> None:
+        a = self.loop.actions[i]
+        tensors = self.boundary.complete_recv(self.bst, i)
+        key = (a.stage, a.microbatch)
+        if a.type is T_RECV_F:
+            if self.cst.forward_only:
+                for x in tensors:
+                    if x is not None:
+                        x.requires_grad_(False)
+            self.cst.inputs[key] = list(tensors)
+        else:
+            self.cst.out_grads[key] = tensors
+
+    def send(self, i: int, a: Action) -> None:
+        key = (a.stage, a.microbatch)
+        cst = self.cst
+        if a.type is T_SEND_F:
+            tensors = cst.outbox_f.pop(key)
+            flags = [x is not None and x.requires_grad for x in tensors]
+            self.boundary.send(self.bst, i, tensors, flags, tuple(cst.hook_outputs.get(key, ())))
+        else:
+            grads = cst.outbox_b.pop(key)
+            self.boundary.send(self.bst, i, grads, [False] * len(grads))
+
+    def finish(self) -> None:
+        """End of the step's list: wait for every send, drain reached receives, check nothing is left."""
+        self.boundary.reap(self.bst, block=True)
+        for k in list(self.bst.reached):
+            # A receive whose data no compute read (should not happen in a valid schedule): still drain it.
+            self.fetch(*k)
+        self.boundary.check_drained(self.bst)
+
+
+Handler = Callable[[StepRun, int, Action], None]
+
+HANDLERS: dict[ActionType, Handler] = {
+    T_F: lambda run, i, a: run.compute.forward(run.cst, a.stage, a.microbatch),
+    T_B: lambda run, i, a: run.compute.backward(run.cst, a.stage, a.microbatch, split=False),
+    T_I: lambda run, i, a: run.compute.backward(run.cst, a.stage, a.microbatch, split=True),
+    T_W: lambda run, i, a: run.compute.weight(run.cst, a.stage, a.microbatch),
+    T_PAIR: lambda run, i, a: run.compute.pair(run.cst, a),
+    T_SEND_F: StepRun.send,
+    T_SEND_B: StepRun.send,
+    T_RECV_F: lambda run, i, a: run.receive(i),
+    T_RECV_B: lambda run, i, a: run.receive(i),
+}
+"""Action kind -> what this rank does for it.  Constant in the library; a test may add an entry (monkeypatch)."""
+
+_FORWARD_ONLY_SKIPS = frozenset({T_B, T_I, T_W, T_SEND_B, T_RECV_B})  # gradient work, skipped under no_grad
+
+
+class ActionLoop:
+    """Runs one rank's lowered list (``actions``) with receives posted ``recv_lookahead`` computes ahead."""
+
+    def __init__(self, actions: Sequence[Action], recv_lookahead: int) -> None:
+        self.actions = list(actions)
+        self.window_end = window_ends(self.actions, recv_lookahead)
+        self.labels = [str(a) for a in self.actions]  # timeline labels, built once
+
+    def run(self, run: StepRun) -> None:
+        acts, bst, boundary, rec = self.actions, run.bst, run.boundary, run.rec
+        forward_only = bst.forward_only
+        next_post = 0
+        for i, a in enumerate(acts):
+            # Post the receives of the next `recv_lookahead` compute actions after
+            # this one (double buffering with the default 2: while compute i runs,
+            # the data of computes i+1 and i+2 is already on its way).
+            end = self.window_end[i]
+            while next_post < end:
+                b = acts[next_post]
+                if b.type is T_RECV_F or b.type is T_RECV_B:
+                    boundary.post_recv(bst, next_post, skip_grads=forward_only and b.type is T_RECV_B)
+                next_post += 1
+            boundary.progress(bst)
+            boundary.reap(bst, block=False)
+            t = a.type
+            if forward_only and t in _FORWARD_ONLY_SKIPS:
+                continue
+            if t is T_RECV_F or t is T_RECV_B:
+                boundary.post_recv(bst, i, skip_grads=False)
+                bst.reached[(t, a.stage, a.microbatch)] = i
+                continue
+            handler = HANDLERS.get(t)
+            if handler is None:
+                raise ValueError(f"pipeline rank {boundary.rank}: no runtime handler for action kind {t} ({a})")
+            if rec.enabled:
+                with rec.span(self.labels[i]):
+                    handler(run, i, a)
+            else:
+                handler(run, i, a)
+        run.finish()

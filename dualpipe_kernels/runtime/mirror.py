@@ -1,0 +1,155 @@
+"""DualPipe's mirror-gradient sync: the two copies of a model stage end the step with equal gradients.
+
+DualPipe holds each model stage twice (stage ``s`` and its mirror ``t``, on
+two ranks or, for DualPipeV's middle, on one).  At the end of a training step
+each copy's gradients become the sum of both: on one rank by adding in place,
+across ranks by one exchange of a few packed tensors per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from dualpipe_kernels.runtime.boundary import Wire
+from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend
+from dualpipe_kernels.schedules.ir import Schedule
+
+__all__ = ["MirrorSync", "mirrors"]
+
+_DIR_MIRROR = 2  # TagSpace direction of end-of-step exchanges (0 and 1 are the data kinds ACT and GRAD)
+
+
+def mirrors(schedule: Schedule) -> dict[int, int]:
+    """stage -> the other stage computing the same model stage (DualPipe's copies); empty when none."""
+    by_model: dict[int, list[int]] = {}
+    for s, m in enumerate(schedule.model_stage):
+        by_model.setdefault(m, []).append(s)
+    out: dict[int, int] = {}
+    for m, ss in by_model.items():
+        if len(ss) > 2:
+            raise ValueError(f"model stage {m} has {len(ss)} copies; at most 2 are supported")
+        if len(ss) == 2:
+            out[ss[0]], out[ss[1]] = ss[1], ss[0]
+    return out
+
+
+@dataclass
+class MirrorSync:
+    """Sums the gradients of each duplicated model stage this rank holds with its mirror copy."""
+
+    wire: Wire
+    schedule: Schedule
+    modules: Mapping[int, nn.Module]
+    mirror_of: dict[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mirror_of = mirrors(self.schedule)
+
+    def __bool__(self) -> bool:
+        return bool(self.mirror_of)
+
+    def _local(self, s: int, t: int) -> None:
+        params, other = list(self.modules[s].parameters()), list(self.modules[t].parameters())
+        if [tuple(p.shape) for p in params] != [tuple(q.shape) for q in other]:
+            raise ValueError(f"stages {s} and {t} copy the same model stage but have different parameter shapes")
+        for p, q in zip(params, other, strict=False):
+            if p.grad is None and q.grad is None:
+                continue
+            total = _or_zeros(p) + _or_zeros(q)
+            p.grad, q.grad = total, total.clone()
+
+    def run(self) -> None:
+        """Sum the gradients of the two copies of each duplicated model stage (both copies end equal)."""
+        sends: list[BoundarySend] = []
+        recvs: list[tuple[int, BoundaryRecv]] = []
+        local_done: set[int] = set()
+        for s in sorted(self.modules):
+            t = self.mirror_of.get(s)
+            if t is None:
+                continue
+            peer = self.schedule.stage_to_rank[t]
+            if peer == self.wire.rank:
+                if s not in local_done:
+                    local_done.update((s, t))
+                    self._local(s, t)
+                continue
+            sends.append(self._send(s, t, peer))
+            recvs.append((s, self._recv(s, t, peer)))
+        timeout = self.wire.timeout_s
+        for s, recv in recvs:
+            theirs = _unpack_grads(list(self.modules[s].parameters()), recv.wait(timeout), s)
+            with torch.no_grad():
+                for param, grad in theirs:
+                    # own + theirs on one side, theirs + own on the other: IEEE addition
+                    # commutes, so both copies end bit-identical.
+                    param.grad = grad if param.grad is None else param.grad + grad
+        for send in sends:
+            send.wait(timeout)
+
+    def _what(self, s: int, t: int) -> str:
+        return f"pipeline rank {self.wire.rank}: mirror-gradient exchange of stage {s} with stage {t}"
+
+    def _send(self, s: int, t: int, peer: int) -> BoundarySend:
+        """Post this copy's packed gradients to the rank of its mirror ``t``."""
+        w = self.wire
+        packed = _pack_grads(list(self.modules[s].parameters()))
+        what = f"{self._what(s, t)} (to peer pipeline rank {peer})"
+        flags = [False] * len(packed)
+        return BoundarySend(
+            w.transport, packed, flags, w.to_group_rank[peer], w.tags, (_DIR_MIRROR, s, 0), what, w.layouts
+        )
+
+    def _recv(self, s: int, t: int, peer: int) -> BoundaryRecv:
+        w = self.wire
+        what = f"{self._what(s, t)} (from peer pipeline rank {peer})"
+        return BoundaryRecv(w.transport, w.to_group_rank[peer], w.tags, (_DIR_MIRROR, t, 0), what, w.device, w.layouts)
+
+
+def _or_zeros(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _pack_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``[has-grad mask (uint8), one flat buffer per dtype (zeros where no grad)]``: a few tensors per stage."""
+    # On the parameters' device, not the default one: a GPU transport refuses host tensors.
+    dev = params[0].device if params else torch.device("cpu")
+    mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=dev)
+    out: list[torch.Tensor | None] = [mask]
+    for dtype in sorted({p.dtype for p in params}, key=str):
+        out.append(torch.cat([_or_zeros(p).reshape(-1) for p in params if p.dtype == dtype]))
+    return out
+
+
+def _unpack_grads(
+    params: Sequence[torch.Tensor], packed: Sequence[torch.Tensor | None], stage: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Inverse of :func:`_pack_grads` against this copy's parameters: ``(param, its mirror's grad)`` pairs."""
+    dtypes = sorted({p.dtype for p in params}, key=str)
+    mask = packed[0]
+    sizes = {d: sum(p.numel() for p in params if p.dtype == d) for d in dtypes}
+    flats = dict(zip(dtypes, packed[1:], strict=False))
+    if (
+        mask is None
+        or mask.numel() != len(params)
+        or len(packed) != len(dtypes) + 1
+        or any(f is None or f.dtype != d or f.numel() != sizes[d] for d, f in flats.items())
+    ):
+        raise ValueError(
+            f"stage {stage}: its mirror copy has different parameters; the two copies of a model stage "
+            "must be the same module"
+        )
+    offsets = dict.fromkeys(dtypes, 0)
+    has = mask.tolist()
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for p, h in zip(params, has, strict=True):
+        flat = flats[p.dtype]
+        assert flat is not None
+        g = flat[offsets[p.dtype] : offsets[p.dtype] + p.numel()].view_as(p)
+        offsets[p.dtype] += p.numel()
+        if h or p.grad is not None:
+            out.append((p, g if h else torch.zeros_like(p)))
+    return out
