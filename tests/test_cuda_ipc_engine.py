@@ -14,10 +14,8 @@ behind these is unit-tested over a fake device in csrc/tests/test_ipc_engine.cpp
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dualpipe_kernels import _C
+from dualpipe_kernels.runtime.launch import spawn
 from dualpipe_kernels.transport.cuda_ipc import CudaIpcTransport
 
 HAS_GPU = torch.cuda.is_available()
@@ -112,8 +111,7 @@ def sc_view_at_offset(rank: int, store: dist.Store) -> dict[str, Any]:
         buf = torch.empty(n, dtype=torch.uint8, device="cuda:0")
         t.irecv(buf, 0, 1).wait(WAIT_S)
         out = {"equal": bool(torch.equal(buf, _payload(n, 5))), "stats": t.stats()}
-    store.add("view/done", 1)
-    store.wait(["view/done"])
+    dist.barrier()
     t.close()
     return out
 
@@ -151,14 +149,9 @@ def sc_teardown_order(rank: int, store: dist.Store) -> dict[str, Any]:
     return {"close_s": time.monotonic() - start, "leaked": engine.stats()["exports_leaked"]}
 
 
-def _rank_main(rank: int, store_path: str, name: str, out: Any) -> None:
-    torch.set_num_threads(1)
-    try:
-        torch.cuda.set_device(0)
-        store = dist.FileStore(store_path, 2)
-        out.put((rank, SCENARIOS[name](rank, store)))
-    except Exception:  # noqa: BLE001 - reported to the parent
-        out.put((rank, {"error": traceback.format_exc()}))
+def _rank_main(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    torch.cuda.set_device(0)
+    return SCENARIOS[name](rank, dist.distributed_c10d._get_default_store())
 
 
 SCENARIOS: dict[str, Callable[[int, dist.Store], dict[str, Any]]] = {
@@ -168,32 +161,14 @@ SCENARIOS: dict[str, Callable[[int, dist.Store], dict[str, Any]]] = {
 }
 
 
-def _spawn(name: str, tmp_path: Path) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store_path = str(tmp_path / f"store-{name}")
-    procs = [ctx.Process(target=_rank_main, args=(r, store_path, name, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    try:
-        for _ in procs:
-            rank, res = out.get(timeout=SPAWN_TIMEOUT_S)
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for rank, res in results.items():
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
-    return results
+def _spawn(name: str) -> list[dict[str, Any]]:
+    return spawn(_rank_main, 2, name, timeout_s=SPAWN_TIMEOUT_S, pg_timeout_s=60)
 
 
 @requires_gpu
 @pytest.mark.gpu
-def test_view_at_offset_goes_zero_copy(tmp_path: Path) -> None:
-    r = _spawn("view_at_offset", tmp_path)
+def test_view_at_offset_goes_zero_copy() -> None:
+    r = _spawn("view_at_offset")
     assert r[1]["equal"]
     assert r[0]["zero_copy"], f"a view at offset 12345 must go zero-copy: {r[0]['stats']}"
     assert r[0]["stats"]["zero_copy_sends"] == 1 and r[0]["stats"]["staged_sends"] == 0
@@ -202,15 +177,15 @@ def test_view_at_offset_goes_zero_copy(tmp_path: Path) -> None:
 
 @requires_gpu
 @pytest.mark.gpu
-def test_small_rings_carry_data_exactly(tmp_path: Path) -> None:
-    r = _spawn("small_rings", tmp_path)
+def test_small_rings_carry_data_exactly() -> None:
+    r = _spawn("small_rings")
     assert r[1]["equal"]
 
 
 @requires_gpu
 @pytest.mark.gpu
-def test_closing_one_rank_first_waits_only_for_its_peer(tmp_path: Path) -> None:
-    r = _spawn("teardown_order", tmp_path)
+def test_closing_one_rank_first_waits_only_for_its_peer() -> None:
+    r = _spawn("teardown_order")
     assert r[0]["close_s"] < 15.0, "rank 0 waits for rank 1 to detach (about 2 s), not the full timeout"
     assert r[1]["close_s"] < 5.0, "rank 0 already detached: rank 1 frees at once"
     assert r[0]["leaked"] == 0 and r[1]["leaked"] == 0, "nothing leaked when both detach in time"

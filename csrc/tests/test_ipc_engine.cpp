@@ -40,6 +40,13 @@ EngineOptions small_options(Staging staging = Staging::kAuto) {
   return o;
 }
 
+//! Close both at once, as ranks do: neither may wait on the other.
+void close_both(Engine& a, Engine& b, double timeout_s = 10.0) {
+  std::thread t([&] { b.close(timeout_s); });
+  a.close(timeout_s);
+  t.join();
+}
+
 //! Two engines wired both ways, as CudaIpcTransport's rendezvous does it.
 struct Pair {
   std::shared_ptr<FakeDevice> dev = std::make_shared<FakeDevice>();
@@ -56,12 +63,7 @@ struct Pair {
     e0->finish_incoming(1);
     e1->finish_incoming(0);
   }
-  ~Pair() {
-    // Close both at once, as ranks do: neither may wait on the other.
-    std::thread t([this] { e1->close(10.0); });
-    e0->close(10.0);
-    t.join();
-  }
+  ~Pair() { close_both(*e0, *e1); }
 };
 
 std::vector<char> pattern(std::size_t n, int seed) {
@@ -89,8 +91,7 @@ TEST(IpcEngine, SegmentsAreOursAndUnlinkedOnceBothSidesMapped) {
   e0.attach_outgoing(1, name);
   EXPECT_FALSE(listed(name)) << "the sender unlinks the name once it has mapped it";
   e1.finish_incoming(0);
-  e0.close(5.0);
-  e1.close(5.0);
+  close_both(e0, e1);
   EXPECT_TRUE(dev->violations().empty()) << dev->violations().front();
   EXPECT_EQ(dev->live_allocations(), 0u);
 }
@@ -131,7 +132,7 @@ TEST(IpcEngine, ZeroCopySendOfAViewAtAnOffset) {
   EXPECT_EQ(st0.mem_handle_exports, 1u);
   EXPECT_EQ(st1.zero_copy_recvs, 1u);
   EXPECT_EQ(st1.peer_mappings_opened, 1u);
-  p.e1->close(5.0);  // closes its mapping of `base` before base is freed
+  close_both(*p.e0, *p.e1);  // e1 closes its mapping of `base` before base is freed
   EXPECT_EQ(p.dev->free(base), kOk) << "the receiver must have closed its mapping at close";
 }
 
@@ -152,8 +153,8 @@ TEST(IpcEngine, ZeroCopySizeMismatchFailsOnlyThatReceive) {
   ASSERT_TRUE(r2->wait(10.0));
   ASSERT_TRUE(s2->wait(10.0));
   EXPECT_EQ(out, a);
-  p.e1->close(5.0);
-  p.dev->free(base);
+  close_both(*p.e0, *p.e1);
+  EXPECT_EQ(p.dev->free(base), kOk);
 }
 
 TEST(IpcEngine, EvictedMappingsAreClosedWithoutViolations) {
@@ -178,7 +179,7 @@ TEST(IpcEngine, EvictedMappingsAreClosedWithoutViolations) {
   EXPECT_EQ(p.e1->stats().peer_mappings_opened, 4u);
   EXPECT_GE(p.e1->stats().peer_mappings_closed, 3u) << "evicted mappings are closed by the worker";
   EXPECT_EQ(p.dev->free(bufs[0]), kOk) << "an evicted allocation can be freed";
-  p.e1->close(5.0);
+  close_both(*p.e0, *p.e1);
   for (int i = 1; i < 4; ++i) EXPECT_EQ(p.dev->free(bufs[i]), kOk);
   EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
 }
@@ -212,8 +213,7 @@ TEST(IpcEngine, EventExportFailureFallsBackToHostStagingUnderAuto) {
   EXPECT_EQ(e1.channel_staging(0, false), "host");
   Engine strict(dev, 2, 0, small_options(Staging::kIpc));
   EXPECT_THROW(strict.create_incoming(0), IpcUnavailable);
-  e0.close(5.0);
-  e1.close(5.0);
+  close_both(e0, e1);
   EXPECT_EQ(dev->live_allocations(), 0u);
 }
 
