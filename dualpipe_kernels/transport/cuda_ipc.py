@@ -286,16 +286,17 @@ class CudaIpcTransport(Transport):
         unavailable = native_cuda_module_error_type()
         for p in peers:
             store.set(self._key(p, self._rank, "shm"), eng.create_incoming(p))
-        for p in peers:
+        for i, p in enumerate(peers):
             key = self._key(self._rank, p, "shm")
             self._store_wait(store, key, p, "the peer's channel")
             try:
                 eng.attach_outgoing(p, store.get(key).decode())
             except RuntimeError as exc:
-                # Tell the peer at once (it waits on this key) rather than let it time out.
+                # Tell every peer still waiting for us at once rather than let it time out.
                 kind = CudaIpcUnavailableError if isinstance(exc, unavailable) else TransportError
                 why = "unavailable" if kind is CudaIpcUnavailableError else "error"
-                store.set(self._key(self._rank, p, "attached"), f"{why}: {exc}")
+                for q in peers[i:]:
+                    store.set(self._key(self._rank, q, "attached"), f"{why}: rank {self._rank} -> {p}: {exc}")
                 raise kind(f"rank {self._rank}: cannot attach to the channel of peer rank {p}: {exc}") from exc
             store.set(self._key(self._rank, p, "attached"), "1")
         for p in peers:
