@@ -62,7 +62,10 @@
 // own on its comm stream (one copy instead of two), records free_event[slot]
 // and bumps `freed`. The sender's op completes when its comm stream has waited
 // on that free event: only then may the caller reuse the buffer. The
-// receiver keeps up to 32 sender allocations mapped (LRU; ipc_engine.cu).
+// receiver keeps up to max_peer_mappings sender allocations mapped (LRU); an
+// evicted one is closed by the worker once an event recorded after the copies
+// reading it has fired (no stream sync under the engine lock). The buffer may
+// lie anywhere inside its allocation (views go zero-copy too).
 //
 // Threading: one engine-owned worker thread drives every channel (so posting
 // returns at once and both sides can post sends before receives without
