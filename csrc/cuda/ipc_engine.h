@@ -255,6 +255,9 @@ class Engine {
   std::string engine_error_;  // set when the worker hit a CUDA or protocol error
   EngineStats stats_;
   std::vector<std::shared_ptr<void>> released_;  // keepalives to drop once mu_ is released
+  // Segments whose host ring copies may still be in flight at close (streams
+  // did not drain): kept mapped for the engine's lifetime, not pulled away.
+  std::vector<ShmSegment> abandoned_;
   std::thread worker_;
 };
 

@@ -81,6 +81,8 @@ void Engine::release_exports(Channel& ch, Clock::time_point deadline, bool strea
   if (ch.host_registered && streams_idle) api_->host_unregister(ch.slots);
   ch.host_registered = false;
   ch.ctl = nullptr;
+  // A host ring that copies may still read stays mapped (its name went at attach).
+  if (!streams_idle && ch.staging == Staging::kHost) abandoned_.push_back(std::move(ch.segment));
   ch.segment = ShmSegment();  // unmaps; unlinks the name if still ours
 }
 
