@@ -64,6 +64,19 @@ struct Pair {
     e1->finish_incoming(0);
   }
   ~Pair() { close_both(*e0, *e1); }
+
+  //! Rank 0 sends `n` bytes at `src` (inside the allocation `base`, or host memory if null);
+  //! rank 1 receives them. Returns what arrived; the test fails if either side does not finish.
+  std::vector<char> transfer(std::int64_t tag, const char* src, std::size_t n, char* base = nullptr) {
+    std::vector<char> out(n);
+    auto r = e1->post(OpKind::kRecv, 0, tag, out.data(), n, "Float", nullptr, nullptr);
+    auto s = e0->post(OpKind::kSend, 1, tag, const_cast<char*>(src), n, "Float", nullptr, nullptr, base);
+    EXPECT_TRUE(s->wait(10.0)) << s->describe();
+    EXPECT_TRUE(r->wait(10.0)) << r->describe();
+    last_send_zero_copy = s->zero_copy();
+    return out;
+  }
+  bool last_send_zero_copy = false;
 };
 
 std::vector<char> pattern(std::size_t n, int seed) {
@@ -120,13 +133,8 @@ TEST(IpcEngine, ZeroCopySendOfAViewAtAnOffset) {
   const std::size_t n = 1 << 20, offset = 4096 + 256;
   const auto a = pattern(n, 3);
   char* base = device_copy(*p.dev, a, offset);
-  std::vector<char> out(n);
-  auto r = p.e1->post(OpKind::kRecv, 0, 7, out.data(), n, "Float", nullptr, nullptr);
-  auto s = p.e0->post(OpKind::kSend, 1, 7, base + offset, n, "Float", nullptr, nullptr, base);
-  ASSERT_TRUE(s->wait(10.0)) << s->describe();
-  ASSERT_TRUE(r->wait(10.0)) << r->describe();
-  EXPECT_EQ(out, a);
-  EXPECT_TRUE(s->zero_copy());
+  EXPECT_EQ(p.transfer(7, base + offset, n, base), a);
+  EXPECT_TRUE(p.last_send_zero_copy);
   const EngineStats st0 = p.e0->stats(), st1 = p.e1->stats();
   EXPECT_EQ(st0.zero_copy_sends, 1u);
   EXPECT_EQ(st0.mem_handle_exports, 1u);
@@ -147,12 +155,7 @@ TEST(IpcEngine, ZeroCopySizeMismatchFailsOnlyThatReceive) {
   EXPECT_THROW(bad->wait(10.0), std::runtime_error);
   EXPECT_NE(bad->error().find("zero-copy"), std::string::npos) << bad->error();
   ASSERT_TRUE(s->wait(10.0));
-  std::vector<char> out(n);  // the channel goes on
-  auto r2 = p.e1->post(OpKind::kRecv, 0, 2, out.data(), n, "Float", nullptr, nullptr);
-  auto s2 = p.e0->post(OpKind::kSend, 1, 2, base, n, "Float", nullptr, nullptr, base);
-  ASSERT_TRUE(r2->wait(10.0));
-  ASSERT_TRUE(s2->wait(10.0));
-  EXPECT_EQ(out, a);
+  EXPECT_EQ(p.transfer(2, base, n, base), a) << "the channel goes on";
   close_both(*p.e0, *p.e1);
   EXPECT_EQ(p.dev->free(base), kOk);
 }
@@ -164,14 +167,7 @@ TEST(IpcEngine, EvictedMappingsAreClosedWithoutViolations) {
   const std::size_t n = 256 << 10;
   std::vector<char*> bufs;
   for (int i = 0; i < 4; ++i) bufs.push_back(device_copy(*p.dev, pattern(n, i)));
-  for (int i = 0; i < 4; ++i) {
-    std::vector<char> out(n);
-    auto r = p.e1->post(OpKind::kRecv, 0, i, out.data(), n, "Float", nullptr, nullptr);
-    auto s = p.e0->post(OpKind::kSend, 1, i, bufs[i], n, "Float", nullptr, nullptr, bufs[i]);
-    ASSERT_TRUE(r->wait(10.0));
-    ASSERT_TRUE(s->wait(10.0));
-    EXPECT_EQ(out, pattern(n, i));
-  }
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(p.transfer(i, bufs[i], n, bufs[i]), pattern(n, i));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (p.e1->stats().peer_mappings_closed < 3 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -188,12 +184,7 @@ TEST(IpcEngine, HostStagingMovesBytes) {
   Pair p(small_options(Staging::kHost));
   EXPECT_EQ(p.e0->channel_staging(1, true), "host");
   const auto a = pattern(300000, 9);
-  std::vector<char> out(a.size());
-  auto r = p.e1->post(OpKind::kRecv, 0, 5, out.data(), out.size(), "Half", nullptr, nullptr);
-  auto s = p.e0->post(OpKind::kSend, 1, 5, const_cast<char*>(a.data()), a.size(), "Half", nullptr, nullptr);
-  ASSERT_TRUE(s->wait(10.0));
-  ASSERT_TRUE(r->wait(10.0));
-  EXPECT_EQ(out, a);
+  EXPECT_EQ(p.transfer(5, a.data(), a.size()), a);
 }
 
 TEST(IpcEngine, SmallRingsAreRoundedUpToTwoMiB) {
@@ -277,15 +268,10 @@ TEST(IpcEngine, HungStreamsAbandonAndThePeerLeaksPromptly) {
 TEST(IpcEngine, HungStreamsKeepAHostRingMappedUntilTheEngineGoes) {
   Pair p(small_options(Staging::kHost));
   const auto a = pattern(100000, 11);
-  std::vector<char> out(a.size());
-  auto r = p.e1->post(OpKind::kRecv, 0, 3, out.data(), out.size(), "Float", nullptr, nullptr);
-  auto s = p.e0->post(OpKind::kSend, 1, 3, const_cast<char*>(a.data()), a.size(), "Float", nullptr, nullptr);
-  ASSERT_TRUE(s->wait(10.0));
-  ASSERT_TRUE(r->wait(10.0));
+  EXPECT_EQ(p.transfer(3, a.data(), a.size()), a);
   p.dev->streams_hang = true;
   close_both(*p.e0, *p.e1, 0.2);  // both abandon: nothing freed or unmapped under a copy
   p.dev->streams_hang = false;
-  EXPECT_EQ(out, a);
   EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
 }
 
