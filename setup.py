@@ -4,7 +4,7 @@ Install (torch must already be in the environment):
     pip install --no-build-isolation -e .
 
 What gets compiled:
-    csrc/*.cpp                        always (CPU shared-memory engine + bindings)
+    csrc/*.cpp, csrc/common/*.cpp     always (CPU shared-memory engine, the core both engines share, bindings)
     csrc/cuda/*.cu, csrc/cuda/*.cpp   only in a CUDA build, with -DDUALPIPE_KERNELS_WITH_CUDA
 
 A CUDA build happens when a CUDA toolkit (nvcc under CUDA_HOME) and a CUDA
@@ -128,7 +128,9 @@ def _plan() -> BuildPlan:
     if not os.environ.get("MAX_JOBS"):
         os.environ["MAX_JOBS"] = str(_default_jobs(with_cuda))
     plan.jobs = int(os.environ["MAX_JOBS"])
-    plan.sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / CSRC).glob("*.cpp"))
+    plan.sources = sorted(
+        str(p.relative_to(ROOT)) for d in (CSRC, CSRC / "common") for p in (ROOT / d).glob("*.cpp")
+    )
     if with_cuda:
         plan.sources += _cuda_sources()
     return plan

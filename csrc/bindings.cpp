@@ -4,6 +4,9 @@
 #include "shm_bindings.h"
 #ifdef DUALPIPE_KERNELS_WITH_CUDA
 #include "cuda/api.h"
+constexpr bool kWithCuda = true;
+#else
+constexpr bool kWithCuda = false;
 #endif
 
 // Build facts arrive as -D macros from setup.py / CMake (unquoted tokens, so
@@ -26,13 +29,6 @@
 namespace py = pybind11;
 
 namespace {
-
-constexpr bool kWithCuda =
-#ifdef DUALPIPE_KERNELS_WITH_CUDA
-    true;
-#else
-    false;
-#endif
 
 py::dict build_info() {
   py::dict d;

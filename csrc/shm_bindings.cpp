@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstdint>
 
+#include "common/errors.h"
+#include "common/liveness.h"
 #include "shm_bindings.h"
 #include "shm_engine.h"
 
@@ -65,6 +67,10 @@ std::unique_ptr<Engine> make_engine(int rank, std::uint32_t num_slots, std::uint
 }  // namespace
 
 void register_apis(py::module_& parent) {
+  // Shared by both engines (common/errors.h): a capability this host lacks.
+  py::register_exception<IpcUnavailable>(parent, "IpcUnavailableError", PyExc_RuntimeError);
+  parent.def("process_dead_reason", &process_dead_reason, py::arg("pid"),
+             "'' if process pid is alive, else why not ('exited', 'exited (zombie)').");
   py::module_ m = parent.def_submodule("shm", "CPU shared-memory channels between processes on one host");
   const ChannelConfig defaults;
 
@@ -111,7 +117,7 @@ void register_apis(py::module_& parent) {
                              [](const Engine& e) { return e.config().single_copy_min_bytes; });
 
   m.def("sweep_stale_segments", &sweep_stale_segments,
-        "Unlink /dev/shm segments of ours whose creator process is gone; returns how many.");
+        "Unlink /dev/shm segments of ours (either engine) whose creator process is gone; returns how many.");
   m.def(
       "list_segments",
       [] {

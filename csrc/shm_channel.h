@@ -41,9 +41,9 @@
 #include <thread>
 #include <vector>
 
-#include "request.h"
+#include "common/request.h"
 #include "shm_ring.h"
-#include "shm_segment.h"
+#include "common/segment.h"
 
 namespace dualpipe::shm {
 

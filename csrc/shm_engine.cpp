@@ -7,6 +7,7 @@ namespace dualpipe::shm {
 Engine::Engine(int rank, ChannelConfig cfg) : rank_(rank), cfg_(std::move(cfg)) {
   if (rank < 0) throw std::invalid_argument("rank must be >= 0, got " + std::to_string(rank));
   cfg_.validate();
+  sweep_stale_segments();  // what crashed engines (either kind) left behind
 }
 
 Engine::~Engine() { close(); }
@@ -98,6 +99,10 @@ void Engine::close() {
   // Channels are closed outside mu_: closing joins worker threads.
   for (auto& [peer, ch] : send) ch->close();
   for (auto& [peer, ch] : recv) ch->close();
+  // A peer killed before it mapped our ring, or after creating one we never
+  // mapped, leaves a name only its death makes stale: sweep it now rather
+  // than at the next engine start.
+  sweep_stale_segments();
 }
 
 }  // namespace dualpipe::shm

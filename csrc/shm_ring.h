@@ -39,6 +39,8 @@
 #include <cstdint>
 #include <string>
 
+#include "common/poll.h"
+
 namespace dualpipe::shm {
 
 inline constexpr std::uint64_t kRingMagic = 0x31676e69726b7064ULL;  // "dpkring1"
@@ -140,14 +142,5 @@ class RingView {
 //! wait: sleeps while *word == expected, at most timeout_ns; spurious returns allowed.
 void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, long timeout_ns);
 void futex_wake_all(std::atomic<std::uint32_t>* word);
-
-//! A polite pause for spin loops.
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 }  // namespace dualpipe::shm

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build the C++ core of the native engine without Python and run its GoogleTest
-# unit tests with ctest: a plain build, then ThreadSanitizer, then
-# AddressSanitizer (+UBSan). One build directory per configuration, so reruns
+# Build the C++ core of both native engines without Python or CUDA (the shm
+# engine, csrc/common, and the CUDA IPC engine's host logic over a fake device)
+# and run their GoogleTest unit tests with ctest: a plain build, then
+# ThreadSanitizer, then AddressSanitizer (+UBSan). One build directory per configuration, so reruns
 # are incremental. Needs cmake, a C++ compiler and libgtest-dev.
 set -euo pipefail
 cd "$(dirname "$0")/.."

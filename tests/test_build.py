@@ -92,3 +92,17 @@ def test_setup_knob_errors_are_clear() -> None:
     cpu = _setup_py({"DUALPIPE_KERNELS_CUDA": "0"})
     assert cpu.returncode == 0, cpu.stderr
     assert "CUDA: no (DUALPIPE_KERNELS_CUDA=0)" in cpu.stderr and "csrc/shm_channel.cpp" in cpu.stderr
+    assert "csrc/common/segment.cpp" in cpu.stderr, "the core both engines share is in every build"
+
+
+def test_csrc_layout_keeps_files_small_and_device_code_apart() -> None:
+    """No C++ source over 500 lines (tests aside), bindings.cpp under 60; only the device layer
+    and the bindings include the CUDA runtime, so CMake builds the IPC engine's host logic without it."""
+    csrc = ROOT / "csrc"
+    sources = [p for p in csrc.rglob("*") if p.suffix in {".cpp", ".h", ".cu"} and "tests" not in p.parts]
+    long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"over 500 lines: {long}"
+    assert len((csrc / "bindings.cpp").read_text().splitlines()) < 60
+    device_side = {"cuda_runtime.cu", "cuda_bindings.cpp"}
+    with_cuda = [p.name for p in sources if "#include <cuda" in p.read_text() and p.name not in device_side]
+    assert not with_cuda, f"host logic including cuda_runtime.h: {with_cuda}"

@@ -14,8 +14,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "api.h"
-#include "ipc_engine.h"
+#include "cuda/api.h"
+#include "cuda/ipc_engine.h"
 
 namespace py = pybind11;
 
@@ -29,6 +29,14 @@ Staging parse_staging(const std::string& s) {
   throw std::invalid_argument("staging must be 'auto', 'ipc' or 'host', got '" + s + "'");
 }
 
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 // Python handle of one transfer. Holds the tensor so that Python code can
 // read it back (the engine keeps its own reference until the copies are queued).
 class PyOp {
@@ -37,8 +45,9 @@ class PyOp {
   bool wait(double timeout_s) { return op_->wait(timeout_s); }
   bool query() { return op_->query(); }
   bool wait_stream(std::intptr_t stream, double timeout_s) {
-    return op_->wait_stream(reinterpret_cast<cudaStream_t>(stream), timeout_s);
+    return op_->wait_stream(reinterpret_cast<Stream>(stream), timeout_s);
   }
+  bool zero_copy() const { return op_->zero_copy(); }
   bool failed() const { return op_->failed(); }
   std::string error() const { return op_->error(); }
   std::string describe() const { return op_->describe(); }
@@ -54,7 +63,7 @@ class PyOp {
 class PyEngine {
  public:
   PyEngine(int rank, int device, int num_slots, std::int64_t slot_bytes, const std::string& staging,
-           std::int64_t direct_min_bytes) {
+           std::int64_t direct_min_bytes, int max_peer_mappings) {
     if (slot_bytes <= 0) throw std::invalid_argument("slot_bytes must be positive, got " + std::to_string(slot_bytes));
     if (direct_min_bytes < 0) {
       throw std::invalid_argument("direct_min_bytes must be >= 0 (0: never zero-copy), got " +
@@ -65,7 +74,11 @@ class PyEngine {
     options.num_slots = num_slots;
     options.slot_bytes = static_cast<std::uint64_t>(slot_bytes);
     options.staging = parse_staging(staging);
-    engine_ = std::make_unique<Engine>(rank, device, options);
+    if (max_peer_mappings < 1) {
+      throw std::invalid_argument("max_peer_mappings must be >= 1, got " + std::to_string(max_peer_mappings));
+    }
+    options.max_peer_mappings = static_cast<std::uint32_t>(max_peer_mappings);
+    engine_ = std::make_unique<Engine>(cuda_runtime_api(), rank, device, options);
   }
   ~PyEngine() {
     if (PyGILState_Check()) {
@@ -82,13 +95,19 @@ class PyEngine {
 
   // Start of the caching-allocator segment holding a large send buffer (what
   // cudaIpcGetMemHandle needs for a zero-copy send), or null: small message,
-  // zero-copy off, or memory the caching allocator does not own.
+  // zero-copy off, or memory the caching allocator does not own. Looked up by
+  // the storage's pointer (a block start, as the allocator records blocks), so
+  // a view at any offset goes zero-copy too; the engine sends ptr - base.
   void* allocation_base(const at::Tensor& t, std::uint64_t bytes) {
     const std::uint64_t threshold = engine_->direct_min_bytes();
     if (threshold == 0 || bytes < threshold) return nullptr;
     try {
       std::size_t size = 0;
-      return c10::cuda::CUDACachingAllocator::getBaseAllocation(t.data_ptr(), &size);
+      void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(t.storage().data_ptr().get(), &size);
+      const auto* p = static_cast<const char*>(t.data_ptr());
+      const auto* b = static_cast<const char*>(base);
+      if (base == nullptr || p < b || p + bytes > b + size) return nullptr;
+      return base;
     } catch (const std::exception&) {
       return nullptr;
     }
@@ -105,15 +124,21 @@ class PyEngine {
     }
     if (!t.is_contiguous()) throw std::invalid_argument(std::string(verb) + " tensor must be contiguous");
     c10::cuda::CUDAGuard guard(t.device());
-    const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+    const Stream caller = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
     const std::uint64_t bytes = static_cast<std::uint64_t>(t.nbytes());
     if (bytes > 0) {
       // The caching allocator must not hand this block out again before the
       // comm stream's copies have run, even if the caller frees it early.
       c10::cuda::CUDACachingAllocator::recordStream(
-          t.storage().data_ptr(), c10::cuda::getStreamFromExternal(engine_->stream_for(kind), engine_->device()));
+          t.storage().data_ptr(),
+          c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(engine_->stream_for(kind)), engine_->device()));
     }
-    auto keepalive = std::make_shared<at::Tensor>(t);
+    // The worker drops this reference; during interpreter finalisation that
+    // could touch a dying interpreter, so then the tensor is leaked instead.
+    std::shared_ptr<void> keepalive(new at::Tensor(t), [](void* p) {
+      if (interpreter_finalizing()) return;
+      delete static_cast<at::Tensor*>(p);
+    });
     auto op = engine_->post(kind, peer, tag, bytes > 0 ? t.data_ptr() : nullptr, bytes,
                             std::string(c10::toString(t.scalar_type())), caller, std::move(keepalive),
                             kind == OpKind::kSend ? allocation_base(t, bytes) : nullptr);
@@ -123,6 +148,19 @@ class PyEngine {
  private:
   std::unique_ptr<Engine> engine_;
 };
+
+py::dict stats_dict(const EngineStats& s) {
+  py::dict d;
+  d["zero_copy_sends"] = s.zero_copy_sends;
+  d["staged_sends"] = s.staged_sends;
+  d["zero_copy_recvs"] = s.zero_copy_recvs;
+  d["staged_recvs"] = s.staged_recvs;
+  d["mem_handle_exports"] = s.mem_handle_exports;
+  d["peer_mappings_opened"] = s.peer_mappings_opened;
+  d["peer_mappings_closed"] = s.peer_mappings_closed;
+  d["exports_leaked"] = s.exports_leaked;
+  return d;
+}
 
 int visible_device_count() {
   int count = 0;
@@ -136,7 +174,8 @@ int visible_device_count() {
 
 int runtime_version() {
   int v = 0;
-  DPK_CUDA_CHECK(cudaRuntimeGetVersion(&v));
+  const cudaError_t r = cudaRuntimeGetVersion(&v);
+  if (r != cudaSuccess) throw std::runtime_error(std::string("cudaRuntimeGetVersion failed: ") + cudaGetErrorName(r));
   return v;
 }
 
@@ -161,12 +200,17 @@ void register_apis(py::module_& m) {
       .def("failed", &PyOp::failed)
       .def("error", &PyOp::error)
       .def("describe", &PyOp::describe)
+      .def_property_readonly("zero_copy", &PyOp::zero_copy, "True if this send went straight from its buffer")
       .def_property_readonly("tensor", &PyOp::tensor);
 
   py::class_<PyEngine>(c, "IpcEngine", "per-process CUDA comm engine: channels, comm streams, worker thread")
-      .def(py::init<int, int, int, std::int64_t, const std::string&, std::int64_t>(), py::arg("rank"),
+      .def(py::init<int, int, int, std::int64_t, const std::string&, std::int64_t, int>(), py::arg("rank"),
            py::arg("device"), py::arg("num_slots") = 4, py::arg("slot_bytes") = std::int64_t{4} << 20,
-           py::arg("staging") = "auto", py::arg("direct_min_bytes") = std::int64_t{1} << 20)
+           py::arg("staging") = "auto", py::arg("direct_min_bytes") = std::int64_t{1} << 20,
+           py::arg("max_peer_mappings") = 32)
+      .def("stats", [](PyEngine& e) { return stats_dict(e.engine().stats()); },
+           "counters: zero_copy_sends, staged_sends, zero_copy_recvs, staged_recvs, mem_handle_exports, "
+           "peer_mappings_opened, peer_mappings_closed, exports_leaked")
       .def_property_readonly("rank", [](PyEngine& e) { return e.engine().rank(); })
       .def_property_readonly("device", [](PyEngine& e) { return e.engine().device(); })
       .def_property_readonly(

@@ -1,7 +1,10 @@
 // CUDA IPC comm engine: point-to-point transfers between processes on one host.
 //
-// No torch and no pybind11 here: the engine sees raw device pointers, byte
-// counts and cudaStream_t only (csrc/cuda/cuda_bindings.cpp adapts tensors).
+// No torch, no pybind11 and no CUDA header here: the engine sees raw device
+// pointers, byte counts and opaque streams, and makes every CUDA runtime call
+// through DeviceApi (device_api.h), so its host logic is unit-tested over a
+// fake device (csrc/tests/test_ipc_engine.cpp). csrc/cuda/cuda_bindings.cpp
+// adapts tensors; csrc/cuda/cuda_runtime.cu is the real device layer.
 //
 // Topology. For every directed pair (sender S -> receiver R) there is one
 // channel. The receiver owns it: a control block in a POSIX shared-memory
@@ -55,56 +58,75 @@
 // Zero-copy sends (ipc staging, messages of at least direct_min_bytes whose
 // buffer can be exported): instead of data, the chunk descriptor carries an
 // IPC handle of the sender's allocation plus the offset; the receiver opens it
-// (cached per allocation), copies straight from the sender's buffer into its
+// (cached per handle), copies straight from the sender's buffer into its
 // own on its comm stream (one copy instead of two), records free_event[slot]
 // and bumps `freed`. The sender's op completes when its comm stream has waited
 // on that free event: only then may the caller reuse the buffer. The
-// receiver keeps up to 32 sender allocations mapped (LRU; ipc_engine.cu).
+// receiver keeps up to max_peer_mappings sender allocations mapped (LRU); an
+// evicted one is closed by the worker once an event recorded after the copies
+// reading it has fired (no stream sync under the engine lock). The buffer may
+// lie anywhere inside its allocation (views go zero-copy too).
 //
 // Threading: one engine-owned worker thread drives every channel (so posting
 // returns at once and both sides can post sends before receives without
 // deadlock); the posting thread only records the ready event and queues.
+//
+// Segments and teardown: the control block lives in a segment named like
+// every other of ours ("/dpk-<pid>-...", common/segment.h); the sender unlinks
+// its name as soon as it has mapped it (both sides then hold a mapping), so a
+// process killed at any later moment leaves nothing in /dev/shm, and one
+// killed earlier leaves a name that any engine's start or close sweeps.
+// At close each side first closes what it mapped of the peer and publishes
+// kDetached (or kAbandoned when its copies did not drain in time), then frees
+// what it exported once the peer detached, died or never attached. Exports a
+// live, attached peer still maps are leaked, never freed under it.
 #pragma once
-
-#include <cuda_runtime.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <utility>
 #include <vector>
+
+#include "common/request.h"
+#include "cuda/device_api.h"
+#include "cuda/ipc_channel.h"
 
 namespace dualpipe::cuda {
 
-// Throws std::runtime_error naming the CUDA call, the error and the source line.
-void check_cuda(cudaError_t err, const char* expr, const char* file, int line);
-#define DPK_CUDA_CHECK(expr) ::dualpipe::cuda::check_cuda((expr), #expr, __FILE__, __LINE__)
-
-inline constexpr int kMaxSlots = 16;
-inline constexpr int kDtypeNameLen = 24;
-
-enum class Staging : int32_t { kAuto = -1, kIpc = 0, kHost = 1 };
-enum class OpKind : int32_t { kSend = 0, kRecv = 1 };
+enum class OpKind : std::int32_t { kSend = 0, kRecv = 1 };
 
 struct EngineOptions {
-  int32_t num_slots = 4;           // ring depth per channel, 2..kMaxSlots
-  uint64_t slot_bytes = 4u << 20;  // bytes per slot (chunk size), > 0
-  Staging staging = Staging::kAuto;
-  uint64_t direct_min_bytes = 1u << 20;  // zero-copy sends from this size on (ipc staging); 0: never
+  std::int32_t num_slots = 4;                // ring depth per channel, 2..kMaxSlots
+  std::uint64_t slot_bytes = 4u << 20;       // bytes per slot (chunk size), a positive multiple of 256
+  Staging staging = Staging::kAuto;          // auto: ipc if this host can export memory and events, else host
+  std::uint64_t direct_min_bytes = 1u << 20;  // zero-copy sends from this size on (ipc staging); 0: never
+  std::uint32_t max_peer_mappings = 32;       // receiver: sender allocations kept mapped per channel, >= 1
+};
+
+//! What the engine did, for tests and benchmarks (monotonic since construction).
+struct EngineStats {
+  std::uint64_t zero_copy_sends = 0;   //!< sends that went straight from the caller's buffer
+  std::uint64_t staged_sends = 0;      //!< sends copied through the ring
+  std::uint64_t zero_copy_recvs = 0;   //!< receives copied straight from the sender's buffer
+  std::uint64_t staged_recvs = 0;      //!< receives copied out of the ring
+  std::uint64_t mem_handle_exports = 0;  //!< IPC handles made for zero-copy sends
+  std::uint64_t peer_mappings_opened = 0;
+  std::uint64_t peer_mappings_closed = 0;
+  std::uint64_t exports_leaked = 0;  //!< rings/events not freed at close because a live peer still mapped them
 };
 
 // One posted send or receive. Shared by the engine (until its copies are
-// enqueued) and the Python handle.
+// enqueued) and the Python handle. Its Request completes when the copies are
+// enqueued; the done event then tells when they ran.
 class Op {
  public:
-  Op(OpKind kind, int rank, int peer, int64_t tag, char* ptr, uint64_t bytes, const std::string& dtype);
+  Op(DeviceApi& api, TransferInfo info, char* ptr);
   ~Op();
   Op(const Op&) = delete;
   Op& operator=(const Op&) = delete;
@@ -118,92 +140,42 @@ class Op {
   // Makes `stream` wait for the transfer on the device. Blocks the host only
   // until the engine has enqueued the transfer's copies (which needs the
   // peer's matching post); false on timeout; throws when the transfer failed.
-  bool wait_stream(cudaStream_t stream, double timeout_s);
-  bool failed() const;
-  std::string error() const;
+  bool wait_stream(Stream stream, double timeout_s);
+  bool failed() const { return request_.state() == Request::State::kFailed; }
+  std::string error() const { return request_.error(); }
   std::string describe() const;
+  //! Whether this send went zero-copy (decided when its first chunk is enqueued).
+  bool zero_copy() const { return zero_copy_.load(std::memory_order_acquire); }
 
  private:
   friend class Engine;
-  enum class State { kPosted, kEnqueued, kFailed };
   bool wait_enqueued(double timeout_s);  // false on timeout; throws on failure
-  void mark_enqueued();
-  void fail(const std::string& why);
 
-  const OpKind kind_;
-  const int rank_;
-  const int peer_;
-  const int64_t tag_;
+  DeviceApi& api_;
+  Request request_;
+  OpKind kind() const { return request_.info().direction == Direction::kSend ? OpKind::kSend : OpKind::kRecv; }
+  std::int64_t tag() const { return request_.info().tag; }
+  std::uint64_t bytes() const { return request_.info().nbytes; }
   char* const ptr_;
-  const uint64_t bytes_;
   char dtype_[kDtypeNameLen] = {};
-  cudaEvent_t ready_event_ = nullptr;  // recorded on the caller's stream at post time
-  cudaEvent_t done_event_ = nullptr;   // recorded on the comm stream after the last copy
-  char* alloc_base_ = nullptr;         // start of the caller's allocation (zero-copy export), or null
-  bool direct_ = false;                // this send goes zero-copy (decided at its first chunk)
-  cudaIpcMemHandle_t handle_{};        // IPC handle of alloc_base_ when direct_
-  uint64_t offset_ = 0;                // bytes enqueued so far (engine thread only)
-  bool started_ = false;               // comm stream already waits on ready_event_
+  Event ready_event_ = nullptr;  // recorded on the caller's stream at post time
+  Event done_event_ = nullptr;   // recorded on the comm stream after the last copy
+  char* alloc_base_ = nullptr;   // start of the caller's allocation (zero-copy export), or null
+  bool direct_ = false;          // this send goes zero-copy (engine thread only)
+  std::atomic<bool> zero_copy_{false};
+  IpcMemHandle handle_{};   // IPC handle of alloc_base_ when direct_
+  std::uint64_t offset_ = 0;  // bytes enqueued so far (engine thread only)
+  bool started_ = false;      // comm stream already waits on ready_event_
   // Keeps the caller's buffer alive until its copies are enqueued (the
   // binding puts a tensor here; the caching allocator's record_stream covers
   // the rest). Released by the engine outside its lock.
   std::shared_ptr<void> keepalive_;
-  std::atomic<uint64_t> chunks_enqueued_{0};
-
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  State state_ = State::kPosted;
-  std::string error_;
-};
-
-struct CtlBlock;  // shared-memory control block (ipc_engine.cu)
-
-// A peer allocation mapped for zero-copy receives. CUDA lets a process map an
-// allocation only once, so mappings are cached by handle bytes, and by the
-// sender's base address for the case where the same allocation arrives under
-// different handle bytes (cudaErrorAlreadyMapped).
-struct PeerMapping {
-  std::string key;        // the cudaIpcMemHandle_t bytes
-  uint64_t src_base = 0;  // sender's address of the allocation (0: superseded, never aliased)
-  char* ptr = nullptr;    // where it is mapped here
-  uint64_t last_use = 0;
-};
-
-struct Channel {
-  int peer = -1;
-  bool outgoing = false;
-  Staging staging = Staging::kIpc;
-  int num_slots = 0;
-  uint64_t slot_bytes = 0;
-  std::string shm_name;
-  void* shm_base = nullptr;
-  size_t shm_size = 0;
-  bool shm_linked = false;  // receiver: segment name still in /dev/shm
-  CtlBlock* ctl = nullptr;
-  char* slots = nullptr;  // device ring (own or IPC-mapped) or host ring inside the segment
-  bool slots_device_owned = false;
-  bool slots_ipc_opened = false;
-  bool host_registered = false;
-  cudaEvent_t local_events[kMaxSlots] = {};  // outgoing: ready events; incoming: free events
-  cudaEvent_t peer_events[kMaxSlots] = {};   // opened from the peer (ipc staging only)
-  uint64_t next_chunk = 0;
-  uint64_t next_msg_seq = 0;
-  std::deque<std::shared_ptr<Op>> queue;  // outgoing: sends in wire order; incoming: posted receives
-  std::deque<uint64_t> pending;           // host staging: chunks whose local copy is still running
-  // outgoing: zero-copy sends published as chunk `first`, waiting for the receiver's copy
-  std::deque<std::pair<uint64_t, std::shared_ptr<Op>>> awaiting;
-  // incoming: the peer's allocations mapped for zero-copy receives (at most kMaxOpened, LRU)
-  std::vector<PeerMapping> opened;
-  uint64_t map_clock = 0;
-  std::shared_ptr<Op> current;            // incoming: receive being filled
-  uint64_t msg_offset = 0;                // incoming: next expected byte offset in the current message
-  bool discarding = false;                // incoming: draining a mismatched message
-  bool ready = false;                     // rendezvous finished, usable
+  std::atomic<std::uint64_t> chunks_enqueued_{0};
 };
 
 class Engine {
  public:
-  Engine(int rank, int device, const EngineOptions& options);
+  Engine(std::shared_ptr<DeviceApi> api, int rank, int device, const EngineOptions& options);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -212,12 +184,14 @@ class Engine {
   int device() const { return device_; }
   // Comm streams (non-blocking, high priority): sends and receives each get
   // one, so a receive waiting for its peer never holds up this rank's sends.
-  cudaStream_t stream_for(OpKind kind) const { return kind == OpKind::kSend ? send_stream_ : recv_stream_; }
+  Stream stream_for(OpKind kind) const { return kind == OpKind::kSend ? send_stream_ : recv_stream_; }
 
   // Rendezvous, in this order on every rank (names travel through a store):
   //   name = create_incoming(src)       receiver: allocate ring + control block
-  //   attach_outgoing(dst, name_of_dst) sender:   map the peer's channel
+  //   attach_outgoing(dst, name_of_dst) sender:   map the peer's channel, unlink its name
   //   finish_incoming(src)              receiver: after the sender attached
+  // attach_outgoing throws IpcUnavailable when this process cannot map the
+  // peer's ring or events (CUDA IPC not possible here): use staging "host".
   std::string create_incoming(int src);
   void attach_outgoing(int dst, const std::string& shm_name);
   void finish_incoming(int src);
@@ -225,40 +199,52 @@ class Engine {
   std::string channel_staging(int peer, bool outgoing) const;
   // One line for error messages: counters, queue lengths, peer process state.
   std::string channel_status(int peer, bool outgoing) const;
+  EngineStats stats() const;
 
   // Posts a transfer of `bytes` bytes at `ptr` (device memory of this engine's
   // device, owned by the caller until the op completes). The comm stream
   // first waits for the work already queued on `caller_stream`.
   // `keepalive` (may be null) is held until the op's copies are enqueued.
-  // `alloc_base` (may be null) is the start of the allocation holding `ptr`,
-  // which lets a large send go zero-copy.
-  std::shared_ptr<Op> post(OpKind kind, int peer, int64_t tag, void* ptr, uint64_t bytes, const std::string& dtype,
-                           cudaStream_t caller_stream, std::shared_ptr<void> keepalive, void* alloc_base = nullptr);
-  uint64_t direct_min_bytes() const { return options_.direct_min_bytes; }
+  // `alloc_base` (may be null) is the start of the allocation holding `ptr`
+  // (ptr may lie anywhere inside it), which lets a large send go zero-copy.
+  std::shared_ptr<Op> post(OpKind kind, int peer, std::int64_t tag, void* ptr, std::uint64_t bytes,
+                           const std::string& dtype, Stream caller_stream, std::shared_ptr<void> keepalive,
+                           void* alloc_base = nullptr);
+  std::uint64_t direct_min_bytes() const { return options_.direct_min_bytes; }
 
   // Stops the worker, fails unfinished ops, waits up to timeout_s for the
-  // comm stream and for peers to detach, then frees everything. Idempotent.
+  // comm streams and for peers to detach, then frees what is safe to free
+  // (see the teardown note above). Idempotent.
   void close(double timeout_s);
 
  private:
+  void make_device_ring(Channel& ch, IpcMemHandle* ring_handle, IpcEventHandle* event_handles);
+  void map_peer_ring(Channel& ch, int dst);
   void worker_main();
   bool progress_send(Channel& ch);
   bool progress_recv(Channel& ch);
+  bool start_send_locked(Channel& ch, Op& op);
+  void publish_direct_locked(Channel& ch, std::uint64_t n);
+  bool take_receive_locked(Channel& ch, const ChunkDesc& d);
+  void copy_direct_locked(Channel& ch, const ChunkDesc& d);
   bool retire_pending(Channel& ch);
-  char* open_peer_buffer(Channel& ch, const cudaIpcMemHandle_t& handle, uint64_t src_base);
+  bool retire_closing(Channel& ch);
+  char* open_peer_buffer(Channel& ch, const IpcMemHandle& handle);
   bool has_pending_work_locked() const;
   void fail_all_locked(const std::string& why);
   void finish_op_locked(Op& op, const std::string& failure);  // empty failure: enqueued
   void release_imports(Channel& ch, bool streams_idle);
   void release_exports(Channel& ch, std::chrono::steady_clock::time_point deadline, bool streams_idle);
+  bool drain_streams(std::chrono::steady_clock::time_point deadline);
   Channel& channel_locked(int peer, bool outgoing);
   const Channel& channel_locked(int peer, bool outgoing) const;
 
+  const std::shared_ptr<DeviceApi> api_;
   const int rank_;
   const int device_;
   const EngineOptions options_;
-  cudaStream_t send_stream_ = nullptr;
-  cudaStream_t recv_stream_ = nullptr;
+  Stream send_stream_ = nullptr;
+  Stream recv_stream_ = nullptr;
   std::map<int, Channel> outgoing_;
   std::map<int, Channel> incoming_;
 
@@ -267,7 +253,11 @@ class Engine {
   bool stop_ = false;
   bool closed_ = false;
   std::string engine_error_;  // set when the worker hit a CUDA or protocol error
+  EngineStats stats_;
   std::vector<std::shared_ptr<void>> released_;  // keepalives to drop once mu_ is released
+  // Segments whose host ring copies may still be in flight at close (streams
+  // did not drain): kept mapped for the engine's lifetime, not pulled away.
+  std::vector<ShmSegment> abandoned_;
   std::thread worker_;
 };
 

@@ -13,8 +13,13 @@ IPC handle and copies straight into its own, one copy instead of two.
 
 Rendezvous goes through a ``torch.distributed`` store (the default group's
 store unless one is passed): each receiver publishes the name of its channel's
-shared segment, the sender maps it and says so, and the receiver then unlinks
-the segment name, so no ``/dev/shm`` entry outlives the rendezvous.
+shared segment, the sender maps it and unlinks the name at once, so no
+``/dev/shm`` entry outlives the rendezvous (and a name left by a rank killed
+earlier is swept by any engine's start or close).  Where CUDA IPC turns out
+not to work between the processes (a ring, event or buffer that cannot be
+exported or opened), construction raises :class:`CudaIpcUnavailableError` on
+this rank and, through the store, promptly on its peers, so that a caller can
+fall back to ``staging="host"``.
 Construction is collective: every rank of the group builds its transport in
 the same order.
 
@@ -23,12 +28,13 @@ stream wait on the transfer's CUDA event with no host synchronisation (the
 host only waits until the engine has queued the copies, which needs the peer's
 matching post); ``wait(timeout)`` blocks the host.
 
-Zero-copy caveat: the receiver keeps up to 32 of the sender's caching-allocator
-segments mapped (LRU).  If the sender returns such a segment to the driver
-(``torch.cuda.empty_cache()``) while it is mapped, the pages stay alive until
-the receiver unmaps them, but CUDA documents freeing an exported allocation
-before the importer closes it as undefined; pass ``direct_min_bytes=0`` where
-that matters.
+Zero-copy caveat: the receiver keeps up to ``max_peer_mappings`` (32) of the
+sender's caching-allocator segments mapped (LRU; an evicted one is closed once
+the copies reading it are done).  If the sender returns such a segment to the
+driver (``torch.cuda.empty_cache()``) while it is mapped, the pages stay alive
+until the receiver unmaps them; pass a small ``max_peer_mappings`` or
+``direct_min_bytes=0`` where that memory matters.  Views at any offset of a
+caching-allocator block go zero-copy; ``stats()`` counts what went which way.
 
 Ownership: a send buffer must not be modified, and a receive buffer not read,
 before the handle completes (host: ``wait``; device: ``wait_stream``).  The
@@ -54,13 +60,24 @@ from dualpipe_kernels.transport.base import (
     wait_store_key,
 )
 
-__all__ = ["CudaIpcHandle", "CudaIpcTransport", "STAGINGS", "cuda_ipc_available", "native_cuda_module"]
+__all__ = [
+    "CudaIpcHandle",
+    "CudaIpcTransport",
+    "CudaIpcUnavailableError",
+    "STAGINGS",
+    "cuda_ipc_available",
+    "native_cuda_module",
+]
 
 #: "auto": CUDA IPC, falling back to host staging where the receiver cannot export device memory
 STAGINGS = ("auto", "ipc", "host")
 _KEY_PREFIX = "dpk/cuda_ipc"
 #: upper bound of the time close() waits for peers to detach (seconds)
 _CLOSE_TIMEOUT_S = 30.0
+
+
+class CudaIpcUnavailableError(TransportError):
+    """CUDA IPC does not work between these processes (here or on a peer): host staging may."""
 
 
 def native_cuda_module() -> ModuleType:
@@ -79,6 +96,13 @@ def native_cuda_module() -> ModuleType:
             "or DUALPIPE_KERNELS_CUDA=0); CudaIpcTransport needs a CUDA build"
         )
     return mod
+
+
+def native_cuda_module_error_type() -> type[RuntimeError]:
+    """``_C.IpcUnavailableError``: the engine's "CUDA IPC is not possible here" (a RuntimeError)."""
+    from dualpipe_kernels import _C
+
+    return getattr(_C, "IpcUnavailableError", RuntimeError)
 
 
 def cuda_ipc_available() -> bool:
@@ -196,9 +220,12 @@ class CudaIpcTransport(Transport):
         direct_min_bytes: int = 1 << 20,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         key_prefix: str | None = None,
+        max_peer_mappings: int = 32,
     ) -> None:
         super().__init__(timeout_s=timeout_s)
         _validate_options(num_slots, slot_bytes, staging, timeout_s, direct_min_bytes)
+        if not isinstance(max_peer_mappings, int) or max_peer_mappings < 1:
+            raise ValueError(f"max_peer_mappings must be an int >= 1, got {max_peer_mappings!r}")
         self._engine: Any = None
         mod = native_cuda_module()
         if not torch.cuda.is_available():
@@ -235,7 +262,9 @@ class CudaIpcTransport(Transport):
         generation = store.add(f"{prefix}/generation/{rank}", 1)
         self._prefix = f"{prefix}/{generation}"
 
-        self._engine = mod.IpcEngine(rank, self.device.index, num_slots, slot_bytes, staging, direct_min_bytes)
+        self._engine = mod.IpcEngine(
+            rank, self.device.index, num_slots, slot_bytes, staging, direct_min_bytes, max_peer_mappings
+        )
         try:
             self._rendezvous(store, sorted(peers))
         except BaseException:
@@ -254,21 +283,34 @@ class CudaIpcTransport(Transport):
 
     def _rendezvous(self, store: dist.Store, peers: list[int]) -> None:
         eng = self._engine
+        unavailable = native_cuda_module_error_type()
         for p in peers:
             store.set(self._key(p, self._rank, "shm"), eng.create_incoming(p))
-        for p in peers:
+        for i, p in enumerate(peers):
             key = self._key(self._rank, p, "shm")
             self._store_wait(store, key, p, "the peer's channel")
             try:
                 eng.attach_outgoing(p, store.get(key).decode())
             except RuntimeError as exc:
-                raise TransportError(
-                    f"rank {self._rank}: cannot attach to the channel of peer rank {p}: {exc}"
-                ) from exc
+                # Tell every peer still waiting for us at once rather than let it time out.
+                kind = CudaIpcUnavailableError if isinstance(exc, unavailable) else TransportError
+                why = "unavailable" if kind is CudaIpcUnavailableError else "error"
+                for q in peers[i:]:
+                    store.set(self._key(self._rank, q, "attached"), f"{why}: rank {self._rank} -> {p}: {exc}")
+                raise kind(f"rank {self._rank}: cannot attach to the channel of peer rank {p}: {exc}") from exc
             store.set(self._key(self._rank, p, "attached"), "1")
         for p in peers:
-            self._store_wait(store, self._key(p, self._rank, "attached"), p, "the peer to attach")
-            eng.finish_incoming(p)
+            key = self._key(p, self._rank, "attached")
+            self._store_wait(store, key, p, "the peer to attach")
+            answer = store.get(key).decode()
+            if answer != "1":
+                kind = CudaIpcUnavailableError if answer.startswith("unavailable") else TransportError
+                raise kind(f"rank {self._rank}: peer rank {p} could not attach: {answer}")
+            try:
+                eng.finish_incoming(p)
+            except RuntimeError as exc:
+                kind = CudaIpcUnavailableError if isinstance(exc, unavailable) else TransportError
+                raise kind(f"rank {self._rank}: cannot finish the channel from peer rank {p}: {exc}") from exc
 
     # -- Transport ----------------------------------------------------------
 
@@ -292,6 +334,11 @@ class CudaIpcTransport(Transport):
             return str(self._engine.channel_status(peer, outgoing))
         except (RuntimeError, ValueError) as exc:
             return f"no channel status ({exc})"
+
+    def stats(self) -> dict[str, int]:
+        """What the engine did: zero_copy_sends, staged_sends, zero_copy_recvs, staged_recvs,
+        mem_handle_exports, peer_mappings_opened, peer_mappings_closed, exports_leaked."""
+        return dict(self._live_engine().stats())
 
     def _live_engine(self) -> Any:
         if self._engine is None:

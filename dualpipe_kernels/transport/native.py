@@ -12,7 +12,9 @@ Rendezvous goes through the process group's store, so constructing a
 NativeTransport is collective over the group: every rank publishes its hostname
 and, for each same-host peer, the name of its outgoing ring; the peer maps the
 ring and unlinks its name at once, so no ``/dev/shm`` entry outlives the
-constructor, even if a process is killed later.  Peers on another host fall back
+constructor, even if a process is killed later; a name left by a rank killed
+before its peer mapped it is swept when the survivor's engine closes (and at
+every engine start).  Peers on another host fall back
 to :class:`~dualpipe_kernels.transport.torch_dist.TorchDistTransport`.
 
 Single copy.  A message of at least ``single_copy_min_bytes`` does not go through
@@ -197,8 +199,7 @@ class NativeTransport(Transport):
             single_copy=single_copy,
             single_copy_min_bytes=single_copy_min_bytes,
         )
-        try:
-            shm.sweep_stale_segments()
+        try:  # the engine swept stale segments of both engines when it started
             hosts = self._rendezvous(_group_store(self.group), host_id or socket.gethostname())
         except BaseException:
             self._engine.close()

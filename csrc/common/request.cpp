@@ -1,17 +1,18 @@
-#include "request.h"
+#include "common/request.h"
 
 #include <sstream>
 #include <thread>
 
-#include "process_liveness.h"
-#include "shm_ring.h"
+#include "common/liveness.h"
+#include "common/poll.h"
 
-namespace dualpipe::shm {
+namespace dualpipe {
 
 std::string describe(const TransferInfo& info) {
   std::ostringstream s;
   s << "rank " << info.self_rank << (info.direction == Direction::kSend ? " send to" : " recv from") << " rank "
     << info.peer_rank << " (tag " << info.tag << ", " << info.nbytes << " B";
+  if (!info.dtype_name.empty()) s << " of " << info.dtype_name;
   if (!info.what.empty()) s << ", '" << info.what << "'";
   s << ")";
   return s.str();
@@ -79,4 +80,4 @@ void Request::finish(State s, const std::string& message) {
   cv_.notify_all();
 }
 
-}  // namespace dualpipe::shm
+}  // namespace dualpipe

@@ -1,4 +1,6 @@
-// A posted transfer and its completion event.
+// A posted transfer and its completion event (both engines: the shm engine
+// completes it when the bytes have moved, the CUDA engine when the copies are
+// enqueued on its comm stream).
 //
 // The poster gets a shared_ptr<Request> back at once; the channel's worker
 // thread (or the poster itself, for a small transfer that fits right away)
@@ -17,7 +19,7 @@
 #include <mutex>
 #include <string>
 
-namespace dualpipe::shm {
+namespace dualpipe {
 
 enum class Direction : std::uint8_t { kSend = 0, kRecv = 1 };
 
@@ -30,6 +32,7 @@ struct TransferInfo {
   std::int64_t tag = 0;
   std::uint64_t nbytes = 0;
   std::int32_t dtype = 0;
+  std::string dtype_name;  //!< optional, e.g. "Float" (the CUDA engine matches on it)
   std::string what;  //!< caller's label, e.g. "3RECV_F7 tensor 0"
 };
 
@@ -81,4 +84,4 @@ class Request {
   std::string error_;  // guarded by mu_; written before state_ becomes kFailed
 };
 
-}  // namespace dualpipe::shm
+}  // namespace dualpipe

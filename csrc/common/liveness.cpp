@@ -1,4 +1,4 @@
-#include "process_liveness.h"
+#include "common/liveness.h"
 
 #include <signal.h>
 
@@ -6,7 +6,7 @@
 #include <fstream>
 #include <sstream>
 
-namespace dualpipe::shm {
+namespace dualpipe {
 
 std::string process_dead_reason(int pid) {
   if (pid <= 0) return "has no valid pid (" + std::to_string(pid) + ")";
@@ -24,4 +24,4 @@ std::string process_dead_reason(int pid) {
   return "";
 }
 
-}  // namespace dualpipe::shm
+}  // namespace dualpipe

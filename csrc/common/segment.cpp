@@ -1,4 +1,4 @@
-#include "shm_segment.h"
+#include "common/segment.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -12,14 +12,11 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "process_liveness.h"
+#include "common/errors.h"
+#include "common/liveness.h"
 
-namespace dualpipe::shm {
+namespace dualpipe {
 namespace {
-
-std::string errno_text(const std::string& what, const std::string& name) {
-  return what + " of shared-memory segment '" + name + "' failed: " + std::strerror(errno);
-}
 
 std::string random_hex() {
   std::random_device rd;
@@ -30,7 +27,7 @@ std::string random_hex() {
 
 void* map_fd(int fd, std::size_t bytes, const std::string& name) {
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) throw std::runtime_error(errno_text("mmap", name));
+  if (p == MAP_FAILED) throw std::runtime_error(errno_message("mmap", name));
   return p;
 }
 
@@ -41,10 +38,12 @@ ShmSegment ShmSegment::create(const std::string& label, std::size_t bytes) {
   ShmSegment seg;
   seg.name_ = "/" + std::string(kSegmentPrefix) + std::to_string(::getpid()) + "-" + random_hex() + "-" + label;
   const int fd = ::shm_open(seg.name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) throw std::runtime_error(errno_text("shm_open(create)", seg.name_));
+  if (fd < 0) throw std::runtime_error(errno_message("shm_open(create)", seg.name_));
   seg.creator_ = true;  // from here on the destructor unlinks the name
-  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    const std::string msg = errno_text("ftruncate", seg.name_);
+  const int fr = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (fr != 0) {
+    errno = fr;
+    const std::string msg = errno_message("posix_fallocate", seg.name_ + ", " + std::to_string(bytes) + " B");
     ::close(fd);
     throw std::runtime_error(msg);  // seg's destructor unlinks
   }
@@ -63,10 +62,10 @@ ShmSegment ShmSegment::open(const std::string& name) {
   ShmSegment seg;
   seg.name_ = name;
   const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
-  if (fd < 0) throw std::runtime_error(errno_text("shm_open(open)", name));
+  if (fd < 0) throw std::runtime_error(errno_message("shm_open(open)", name));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
-    const std::string msg = errno_text("fstat", name);
+    const std::string msg = errno_message("fstat", name);
     ::close(fd);
     throw std::runtime_error(msg);
   }
@@ -105,7 +104,7 @@ void ShmSegment::unlink() {
   if (unlinked_ || name_.empty()) return;
   unlinked_ = true;
   if (::shm_unlink(name_.c_str()) != 0 && errno != ENOENT) {
-    throw std::runtime_error(errno_text("shm_unlink", name_));
+    throw std::runtime_error(errno_message("shm_unlink", name_));
   }
 }
 
@@ -117,15 +116,24 @@ void ShmSegment::release() noexcept {
   size_ = 0;
 }
 
+int segment_creator_pid(const std::string& name) {
+  const std::string n = !name.empty() && name[0] == '/' ? name.substr(1) : name;
+  for (const char* prefix : {kSegmentPrefix, kLegacyCudaPrefix}) {
+    const std::size_t plen = std::strlen(prefix);
+    if (n.compare(0, plen, prefix) != 0) continue;
+    const int pid = std::atoi(n.c_str() + plen);
+    return pid > 0 ? pid : -1;
+  }
+  return -1;
+}
+
 int sweep_stale_segments() {
   DIR* dir = ::opendir("/dev/shm");
   if (dir == nullptr) return 0;
   int removed = 0;
-  const std::size_t plen = std::strlen(kSegmentPrefix);
   while (dirent* e = ::readdir(dir)) {
     const std::string n = e->d_name;
-    if (n.compare(0, plen, kSegmentPrefix) != 0) continue;
-    const int pid = std::atoi(n.c_str() + plen);
+    const int pid = segment_creator_pid(n);
     if (pid <= 0 || process_dead_reason(pid).empty()) continue;
     if (::shm_unlink(("/" + n).c_str()) == 0) ++removed;
   }
@@ -137,10 +145,9 @@ std::string list_segments() {
   DIR* dir = ::opendir("/dev/shm");
   if (dir == nullptr) return "";
   std::string out;
-  const std::size_t plen = std::strlen(kSegmentPrefix);
   while (dirent* e = ::readdir(dir)) {
     const std::string n = e->d_name;
-    if (n.compare(0, plen, kSegmentPrefix) != 0) continue;
+    if (segment_creator_pid(n) <= 0) continue;
     if (!out.empty()) out += "\n";
     out += n;
   }
@@ -148,4 +155,4 @@ std::string list_segments() {
   return out;
 }
 
-}  // namespace dualpipe::shm
+}  // namespace dualpipe

@@ -1,8 +1,10 @@
-// POSIX shared-memory segments: create / open / map / unlink, RAII.
+// POSIX shared-memory segments of both engines: create / open / map / unlink, RAII.
 //
-// No torch, no pybind11. A segment is named "/dpk-<creator pid>-<random>-<label>"
-// so that stale segments (creator dead) can be recognised and removed, and so
-// that a test can check that none of ours is left in /dev/shm.
+// No torch, no pybind11. Every segment either engine creates is named
+// "/dpk-<creator pid>-<random>-<label>" (shm rings: label "ring-<src>to<dst>";
+// CUDA IPC control blocks: "cuda-<src>to<dst>"), so that stale segments
+// (creator dead) are recognised and removed by one sweep, and so that a test
+// can check that none of ours is left in /dev/shm.
 #pragma once
 
 #include <sys/types.h>
@@ -10,17 +12,21 @@
 #include <cstddef>
 #include <string>
 
-namespace dualpipe::shm {
+namespace dualpipe {
 
 //! Prefix of every segment name we create (without the leading '/').
 inline constexpr const char* kSegmentPrefix = "dpk-";
+//! Prefix older CUDA engine builds used ("/dpk_cuda_<pid>_..."): swept too.
+inline constexpr const char* kLegacyCudaPrefix = "dpk_cuda_";
 
 //! A mapped POSIX shared-memory segment. Owns the mapping; unlinks the name on
 //! destruction only if it is the creator and has not unlinked it yet.
 class ShmSegment {
  public:
   //! Create a new segment of `bytes` bytes (zero-filled), named from `label`.
-  //! Throws std::runtime_error naming the segment on failure.
+  //! The pages are reserved now (posix_fallocate), so a full /dev/shm is an
+  //! error here rather than a SIGBUS later. Throws std::runtime_error naming
+  //! the segment on failure.
   static ShmSegment create(const std::string& label, std::size_t bytes);
   //! Open and map an existing segment by its full name (as returned by name()).
   static ShmSegment open(const std::string& name);
@@ -51,11 +57,17 @@ class ShmSegment {
   bool unlinked_ = false;
 };
 
-//! Remove /dev/shm segments of ours whose creator process no longer exists.
-//! Returns the number removed. Safe to call concurrently from many processes.
+//! Remove /dev/shm segments of ours (either engine, any build) whose creator
+//! process no longer exists or is a zombie. Returns the number removed. Safe
+//! to call concurrently from many processes. Both engines call it at start and
+//! at close, so a peer killed at any moment leaves nothing once a survivor closes.
 int sweep_stale_segments();
 
 //! Names (without '/') of our segments currently present in /dev/shm.
 std::string list_segments();
 
-}  // namespace dualpipe::shm
+//! The creator pid encoded in one of our segment names (with or without the
+//! leading '/'), or -1 if the name is not one of ours.
+int segment_creator_pid(const std::string& name);
+
+}  // namespace dualpipe

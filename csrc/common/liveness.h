@@ -4,11 +4,11 @@
 
 #include <string>
 
-namespace dualpipe::shm {
+namespace dualpipe {
 
 //! Empty string if process `pid` is alive; otherwise why it is not
 //! ("exited", "is a zombie"). A zombie counts as dead: its parent has not
 //! reaped it yet but it will never write to the ring again.
 std::string process_dead_reason(int pid);
 
-}  // namespace dualpipe::shm
+}  // namespace dualpipe

@@ -1,0 +1,443 @@
+// CUDA IPC comm engine, host logic: ops, construction, rendezvous, posting.
+// The worker's progress and the teardown are in ipc_worker.cpp; every CUDA
+// call goes through DeviceApi. See ipc_engine.h for the protocol.
+#include "cuda/ipc_engine.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "common/errors.h"
+#include "common/liveness.h"
+#include "common/poll.h"
+
+namespace dualpipe::cuda {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string human_bytes(std::uint64_t b) {
+  std::ostringstream os;
+  if (b >= (1ull << 20) && b % (1ull << 20) == 0) {
+    os << (b >> 20) << " MiB";
+  } else if (b >= (1ull << 10) && b % (1ull << 10) == 0) {
+    os << (b >> 10) << " KiB";
+  } else {
+    os << b << " B";
+  }
+  return os.str();
+}
+
+std::string pid_state(int pid) {
+  if (pid <= 0) return "unknown";
+  const std::string dead = process_dead_reason(pid);
+  return dead.empty() ? "alive" : dead;
+}
+
+}  // namespace
+
+void check(DeviceApi& api, Status s, const char* call) {
+  if (s == kOk) return;
+  throw std::runtime_error(std::string(call) + " failed: " + api.error_text(s));
+}
+
+bool finished(DeviceApi& api, Status s, const char* call) {
+  if (s == kOk) return true;
+  if (s == kNotReady) return false;
+  check(api, s, call);
+  return false;
+}
+
+DeviceGuard::DeviceGuard(DeviceApi& api, int device) : api_(api) {
+  check(api_, api_.get_device(&previous_), "cudaGetDevice");
+  if (previous_ != device) check(api_, api_.set_device(device), "cudaSetDevice");
+}
+
+DeviceGuard::~DeviceGuard() {
+  int now = -1;
+  if (api_.get_device(&now) == kOk && now != previous_) api_.set_device(previous_);
+}
+
+// ---------------------------------------------------------------------------
+// Op
+// ---------------------------------------------------------------------------
+
+Op::Op(DeviceApi& api, TransferInfo info, char* ptr) : api_(api), request_(std::move(info), ptr, 0.0), ptr_(ptr) {
+  std::strncpy(dtype_, request_.info().dtype_name.c_str(), kDtypeNameLen - 1);
+}
+
+Op::~Op() {
+  // Destroying an event whose record has not completed is allowed: the driver
+  // releases it once the device reaches it.
+  if (ready_event_ != nullptr) api_.event_destroy(ready_event_);
+  if (done_event_ != nullptr) api_.event_destroy(done_event_);
+}
+
+bool Op::wait_enqueued(double timeout_s) {
+  if (!request_.wait(timeout_s)) return false;
+  if (request_.state() == Request::State::kFailed) throw std::runtime_error(request_.error());
+  return true;
+}
+
+bool Op::wait(double timeout_s) {
+  const auto start = Clock::now();
+  if (!wait_enqueued(timeout_s)) return false;
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto poll_start = Clock::now();
+  while (!finished(api_, api_.event_query(done_event_), "cudaEventQuery(done_event)")) {
+    if (timeout_s >= 0 && Clock::now() >= deadline) return false;
+    backoff(Clock::now() - poll_start);
+  }
+  return true;
+}
+
+bool Op::query() {
+  if (!request_.query()) return false;
+  if (failed()) return true;
+  return finished(api_, api_.event_query(done_event_), "cudaEventQuery(done_event)");
+}
+
+bool Op::wait_stream(Stream stream, double timeout_s) {
+  if (!wait_enqueued(timeout_s)) return false;
+  check(api_, api_.stream_wait_event(stream, done_event_), "cudaStreamWaitEvent(done_event)");
+  return true;
+}
+
+std::string Op::describe() const {
+  std::ostringstream os;
+  os << dualpipe::describe(request_.info()) << ": " << chunks_enqueued_.load() << " chunk(s) enqueued, ";
+  switch (request_.state()) {
+    case Request::State::kPending: os << "waiting for the peer"; break;
+    case Request::State::kFailed: os << "failed"; break;
+    case Request::State::kDone: os << (zero_copy() ? "enqueued zero-copy" : "enqueued"); break;
+  }
+  return os.str();
+}
+
+// ---------------------------------------------------------------------------
+// Engine: construction and rendezvous
+// ---------------------------------------------------------------------------
+
+Engine::Engine(std::shared_ptr<DeviceApi> api, int rank, int device, const EngineOptions& options)
+    : api_(std::move(api)), rank_(rank), device_(device), options_(options) {
+  if (api_ == nullptr) throw std::invalid_argument("the CUDA IPC engine needs a device layer");
+  if (options.num_slots < 2 || options.num_slots > kMaxSlots) {
+    throw std::invalid_argument("num_slots must be in [2, " + std::to_string(kMaxSlots) + "], got " +
+                                std::to_string(options.num_slots));
+  }
+  if (options.slot_bytes == 0 || options.slot_bytes % 256 != 0) {
+    throw std::invalid_argument("slot_bytes must be a positive multiple of 256, got " +
+                                std::to_string(options.slot_bytes));
+  }
+  if (options.max_peer_mappings < 1) throw std::invalid_argument("max_peer_mappings must be >= 1");
+  int count = 0;
+  check(*api_, api_->device_count(&count), "cudaGetDeviceCount");
+  if (device < 0 || device >= count) {
+    throw std::invalid_argument("device " + std::to_string(device) + " out of range: " + std::to_string(count) +
+                                " CUDA device(s) visible");
+  }
+  sweep_stale_segments();  // what crashed engines (either kind) left behind
+  DeviceGuard guard(*api_, device_);
+  check(*api_, api_->stream_create(&send_stream_), "cudaStreamCreateWithPriority(send_stream)");
+  const Status r = api_->stream_create(&recv_stream_);
+  if (r != kOk) {
+    api_->stream_destroy(send_stream_);
+    check(*api_, r, "cudaStreamCreateWithPriority(recv_stream)");
+  }
+  worker_ = std::thread([this] { worker_main(); });
+}
+
+Engine::~Engine() {
+  try {
+    close(5.0);
+  } catch (...) {
+    // never throw from a destructor; close() already released what it could
+  }
+}
+
+Channel& Engine::channel_locked(int peer, bool outgoing) {
+  auto& map = outgoing ? outgoing_ : incoming_;
+  auto it = map.find(peer);
+  if (it == map.end()) {
+    throw std::invalid_argument("rank " + std::to_string(rank_) + ": no " + (outgoing ? "outgoing" : "incoming") +
+                                " channel with peer " + std::to_string(peer) +
+                                " (peer not in the transport's peer list, or rendezvous not done)");
+  }
+  return it->second;
+}
+
+const Channel& Engine::channel_locked(int peer, bool outgoing) const {
+  return const_cast<Engine*>(this)->channel_locked(peer, outgoing);
+}
+
+// Receiver, ipc staging: a device ring and interprocess free events, exported.
+// Under Staging::kAuto a failure to export either falls back to host staging
+// (ch.staging becomes kHost) instead of failing.
+void Engine::make_device_ring(Channel& ch, IpcMemHandle* ring_handle, IpcEventHandle* event_handles) {
+  const std::uint64_t ring_bytes = static_cast<std::uint64_t>(ch.num_slots) * ch.slot_bytes;
+  const std::uint64_t alloc_bytes = (ring_bytes + kRingAlignment - 1) / kRingAlignment * kRingAlignment;
+  check(*api_, api_->malloc(reinterpret_cast<void**>(&ch.slots), alloc_bytes), "cudaMalloc(ring)");
+  ch.slots_device_owned = true;
+  std::string failure;
+  Status r = api_->ipc_get_mem_handle(ring_handle, ch.slots);
+  if (r != kOk) failure = "cudaIpcGetMemHandle(ring) failed: " + api_->error_text(r);
+  for (int i = 0; i < ch.num_slots && failure.empty(); ++i) {
+    check(*api_, api_->event_create(&ch.local_events[i], true), "cudaEventCreateWithFlags(free_event)");
+    r = api_->ipc_get_event_handle(&event_handles[i], ch.local_events[i]);
+    if (r != kOk) failure = "cudaIpcGetEventHandle(free_event) failed: " + api_->error_text(r);
+  }
+  if (failure.empty()) return;
+  if (options_.staging != Staging::kAuto) {
+    throw IpcUnavailable("rank " + std::to_string(rank_) + ": " + failure +
+                         "; CUDA IPC is not possible in this process, use staging='host'");
+  }
+  for (Event& e : ch.local_events) {  // IPC unsupported here: fall back to host staging
+    if (e != nullptr) api_->event_destroy(e);
+    e = nullptr;
+  }
+  check(*api_, api_->free(ch.slots), "cudaFree(ring)");
+  ch.slots = nullptr;
+  ch.slots_device_owned = false;
+  ch.staging = Staging::kHost;
+}
+
+std::string Engine::create_incoming(int src) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": engine is closed");
+  if (src == rank_) throw std::invalid_argument("a rank cannot open a channel to itself");
+  if (incoming_.count(src)) throw std::invalid_argument("incoming channel from peer " + std::to_string(src) + " exists");
+  DeviceGuard guard(*api_, device_);
+
+  Channel ch;
+  ch.peer = src;
+  ch.outgoing = false;
+  ch.num_slots = options_.num_slots;
+  ch.slot_bytes = options_.slot_bytes;
+  ch.staging = options_.staging == Staging::kHost ? Staging::kHost : Staging::kIpc;
+  const std::size_t ring_bytes = static_cast<std::size_t>(ch.num_slots) * ch.slot_bytes;
+  IpcMemHandle ring_handle{};
+  IpcEventHandle event_handles[kMaxSlots]{};
+  try {
+    if (ch.staging == Staging::kIpc) make_device_ring(ch, &ring_handle, event_handles);
+    const bool ipc = ch.staging == Staging::kIpc;
+    for (int i = 0; i < ch.num_slots && !ipc; ++i) {
+      check(*api_, api_->event_create(&ch.local_events[i], false), "cudaEventCreateWithFlags(free_event)");
+    }
+    // The segment: control block, then (host staging) the ring.
+    ch.segment = ShmSegment::create("cuda-" + std::to_string(src) + "to" + std::to_string(rank_),
+                                    ring_offset() + (ipc ? 0 : ring_bytes));
+    ch.ctl = new (ch.segment.data()) CtlBlock();
+    CtlBlock& c = *ch.ctl;
+    c.version = kVersion;
+    c.staging = static_cast<std::int32_t>(ch.staging);
+    c.num_slots = ch.num_slots;
+    c.src_rank = src;
+    c.dst_rank = rank_;
+    c.receiver_pid = static_cast<std::int32_t>(::getpid());
+    c.receiver_device = device_;
+    c.slot_bytes = ch.slot_bytes;
+    c.ring_handle = ring_handle;
+    for (int i = 0; i < kMaxSlots; ++i) c.free_events[i] = event_handles[i];
+    if (!ipc) {
+      ch.slots = static_cast<char*>(ch.segment.data()) + ring_offset();
+      check(*api_, api_->host_register(ch.slots, ring_bytes), "cudaHostRegister(host ring)");
+      ch.host_registered = true;
+    }
+    std::atomic_thread_fence(std::memory_order_release);
+    c.magic = kMagic;
+  } catch (...) {
+    release_imports(ch, true);
+    release_exports(ch, Clock::now(), true);
+    throw;
+  }
+  const std::string name = ch.segment.name();
+  incoming_.emplace(src, std::move(ch));
+  return name;
+}
+
+// Sender, ipc staging: map the receiver's ring and free events.
+void Engine::map_peer_ring(Channel& ch, int dst) {
+  CtlBlock& c = *ch.ctl;
+  void* ring = nullptr;
+  Status r = api_->ipc_open_mem_handle(&ring, c.ring_handle);
+  if (r != kOk) {
+    throw IpcUnavailable("rank " + std::to_string(rank_) + ": cudaIpcOpenMemHandle failed: " + api_->error_text(r) +
+                         " opening the ring of peer " + std::to_string(dst) +
+                         "; CUDA IPC is not possible between these processes, use staging='host'");
+  }
+  ch.slots = static_cast<char*>(ring);
+  ch.slots_ipc_opened = true;
+  for (int i = 0; i < ch.num_slots; ++i) {
+    r = api_->ipc_open_event_handle(&ch.peer_events[i], c.free_events[i]);
+    if (r != kOk) {
+      throw IpcUnavailable("rank " + std::to_string(rank_) + ": cudaIpcOpenEventHandle failed: " +
+                           api_->error_text(r) + " opening an event of peer " + std::to_string(dst) +
+                           "; CUDA IPC is not possible between these processes, use staging='host'");
+    }
+  }
+}
+
+void Engine::attach_outgoing(int dst, const std::string& shm_name) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": engine is closed");
+  if (outgoing_.count(dst)) throw std::invalid_argument("outgoing channel to peer " + std::to_string(dst) + " exists");
+  DeviceGuard guard(*api_, device_);
+
+  Channel ch;
+  ch.peer = dst;
+  ch.outgoing = true;
+  try {
+    ch.segment = ShmSegment::open(shm_name);
+    // Both sides map the segment now: drop its name, so that nothing is left
+    // in /dev/shm whichever process is killed from here on.
+    ch.segment.unlink();
+    if (ch.segment.size() < ring_offset()) {
+      throw std::runtime_error("shared segment " + shm_name + " is too small to hold a control block");
+    }
+    ch.ctl = static_cast<CtlBlock*>(ch.segment.data());
+    CtlBlock& c = *ch.ctl;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (c.magic != kMagic || c.version != kVersion) {
+      throw std::runtime_error("shared segment " + shm_name + " is not a dualpipe_kernels CUDA channel (version " +
+                               std::to_string(kVersion) + ")");
+    }
+    if (c.src_rank != rank_ || c.dst_rank != dst) {
+      throw std::runtime_error("channel " + shm_name + " connects rank " + std::to_string(c.src_rank) + " -> " +
+                               std::to_string(c.dst_rank) + ", expected " + std::to_string(rank_) + " -> " +
+                               std::to_string(dst));
+    }
+    if (c.num_slots < 2 || c.num_slots > kMaxSlots || c.slot_bytes == 0) {
+      throw std::runtime_error("channel " + shm_name + " has an invalid ring geometry");
+    }
+    ch.staging = static_cast<Staging>(c.staging);
+    ch.num_slots = c.num_slots;
+    ch.slot_bytes = c.slot_bytes;
+    const std::size_t ring_bytes = static_cast<std::size_t>(ch.num_slots) * ch.slot_bytes;
+    const bool ipc = ch.staging == Staging::kIpc;
+    if (ipc) {
+      map_peer_ring(ch, dst);
+    } else {
+      if (ch.segment.size() < ring_offset() + ring_bytes) {
+        throw std::runtime_error("shared segment " + shm_name + " is too small for its host ring");
+      }
+      ch.slots = static_cast<char*>(ch.segment.data()) + ring_offset();
+      check(*api_, api_->host_register(ch.slots, ring_bytes), "cudaHostRegister(host ring)");
+      ch.host_registered = true;
+    }
+    for (int i = 0; i < ch.num_slots; ++i) {
+      check(*api_, api_->event_create(&ch.local_events[i], ipc), "cudaEventCreateWithFlags(ready_event)");
+      if (!ipc) continue;
+      const Status r = api_->ipc_get_event_handle(&c.ready_events[i], ch.local_events[i]);
+      if (r != kOk) {
+        throw IpcUnavailable("rank " + std::to_string(rank_) + ": cudaIpcGetEventHandle(ready_event) failed: " +
+                             api_->error_text(r) + "; CUDA IPC is not possible in this process, use staging='host'");
+      }
+    }
+    c.sender_pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_relaxed);
+    c.sender_attached.store(1, std::memory_order_release);
+  } catch (...) {
+    release_imports(ch, true);
+    release_exports(ch, Clock::now(), true);
+    throw;
+  }
+  ch.ready = true;
+  outgoing_.emplace(dst, std::move(ch));
+  cv_.notify_all();
+}
+
+void Engine::finish_incoming(int src) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": engine is closed");
+  Channel& ch = channel_locked(src, false);
+  if (ch.ready) return;
+  DeviceGuard guard(*api_, device_);
+  CtlBlock& c = *ch.ctl;
+  if (c.sender_attached.load(std::memory_order_acquire) == 0) {
+    throw std::runtime_error("rank " + std::to_string(rank_) + ": peer " + std::to_string(src) +
+                             " has not attached to its channel " + ch.segment.name());
+  }
+  if (ch.staging == Staging::kIpc) {
+    for (int i = 0; i < ch.num_slots; ++i) {
+      const Status r = api_->ipc_open_event_handle(&ch.peer_events[i], c.ready_events[i]);
+      if (r != kOk) {
+        throw IpcUnavailable("rank " + std::to_string(rank_) + ": cudaIpcOpenEventHandle failed: " +
+                             api_->error_text(r) + " opening an event of peer " + std::to_string(src) +
+                             "; CUDA IPC is not possible between these processes, use staging='host'");
+      }
+    }
+  }
+  ch.segment.unlink();  // normally gone already: the sender unlinks it once mapped
+  ch.ready = true;
+  cv_.notify_all();
+}
+
+std::string Engine::channel_staging(int peer, bool outgoing) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return channel_locked(peer, outgoing).staging == Staging::kIpc ? "ipc" : "host";
+}
+
+std::string Engine::channel_status(int peer, bool outgoing) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  const Channel& ch = channel_locked(peer, outgoing);
+  std::ostringstream os;
+  os << "channel " << (outgoing ? rank_ : peer) << "->" << (outgoing ? peer : rank_) << " ("
+     << (ch.staging == Staging::kIpc ? "ipc" : "host") << ", " << ch.num_slots << " x " << human_bytes(ch.slot_bytes)
+     << " slots";
+  if (ch.ctl != nullptr) {
+    const int peer_pid = outgoing ? ch.ctl->receiver_pid : ch.ctl->sender_pid.load();
+    os << ", published " << ch.ctl->published.load() << ", freed " << ch.ctl->freed.load() << ", next chunk "
+       << ch.next_chunk << ", " << ch.queue.size() << " op(s) queued, peer pid " << peer_pid << " "
+       << pid_state(peer_pid);
+  }
+  if (!engine_error_.empty()) os << ", engine error: " << engine_error_;
+  os << ")";
+  return os.str();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return stats_;
+}
+
+std::shared_ptr<Op> Engine::post(OpKind kind, int peer, std::int64_t tag, void* ptr, std::uint64_t bytes,
+                                 const std::string& dtype, Stream caller_stream, std::shared_ptr<void> keepalive,
+                                 void* alloc_base) {
+  if (bytes > 0 && ptr == nullptr) throw std::invalid_argument("null buffer with a non-zero size");
+  TransferInfo info;
+  info.direction = kind == OpKind::kSend ? Direction::kSend : Direction::kRecv;
+  info.self_rank = rank_;
+  info.peer_rank = peer;
+  info.tag = tag;
+  info.nbytes = bytes;
+  info.dtype_name = dtype.substr(0, kDtypeNameLen - 1);
+  auto op = std::make_shared<Op>(*api_, std::move(info), static_cast<char*>(ptr));
+  op->keepalive_ = std::move(keepalive);
+  if (alloc_base != nullptr && alloc_base <= ptr) op->alloc_base_ = static_cast<char*>(alloc_base);
+  {
+    DeviceGuard guard(*api_, device_);
+    check(*api_, api_->event_create(&op->ready_event_, false), "cudaEventCreateWithFlags(ready_event)");
+    check(*api_, api_->event_create(&op->done_event_, false), "cudaEventCreateWithFlags(done_event)");
+    // Recorded here, in the posting thread, so it captures exactly the work
+    // queued on the caller's stream before the post.
+    check(*api_, api_->event_record(op->ready_event_, caller_stream), "cudaEventRecord(ready_event)");
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": transport is closed");
+    if (!engine_error_.empty()) throw std::runtime_error(engine_error_);
+    Channel& ch = channel_locked(peer, kind == OpKind::kSend);
+    if (!ch.ready) {
+      throw std::runtime_error("rank " + std::to_string(rank_) + ": channel with peer " + std::to_string(peer) +
+                               " is not ready (rendezvous not finished)");
+    }
+    ch.queue.push_back(op);
+  }
+  cv_.notify_all();
+  return op;
+}
+
+}  // namespace dualpipe::cuda

@@ -1,0 +1,325 @@
+// The CUDA IPC engine's host protocol over a fake device (fake_device.h): two
+// engines in this process (ranks 0 and 1) rendezvous through real shared
+// segments and move bytes through the fake; runs under TSan and ASan in ctest.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/liveness.h"
+#include "common/segment.h"
+#include "cuda/ipc_engine.h"
+#include "fake_device.h"
+
+namespace dualpipe::cuda {
+namespace {
+
+using testing::FakeDevice;
+
+bool listed(const std::string& name) {
+  const std::string all = "\n" + list_segments() + "\n";
+  return all.find("\n" + (name[0] == '/' ? name.substr(1) : name) + "\n") != std::string::npos;
+}
+
+EngineOptions small_options(Staging staging = Staging::kAuto) {
+  EngineOptions o;
+  o.num_slots = 3;
+  o.slot_bytes = 64 << 10;
+  o.staging = staging;
+  o.direct_min_bytes = 256 << 10;
+  return o;
+}
+
+//! Close both at once, as ranks do: neither may wait on the other.
+void close_both(Engine& a, Engine& b, double timeout_s = 10.0) {
+  std::thread t([&] { b.close(timeout_s); });
+  a.close(timeout_s);
+  t.join();
+}
+
+//! Two engines wired both ways, as CudaIpcTransport's rendezvous does it.
+struct Pair {
+  std::shared_ptr<FakeDevice> dev = std::make_shared<FakeDevice>();
+  std::unique_ptr<Engine> e0, e1;
+  std::string to0, to1;  // segment names (already unlinked after attach)
+
+  explicit Pair(const EngineOptions& o = small_options()) {
+    e0 = std::make_unique<Engine>(dev, 0, 0, o);
+    e1 = std::make_unique<Engine>(dev, 1, 0, o);
+    to1 = e1->create_incoming(0);
+    to0 = e0->create_incoming(1);
+    e0->attach_outgoing(1, to1);
+    e1->attach_outgoing(0, to0);
+    e0->finish_incoming(1);
+    e1->finish_incoming(0);
+  }
+  ~Pair() { close_both(*e0, *e1); }
+
+  //! Rank 0 sends `n` bytes at `src` (inside the allocation `base`, or host memory if null);
+  //! rank 1 receives them. Returns what arrived; the test fails if either side does not finish.
+  std::vector<char> transfer(std::int64_t tag, const char* src, std::size_t n, char* base = nullptr) {
+    std::vector<char> out(n);
+    auto r = e1->post(OpKind::kRecv, 0, tag, out.data(), n, "Float", nullptr, nullptr);
+    auto s = e0->post(OpKind::kSend, 1, tag, const_cast<char*>(src), n, "Float", nullptr, nullptr, base);
+    EXPECT_TRUE(s->wait(10.0)) << s->describe();
+    EXPECT_TRUE(r->wait(10.0)) << r->describe();
+    last_send_zero_copy = s->zero_copy();
+    return out;
+  }
+  bool last_send_zero_copy = false;
+};
+
+std::vector<char> pattern(std::size_t n, int seed) {
+  std::vector<char> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 131 + seed * 7) & 0xff);
+  return v;
+}
+
+//! Device memory of the fake, filled from `v`.
+char* device_copy(FakeDevice& dev, const std::vector<char>& v, std::size_t extra = 0) {
+  void* p = nullptr;
+  dev.malloc(&p, v.size() + extra);
+  std::memcpy(static_cast<char*>(p) + extra, v.data(), v.size());
+  return static_cast<char*>(p);
+}
+
+TEST(IpcEngine, SegmentsAreOursAndUnlinkedOnceBothSidesMapped) {
+  auto dev = std::make_shared<FakeDevice>();
+  Engine e0(dev, 0, 0, small_options());
+  Engine e1(dev, 1, 0, small_options());
+  const std::string name = e1.create_incoming(0);
+  EXPECT_EQ(segment_creator_pid(name), static_cast<int>(::getpid())) << name << " must be sweepable";
+  EXPECT_NE(name.find("cuda-0to1"), std::string::npos) << name;
+  EXPECT_TRUE(listed(name));
+  e0.attach_outgoing(1, name);
+  EXPECT_FALSE(listed(name)) << "the sender unlinks the name once it has mapped it";
+  e1.finish_incoming(0);
+  close_both(e0, e1);
+  EXPECT_TRUE(dev->violations().empty()) << dev->violations().front();
+  EXPECT_EQ(dev->live_allocations(), 0u);
+}
+
+TEST(IpcEngine, StagedMessagesBothWaysByteExact) {
+  Pair p;
+  for (int k = 0; k < 12; ++k) {
+    const std::size_t n = static_cast<std::size_t>(k * 50021 % 200000 + (k % 3));
+    const auto a = pattern(n, k), b = pattern(n, 100 + k);
+    std::vector<char> ra(n), rb(n);
+    auto r1 = p.e1->post(OpKind::kRecv, 0, k, ra.data(), n, "Float", nullptr, nullptr);
+    auto r0 = p.e0->post(OpKind::kRecv, 1, k, rb.data(), n, "Float", nullptr, nullptr);
+    auto s0 = p.e0->post(OpKind::kSend, 1, k, const_cast<char*>(a.data()), n, "Float", nullptr, nullptr);
+    auto s1 = p.e1->post(OpKind::kSend, 0, k, const_cast<char*>(b.data()), n, "Float", nullptr, nullptr);
+    for (auto* op : {&s0, &s1, &r0, &r1}) ASSERT_TRUE((*op)->wait(10.0)) << (*op)->describe();
+    EXPECT_EQ(ra, a);
+    EXPECT_EQ(rb, b);
+  }
+  EXPECT_EQ(p.e0->stats().staged_sends, 12u);
+  EXPECT_EQ(p.e1->stats().staged_recvs, 12u);
+  EXPECT_EQ(p.e0->channel_staging(1, true), "ipc");
+}
+
+TEST(IpcEngine, ZeroCopySendOfAViewAtAnOffset) {
+  Pair p;
+  const std::size_t n = 1 << 20, offset = 4096 + 256;
+  const auto a = pattern(n, 3);
+  char* base = device_copy(*p.dev, a, offset);
+  EXPECT_EQ(p.transfer(7, base + offset, n, base), a);
+  EXPECT_TRUE(p.last_send_zero_copy);
+  const EngineStats st0 = p.e0->stats(), st1 = p.e1->stats();
+  EXPECT_EQ(st0.zero_copy_sends, 1u);
+  EXPECT_EQ(st0.mem_handle_exports, 1u);
+  EXPECT_EQ(st1.zero_copy_recvs, 1u);
+  EXPECT_EQ(st1.peer_mappings_opened, 1u);
+  close_both(*p.e0, *p.e1);  // e1 closes its mapping of `base` before base is freed
+  EXPECT_EQ(p.dev->free(base), kOk) << "the receiver must have closed its mapping at close";
+}
+
+TEST(IpcEngine, ZeroCopySizeMismatchFailsOnlyThatReceive) {
+  Pair p;
+  const std::size_t n = 512 << 10;
+  const auto a = pattern(n, 4);
+  char* base = device_copy(*p.dev, a);
+  std::vector<char> small(n / 2);
+  auto bad = p.e1->post(OpKind::kRecv, 0, 1, small.data(), small.size(), "Float", nullptr, nullptr);
+  auto s = p.e0->post(OpKind::kSend, 1, 1, base, n, "Float", nullptr, nullptr, base);
+  EXPECT_THROW(bad->wait(10.0), std::runtime_error);
+  EXPECT_NE(bad->error().find("zero-copy"), std::string::npos) << bad->error();
+  ASSERT_TRUE(s->wait(10.0));
+  EXPECT_EQ(p.transfer(2, base, n, base), a) << "the channel goes on";
+  close_both(*p.e0, *p.e1);
+  EXPECT_EQ(p.dev->free(base), kOk);
+}
+
+TEST(IpcEngine, EvictedMappingsAreClosedWithoutViolations) {
+  EngineOptions o = small_options();
+  o.max_peer_mappings = 1;
+  Pair p(o);
+  const std::size_t n = 256 << 10;
+  std::vector<char*> bufs;
+  for (int i = 0; i < 4; ++i) bufs.push_back(device_copy(*p.dev, pattern(n, i)));
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(p.transfer(i, bufs[i], n, bufs[i]), pattern(n, i));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (p.e1->stats().peer_mappings_closed < 3 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(p.e1->stats().peer_mappings_opened, 4u);
+  EXPECT_GE(p.e1->stats().peer_mappings_closed, 3u) << "evicted mappings are closed by the worker";
+  EXPECT_EQ(p.dev->free(bufs[0]), kOk) << "an evicted allocation can be freed";
+  close_both(*p.e0, *p.e1);
+  for (int i = 1; i < 4; ++i) EXPECT_EQ(p.dev->free(bufs[i]), kOk);
+  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+}
+
+TEST(IpcEngine, HostStagingMovesBytes) {
+  Pair p(small_options(Staging::kHost));
+  EXPECT_EQ(p.e0->channel_staging(1, true), "host");
+  const auto a = pattern(300000, 9);
+  EXPECT_EQ(p.transfer(5, a.data(), a.size()), a);
+}
+
+TEST(IpcEngine, SmallRingsAreRoundedUpToTwoMiB) {
+  Pair p;  // 3 x 64 KiB slots
+  const auto sizes = p.dev->malloc_sizes();
+  ASSERT_EQ(sizes.size(), 2u);
+  for (std::size_t s : sizes) EXPECT_EQ(s, kRingAlignment);
+}
+
+TEST(IpcEngine, EventExportFailureFallsBackToHostStagingUnderAuto) {
+  auto dev = std::make_shared<FakeDevice>();
+  dev->fail_get_event_handle = true;
+  Engine e0(dev, 0, 0, small_options(Staging::kAuto));
+  Engine e1(dev, 1, 0, small_options(Staging::kAuto));
+  e0.attach_outgoing(1, e1.create_incoming(0));
+  e1.finish_incoming(0);
+  EXPECT_EQ(e1.channel_staging(0, false), "host");
+  Engine strict(dev, 2, 0, small_options(Staging::kIpc));
+  EXPECT_THROW(strict.create_incoming(0), IpcUnavailable);
+  close_both(e0, e1);
+  EXPECT_EQ(dev->live_allocations(), 0u);
+}
+
+TEST(IpcEngine, PeerCannotOpenTheRingIsACatchableIpcUnavailable) {
+  auto dev = std::make_shared<FakeDevice>();
+  Engine e0(dev, 0, 0, small_options());
+  Engine e1(dev, 1, 0, small_options());
+  const std::string name = e1.create_incoming(0);
+  dev->fail_open_mem_handle = true;
+  EXPECT_THROW(e0.attach_outgoing(1, name), IpcUnavailable);
+  dev->fail_open_mem_handle = false;
+  dev->fail_open_event_handle = true;
+  Engine e2(dev, 2, 0, small_options());
+  EXPECT_THROW(e2.attach_outgoing(1, e1.create_incoming(2)), std::runtime_error);
+  e0.close(1.0);
+  e1.close(1.0);
+  e2.close(1.0);
+  EXPECT_FALSE(listed(name));
+  EXPECT_EQ(dev->open_mappings(), 0);
+  EXPECT_EQ(dev->live_allocations(), 0u);
+}
+
+TEST(IpcEngine, ExporterClosingFirstLeaksRatherThanFreesUnderALivePeer) {
+  Pair p;
+  const auto start = std::chrono::steady_clock::now();
+  p.e1->close(0.2);  // e0 still maps e1's ring and events and has not detached
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+  EXPECT_GE(p.e1->stats().exports_leaked, 1u);
+  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+}
+
+TEST(IpcEngine, ClosingTogetherFreesEverythingPromptly) {
+  auto dev = std::make_shared<FakeDevice>();
+  {
+    Pair p;
+    dev = p.dev;
+    const auto start = std::chrono::steady_clock::now();
+    std::thread t([&] { p.e1->close(20.0); });
+    p.e0->close(20.0);
+    t.join();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << "closing must not wait out timeouts";
+    EXPECT_EQ(p.e0->stats().exports_leaked + p.e1->stats().exports_leaked, 0u);
+  }
+  EXPECT_TRUE(dev->violations().empty()) << dev->violations().front();
+  EXPECT_EQ(dev->live_allocations(), 0u);
+  EXPECT_EQ(dev->open_mappings(), 0);
+}
+
+TEST(IpcEngine, HungStreamsAbandonAndThePeerLeaksPromptly) {
+  Pair p;
+  p.dev->streams_hang = true;
+  const auto start = std::chrono::steady_clock::now();
+  p.e0->close(0.2);  // publishes kAbandoned: its copies may still read e1's memory
+  p.dev->streams_hang = false;
+  p.e1->close(20.0);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << "kAbandoned ends the peer's wait";
+  EXPECT_GE(p.e1->stats().exports_leaked, 1u);
+  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+}
+
+TEST(IpcEngine, HungStreamsKeepAHostRingMappedUntilTheEngineGoes) {
+  Pair p(small_options(Staging::kHost));
+  const auto a = pattern(100000, 11);
+  EXPECT_EQ(p.transfer(3, a.data(), a.size()), a);
+  p.dev->streams_hang = true;
+  close_both(*p.e0, *p.e1, 0.2);  // both abandon: nothing freed or unmapped under a copy
+  p.dev->streams_hang = false;
+  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+}
+
+TEST(IpcEngine, SegmentOfAKilledCreatorIsSweptByTheNextClose) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(fds[0]);
+    auto dev = std::make_shared<FakeDevice>();
+    Engine e(dev, 1, 0, small_options());
+    const std::string name = e.create_incoming(0);
+    (void)!::write(fds[1], name.c_str(), name.size() + 1);
+    ::raise(SIGKILL);  // killed mid-rendezvous: nobody mapped the segment yet
+  }
+  ::close(fds[1]);
+  char buf[256] = {};
+  ASSERT_GT(::read(fds[0], buf, sizeof buf - 1), 0);
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  const std::string name = buf;  // left behind (unless a concurrent test's engine swept it already)
+  // A legacy-named segment (older builds: "/dpk_cuda_<pid>_...") of the dead child is swept too.
+  const std::string legacy = "/dpk_cuda_" + std::to_string(child) + "_0to1_test";
+  const int fd = ::shm_open(legacy.c_str(), O_CREAT | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ::close(fd);
+  auto dev = std::make_shared<FakeDevice>();
+  Engine e(dev, 0, 0, small_options());
+  e.close(1.0);
+  EXPECT_FALSE(listed(name));
+  EXPECT_FALSE(listed(legacy));
+}
+
+TEST(Liveness, AZombieCountsAsDead) {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  std::string why;
+  for (int i = 0; i < 2000 && why.empty(); ++i) {  // not reaped: a zombie once it has exited
+    why = process_dead_reason(child);
+    if (why.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(why, "exited (zombie)");
+  ::waitpid(child, nullptr, 0);
+  EXPECT_EQ(process_dead_reason(child), "exited");
+  EXPECT_EQ(process_dead_reason(static_cast<int>(::getpid())), "");
+}
+
+}  // namespace
+}  // namespace dualpipe::cuda
