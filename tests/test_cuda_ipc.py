@@ -337,7 +337,7 @@ SCENARIOS: dict[str, Callable[[CudaIpcTransport, str], None]] = {
 
 
 def _shm_entries(pid: int) -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob(f"dpk_cuda_{pid}_*"))
+    return sorted(p.name for p in Path("/dev/shm").glob(f"dpk-{pid}-*"))
 
 
 #: set-up name -> (staging, direct_min_bytes)
