@@ -12,7 +12,10 @@ Model (memory policy ``keep``: every saved activation stays in memory until its 
   the layer inputs) and the W frees them.  An F&B pair adds its F before its
   backward half frees.  The peak of that running sum is the prediction; it
   depends only on the order, so it is computed once per (schedule, ranks,
-  micro-batches) as the set of count vectors that can be a maximum.
+  micro-batches) as the set of count vectors that can be a maximum.  For the
+  planned schedules these vectors stop changing once ``N >= 2 x ranks`` (the
+  warm-up depth bounds what is in flight; tests/test_planner_memory.py checks
+  it), which lets the planner profile a long step on a shorter one.
 """
 
 from __future__ import annotations

@@ -195,7 +195,6 @@ class _Evaluator:
     ) -> None:
         self.table, self.cluster, self.plans, self.mult = table, cluster, plans, state_multiplier
         self.profiles: dict[tuple[str, int, int], ActivationProfile] = {}
-        self.schedules: dict[tuple[str, int, int], object] = {}
         self.sims: dict[tuple[object, ...], float] = {}
 
     def bound(self, c: Candidate) -> None:
@@ -210,10 +209,9 @@ class _Evaluator:
 
     def memory(self, c: Candidate) -> None:
         sp = self.plans[(c.schedule, c.pp)]
-        key = (c.schedule, c.pp, c.microbatches)
+        key = (c.schedule, c.pp, _profile_microbatches(c.schedule, c.pp, c.microbatches))
         if key not in self.profiles:
-            self.schedules[key] = build_schedule(c.schedule, c.pp, c.microbatches)
-            self.profiles[key] = activation_profile(self.schedules[key])  # type: ignore[arg-type]
+            self.profiles[key] = activation_profile(build_schedule(*key))
         scale = c.microbatch_size / self.table.microbatch_size
         per_ir = [sp.activation[m] * scale for m in sp.model_stage]
         act = self.profiles[key].peak_bytes(per_ir)
@@ -243,12 +241,22 @@ class _Evaluator:
                 inter_latency=cl.inter_latency,
                 inter_bandwidth=cl.inter_bandwidth,
             )
-            sched = self.schedules.get((c.schedule, c.pp, c.microbatches)) or build_schedule(
-                c.schedule, c.pp, c.microbatches
-            )
+            sched = build_schedule(c.schedule, c.pp, c.microbatches)
             self.sims[key] = float(simulate(sched, CostModel(f=f, b=b, w=w), comm).makespan)  # type: ignore[arg-type]
         c.pipeline_s = self.sims[key]
         c.simulated_step_s = c.pipeline_s + c.allreduce_s
+
+
+def _profile_microbatches(schedule: str, pp: int, microbatches: int) -> int:
+    """Micro-batch count whose action order has the same activation peaks as ``microbatches``.
+
+    The planned schedules' peaks stop changing once ``N >= 2 pp`` (memory.py; a test checks it), so a
+    long step is profiled on the first valid count from ``4 pp`` on: cheaper, same numbers.
+    """
+    for n in range(4 * pp, microbatches):
+        if _valid(schedule, pp, n):
+            return n
+    return microbatches
 
 
 def _check_inputs(table: LayerTable, cluster: Cluster, global_batch: int, state_multiplier: float) -> None:
@@ -305,17 +313,16 @@ def plan(
         if c.param_state_bytes > cluster.memory_bytes:
             continue
         ev.memory(c)
-        best_so_far = feasible[0].simulated_step_s if feasible else math.inf
-        # A plan over budget is simulated only to say what it would have gained (faster than the best).
-        if not c.feasible and (len(rejected) >= top or c.lower_bound_s >= best_so_far):  # type: ignore[operator]
+        if not c.feasible:
+            rejected.append(c)
             continue
         ev.simulate(c)
-        (feasible if c.feasible else rejected).append(c)
+        feasible.append(c)
         feasible.sort(key=_rank_key)
     if not feasible:
         raise PlanError(_memory_message(cands, ev, cluster))
     best = feasible[0]
-    faster_rejected = sorted((c for c in rejected if c.simulated_step_s < best.simulated_step_s), key=_rank_key)  # type: ignore[operator]
+    faster_rejected = _faster_rejected(rejected, best, ev, top)
     shown = feasible[:top] + faster_rejected[:top]
     from .explain import explain
 
@@ -328,6 +335,18 @@ def plan(
         elapsed_s=time.perf_counter() - t0,
         explanation=explain(best, feasible[1:top], faster_rejected, cluster.memory_bytes, table.unit),
     )
+
+
+def _faster_rejected(rejected: list[Candidate], best: Candidate, ev: _Evaluator, top: int) -> list[Candidate]:
+    """Over-budget plans that would beat ``best`` (simulated only when their bound says they might)."""
+    out = []
+    for c in rejected:  # in lower-bound order
+        if c.lower_bound_s >= best.simulated_step_s or len(out) >= top:  # type: ignore[operator]
+            break
+        ev.simulate(c)
+        if c.simulated_step_s < best.simulated_step_s:  # type: ignore[operator]
+            out.append(c)
+    return sorted(out, key=_rank_key)
 
 
 def _rank_key(c: Candidate) -> tuple[object, ...]:
