@@ -73,7 +73,12 @@ class Cluster:
 
 @dataclass
 class Candidate:
-    """One configuration and, once evaluated, its predicted step and memory (per device, worst rank)."""
+    """One configuration and, once evaluated, its predicted step and memory.
+
+    ``peak_memory_bytes`` is the worst pipeline rank's parameter state + saved activations;
+    ``param_state_bytes``/``activation_bytes`` are that rank's parts; ``activation_bytes_per_rank``
+    the predicted activation peak of every pipeline rank.
+    """
 
     schedule: str
     pp: int
@@ -89,6 +94,7 @@ class Candidate:
     peak_memory_bytes: float = 0.0
     param_state_bytes: float = 0.0
     activation_bytes: float = 0.0
+    activation_bytes_per_rank: tuple[float, ...] = ()
     feasible: bool = False
     partition: tuple[int, ...] = ()
 
@@ -118,6 +124,7 @@ class Candidate:
             "allreduce_s": self.allreduce_s,
             "param_state_bytes": self.param_state_bytes,
             "activation_bytes": self.activation_bytes,
+            "activation_bytes_per_rank": list(self.activation_bytes_per_rank),
         }
 
 
@@ -163,13 +170,22 @@ def _valid(schedule: str, pp: int, microbatches: int) -> bool:
 
 
 def enumerate_candidates(
-    table: LayerTable, cluster: Cluster, global_batch: int, schedules: tuple[str, ...] = PLAN_SCHEDULES
+    table: LayerTable,
+    cluster: Cluster,
+    global_batch: int,
+    schedules: tuple[str, ...] = PLAN_SCHEDULES,
+    pp_degrees: tuple[int, ...] | None = None,
 ) -> tuple[list[Candidate], dict[tuple[str, int], StagePlan]]:
-    """Every structurally valid configuration (not yet evaluated) and the stage plans they use."""
+    """Every structurally valid configuration (not yet evaluated) and the stage plans they use.
+
+    ``pp_degrees``: only these pipeline degrees (default: every divisor of the device count).
+    """
     n_layers = len(table.layers)
     plans: dict[tuple[str, int], StagePlan] = {}
     out = []
     for pp in _divisors(cluster.devices):
+        if pp_degrees is not None and pp not in pp_degrees:
+            continue
         dp = cluster.devices // pp
         if global_batch % dp:
             continue
@@ -219,6 +235,7 @@ class _Evaluator:
         total = [a + p for a, p in zip(act, state, strict=True)]
         worst = max(range(len(total)), key=total.__getitem__)
         c.peak_memory_bytes, c.activation_bytes = total[worst], act[worst]
+        c.activation_bytes_per_rank = tuple(act)
         c.feasible = c.peak_memory_bytes <= self.cluster.memory_bytes
 
     def simulate(self, c: Candidate) -> None:
@@ -285,8 +302,12 @@ def plan(
     state_multiplier: float = 4.0,
     memory_policy: str = "keep",
     top: int = 10,
+    pp_degrees: tuple[int, ...] | None = None,
 ) -> PlanResult:
-    """The fastest feasible plan and the ``top`` runners-up (PlanError when none fits)."""
+    """The fastest feasible plan and the ``top`` runners-up (PlanError when none fits).
+
+    ``pp_degrees`` restricts the pipeline degrees searched (default: all divisors of the device count).
+    """
     t0 = time.perf_counter()
     if memory_policy not in MEMORY_POLICIES:
         raise ValueError(f"memory policy {memory_policy!r} is not supported yet; choose {', '.join(MEMORY_POLICIES)}")
@@ -296,7 +317,7 @@ def plan(
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
     _check_inputs(table, cluster, global_batch, state_multiplier)
-    cands, plans = enumerate_candidates(table, cluster, global_batch, schedules)
+    cands, plans = enumerate_candidates(table, cluster, global_batch, schedules, pp_degrees)
     if not cands:
         raise PlanError(_no_layout_message(table, cluster, global_batch))
     ev = _Evaluator(table, cluster, plans, state_multiplier)
