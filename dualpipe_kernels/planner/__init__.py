@@ -9,7 +9,6 @@
 from .layers import LayerCost, LayerTable, load_layers, save_layers
 from .partition import Partition, Placement, partition_layers, placement_of, stage_modules
 from .plan import Candidate, Cluster, PlanError, PlanResult, plan
-from .profile import param_count_table, profile_layers
 
 __all__ = [
     "Candidate",
@@ -29,3 +28,13 @@ __all__ = [
     "save_layers",
     "stage_modules",
 ]
+
+_LAZY = {"profile_layers", "param_count_table"}  # import torch only when profiling
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from . import profile
+
+        return getattr(profile, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,6 +15,10 @@ def _t(x: float, unit: str) -> str:
     return f"{x:.4g} s" if unit == "s" else f"{x:.4g} {unit}"
 
 
+def _pct(x: float) -> str:
+    return f"{x:.1%}" if x >= 0.001 else f"{x:.3%}"
+
+
 def _breakdown(c: Candidate, unit: str) -> str:
     return (
         f"compute {_t(c.compute_s, unit)}, bubble {_t(c.bubble_s, unit)}, "
@@ -44,14 +48,14 @@ def explain(
         if gap <= 0:
             lines.append(f"runner-up {r.label} ties the step; the best needs less memory or fewer stages")
         else:
-            lines.append(f"runner-up {r.label} is {gap:.1%} slower: {_lost_on(best, r, unit)}")
+            lines.append(f"runner-up {r.label} is {_pct(gap)} slower: {_lost_on(best, r, unit)}")
     else:
         lines.append("no other configuration fits")
     if faster_rejected:
         f = faster_rejected[0]
         gain = 1 - (f.simulated_step_s or 0.0) / (best.simulated_step_s or 1.0)
         lines.append(
-            f"{f.label} would be {gain:.1%} faster but needs {f.peak_memory_bytes / 1e9:.3g} GB "
+            f"{f.label} would be {_pct(gain)} faster but needs {f.peak_memory_bytes / 1e9:.3g} GB "
             f"> budget {budget / 1e9:.3g} GB"
         )
     return lines

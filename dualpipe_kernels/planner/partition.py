@@ -26,11 +26,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from torch import nn
 
 from ..schedules import schedule_layout
+
+if TYPE_CHECKING:  # torch is imported only by stage_modules, so planning from a cost file stays light
+    from torch import nn
 
 __all__ = ["Placement", "Partition", "placement_of", "partition_layers", "rank_loads", "stage_modules"]
 
@@ -251,6 +254,8 @@ def _nested(c: list[float], m: int) -> list[int]:
 # ---- from a partition to modules ------------------------------------------------
 def stage_modules(layers: Sequence[nn.Module] | nn.Sequential, sizes: Sequence[int]) -> list[nn.Sequential]:
     """One ``nn.Sequential`` per model stage, sharing the given layer modules (no copies)."""
+    from torch import nn
+
     layers = list(layers)
     if any(n < 1 for n in sizes) or sum(sizes) != len(layers):
         raise ValueError(f"partition {list(sizes)} must give >= 1 layer per stage and sum to {len(layers)} layers")
