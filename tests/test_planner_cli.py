@@ -48,6 +48,8 @@ def test_json_contract(costs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert best["peak_memory_bytes"] <= 80e9 and best["memory_policy"] == "keep"
     assert all(c["simulated_step_s"] >= best["simulated_step_s"] for c in doc["candidates"] if c["feasible"])
     assert doc["explanation"][0].startswith("best: ")
+    only8 = _plan_json(capsys, "--layers", str(costs), *BASE, "--pp", "8")
+    assert {c["pp"] for c in only8["candidates"]} == {8}
 
 
 def test_table_output(costs: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,6 +99,7 @@ def _error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
         (["--memory-gb", "inf"], "--memory-gb must be a finite number > 0"),
         (["--global-batch", "0"], "must be >= 1"),
         (["--schedules", "gpipe"], "schedules must be among"),
+        (["--pp", "3"], r"no PP degree in \[3\] divides 16 devices"),
     ],
 )
 def test_bad_inputs_exit_2_with_one_line(costs, capsys, override, message) -> None:

@@ -78,6 +78,7 @@ def add_parser(subparsers: Any) -> None:
         help="bytes held per parameter byte (params + grads + Adam moments: 4)",
     )
     p.add_argument("--schedules", default=",".join(PLAN_SCHEDULES), help="comma-separated subset to search")
+    p.add_argument("--pp", default=None, help="comma-separated PP degrees to search (default: every divisor)")
     p.add_argument("--memory-policy", default="keep", choices=("keep",))
     p.add_argument("--top", type=_positive_int, default=10, help="candidates to list")
     p.add_argument("--out", default=None, help="also write the JSON result here")
@@ -101,6 +102,16 @@ def _table(args: argparse.Namespace) -> tuple[Any, str | None]:
     return table, str(path)
 
 
+def _pp_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--pp must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--pp degrees must be >= 1, got {text!r}")
+    return values
+
+
 def run(args: argparse.Namespace) -> int:
     from ..planner.plan import Cluster, plan
 
@@ -115,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         inter_latency=args.inter_latency_us * 1e-6,
     )
     schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
+    pp_degrees = _pp_list(args.pp) if args.pp is not None else None
     result = plan(
         table,
         cluster,
@@ -123,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         state_multiplier=args.state_multiplier,
         memory_policy=args.memory_policy,
         top=args.top,
+        pp_degrees=pp_degrees,
     )
     doc = {
         "best": result.best.to_dict(),

@@ -317,6 +317,8 @@ def plan(
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
     _check_inputs(table, cluster, global_batch, state_multiplier)
+    if pp_degrees is not None and not any(cluster.devices % p == 0 for p in pp_degrees):
+        raise ValueError(f"no PP degree in {list(pp_degrees)} divides {cluster.devices} devices")
     cands, plans = enumerate_candidates(table, cluster, global_batch, schedules, pp_degrees)
     if not cands:
         raise PlanError(_no_layout_message(table, cluster, global_batch))
