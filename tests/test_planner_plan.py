@@ -128,3 +128,11 @@ def test_bad_cluster_inputs():
         Cluster(8, 8, float("nan"))
     with pytest.raises(ValueError, match="finite number >= 0"):
         LayerCost("x", float("inf"), 1, 0.5, 0, 0, 0)
+
+
+def test_parameter_count_table_plans_compute_only():
+    rows = tuple(LayerCost(f"l{i}", n, 2 * n, n, 0, 4 * n, 0) for i, n in enumerate([10, 10, 10, 40]))
+    result = plan(LayerTable(rows, unit="params"), Cluster(4, 4, 1e9), 16)
+    assert result.unit == "params" and all(c.allreduce_s == 0 for c in result.candidates)
+    # No link costs in a unitless table, so pure data parallelism has no bubble and wins.
+    assert (result.best.pp, result.best.dp, result.best.bubble_s) == (1, 4, 0)

@@ -7,6 +7,9 @@ intra/inter-node links) + the data-parallel gradient all-reduce, not
 overlapped (a ring over the DP group, DualPipe's two copies of a stage
 included, on the inter-node link when the group spans nodes).
 
+With a parameter-count table (unit ``params``, no sample input) there are
+no seconds to add link times to: the step is the simulated compute alone.
+
 Scaling with the micro-batch size ``b`` (profiled at ``b0``): every layer time,
 activation and boundary byte count is multiplied by ``b / b0``; parameters do
 not change.  Device layout: a pipeline's ranks are consecutive devices, so
@@ -219,7 +222,8 @@ class _Evaluator:
         scale = c.microbatch_size / self.table.microbatch_size
         busy = sp.busy(c.microbatches, scale)
         c.compute_s = max(busy)
-        c.allreduce_s = _allreduce(sp, c.dp, self.cluster)
+        # Fallback tables (unit "params") have no seconds to add link times to: compute only.
+        c.allreduce_s = _allreduce(sp, c.dp, self.cluster) if self.table.unit == "s" else 0.0
         c.lower_bound_s = max(h * scale + x for h, x in zip(sp.head_f, busy, strict=True)) + c.allreduce_s
         c.param_state_bytes = max(sp.param_state(self.mult))
 
@@ -250,13 +254,17 @@ class _Evaluator:
         key = (c.schedule, c.pp, c.microbatches, f, b, w, act)
         if key not in self.sims:
             cl = self.cluster
-            comm = CommModel(
-                latency=cl.intra_latency,
-                bandwidth=cl.intra_bandwidth,
-                activation_bytes=act,
-                ranks_per_node=cl.devices_per_node,
-                inter_latency=cl.inter_latency,
-                inter_bandwidth=cl.inter_bandwidth,
+            comm = (
+                CommModel(
+                    latency=cl.intra_latency,
+                    bandwidth=cl.intra_bandwidth,
+                    activation_bytes=act,
+                    ranks_per_node=cl.devices_per_node,
+                    inter_latency=cl.inter_latency,
+                    inter_bandwidth=cl.inter_bandwidth,
+                )
+                if self.table.unit == "s"
+                else CommModel()
             )
             sched = build_schedule(c.schedule, c.pp, c.microbatches)
             self.sims[key] = float(simulate(sched, CostModel(f=f, b=b, w=w), comm).makespan)  # type: ignore[arg-type]
