@@ -13,7 +13,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_COMMANDS = ("simulate", "bench", "demo")
+_COMMANDS = ("simulate", "bench", "demo", "plan")
 
 
 class _Parser(argparse.ArgumentParser):

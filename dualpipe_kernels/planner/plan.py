@@ -1,0 +1,421 @@
+"""Search schedule x PP x DP x micro-batches under a memory budget, ranked by the simulator.
+
+Step model (seconds, or the table's unit): ``simulated_step_s`` = the
+simulator's makespan of the pipeline (``schedules.simulate`` with per-stage
+costs from the optimal partition and a ``CommModel`` with the cluster's
+intra/inter-node links) + the data-parallel gradient all-reduce, not
+overlapped (a ring over the DP group, DualPipe's two copies of a stage
+included, on the inter-node link when the group spans nodes).
+
+With a parameter-count table (unit ``params``, no sample input) there are
+no seconds to add link times to: the step is the simulated compute alone.
+
+Scaling with the micro-batch size ``b`` (profiled at ``b0``): every layer time,
+activation and boundary byte count is multiplied by ``b / b0``; parameters do
+not change.  Device layout: a pipeline's ranks are consecutive devices, so
+PP traffic stays inside a node when ``pp <= devices_per_node``.
+
+Search: candidates sorted by a lower bound (per rank: the forward time before
+its first input can arrive + its compute; + the all-reduce); a candidate is
+simulated only while its bound beats the ``top``-th best simulated step, so the
+result equals exhaustive simulation.  Schedules and simulations are cached per
+call (no module state).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from ..schedules import CommModel, CostModel, build_schedule, schedule_layout, simulate
+from .layers import LayerTable
+from .memory import ActivationProfile, activation_profile
+from .stages import PLAN_SCHEDULES, StagePlan, stage_plan, stages_per_rank
+
+__all__ = ["Cluster", "Candidate", "PlanError", "PlanResult", "plan", "enumerate_candidates", "MEMORY_POLICIES"]
+
+MEMORY_POLICIES = ("keep",)
+_GB = 1e9
+
+
+class PlanError(ValueError):
+    """No plan exists; the message names the constraint to relax and by how much."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices and links.  Bandwidths in bytes/s, latencies in s, memory in bytes per device."""
+
+    devices: int
+    devices_per_node: int
+    memory_bytes: float
+    intra_bandwidth: float = 200e9
+    intra_latency: float = 5e-6
+    inter_bandwidth: float = 25e9
+    inter_latency: float = 10e-6
+
+    def __post_init__(self) -> None:
+        for name in ("devices", "devices_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.devices % self.devices_per_node:
+            raise ValueError(
+                f"devices ({self.devices}) must be a multiple of devices per node ({self.devices_per_node})"
+            )
+        for name in ("memory_bytes", "intra_bandwidth", "inter_bandwidth"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("intra_latency", "inter_latency"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+
+
+@dataclass
+class Candidate:
+    """One configuration and, once evaluated, its predicted step and memory.
+
+    ``peak_memory_bytes`` is the worst pipeline rank's parameter state + saved activations;
+    ``param_state_bytes``/``activation_bytes`` are that rank's parts; ``activation_bytes_per_rank``
+    the predicted activation peak of every pipeline rank.
+    """
+
+    schedule: str
+    pp: int
+    dp: int
+    microbatches: int
+    microbatch_size: int
+    memory_policy: str = "keep"
+    lower_bound_s: float = 0.0
+    simulated_step_s: float | None = None
+    pipeline_s: float = 0.0
+    compute_s: float = 0.0
+    allreduce_s: float = 0.0
+    peak_memory_bytes: float = 0.0
+    param_state_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    activation_bytes_per_rank: tuple[float, ...] = ()
+    feasible: bool = False
+    partition: tuple[int, ...] = ()
+
+    @property
+    def bubble_s(self) -> float:
+        return self.pipeline_s - self.compute_s
+
+    @property
+    def label(self) -> str:
+        return f"{self.schedule} pp={self.pp} dp={self.dp} mb={self.microbatches}x{self.microbatch_size}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "schedule": self.schedule,
+            "pp": self.pp,
+            "dp": self.dp,
+            "microbatches": self.microbatches,
+            "microbatch_size": self.microbatch_size,
+            "memory_policy": self.memory_policy,
+            "simulated_step_s": self.simulated_step_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "feasible": self.feasible,
+            "partition": list(self.partition),
+            "pipeline_s": self.pipeline_s,
+            "compute_s": self.compute_s,
+            "bubble_s": self.bubble_s,
+            "allreduce_s": self.allreduce_s,
+            "param_state_bytes": self.param_state_bytes,
+            "activation_bytes": self.activation_bytes,
+            "activation_bytes_per_rank": list(self.activation_bytes_per_rank),
+        }
+
+
+@dataclass
+class PlanResult:
+    best: Candidate
+    candidates: list[Candidate]
+    unit: str
+    considered: int
+    simulated: int
+    elapsed_s: float
+    explanation: list[str] = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def ring_allreduce_s(members: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce: ``2 (n-1)/n x bytes / bandwidth + 2 (n-1) x latency``; 0 for one member."""
+    if members <= 1:
+        return 0.0
+    return 2 * (members - 1) / members * nbytes / bandwidth + 2 * (members - 1) * latency
+
+
+def _allreduce(sp: StagePlan, dp: int, cluster: Cluster) -> float:
+    copies = 2 if sp.schedule == "dualpipe" else 1
+    members = dp * copies
+    span = sp.pp * dp if dp > 1 else sp.pp
+    intra = span <= cluster.devices_per_node
+    bw = cluster.intra_bandwidth if intra else cluster.inter_bandwidth
+    lat = cluster.intra_latency if intra else cluster.inter_latency
+    return ring_allreduce_s(members, sp.grad_bytes(), bw, lat)
+
+
+def _valid(schedule: str, pp: int, microbatches: int) -> bool:
+    # The generators own the constraints; ask them instead of restating them.
+    try:
+        schedule_layout(schedule, pp, microbatches)
+    except ValueError:
+        return False
+    return True
+
+
+def enumerate_candidates(
+    table: LayerTable,
+    cluster: Cluster,
+    global_batch: int,
+    schedules: tuple[str, ...] = PLAN_SCHEDULES,
+    pp_degrees: tuple[int, ...] | None = None,
+) -> tuple[list[Candidate], dict[tuple[str, int], StagePlan]]:
+    """Every structurally valid configuration (not yet evaluated) and the stage plans they use.
+
+    ``pp_degrees``: only these pipeline degrees (default: every divisor of the device count).
+    """
+    n_layers = len(table.layers)
+    plans: dict[tuple[str, int], StagePlan] = {}
+    out = []
+    for pp in _divisors(cluster.devices):
+        if pp_degrees is not None and pp not in pp_degrees:
+            continue
+        dp = cluster.devices // pp
+        if global_batch % dp:
+            continue
+        per_pipe = global_batch // dp
+        for name in schedules:
+            if pp * stages_per_rank(name) > n_layers or (name == "dualpipe" and pp % 2):
+                continue
+            for mbs in _divisors(per_pipe):
+                n = per_pipe // mbs
+                if not _valid(name, pp, n):
+                    continue
+                if (name, pp) not in plans:
+                    plans[(name, pp)] = stage_plan(table, name, pp)
+                out.append(Candidate(name, pp, dp, n, mbs, partition=plans[(name, pp)].partition.sizes))
+    return out, plans
+
+
+class _Evaluator:
+    """Per-call caches of schedules, activation profiles and simulations."""
+
+    def __init__(
+        self, table: LayerTable, cluster: Cluster, plans: dict[tuple[str, int], StagePlan], state_multiplier: float
+    ) -> None:
+        self.table, self.cluster, self.plans, self.mult = table, cluster, plans, state_multiplier
+        self.profiles: dict[tuple[str, int, int], ActivationProfile] = {}
+        self.sims: dict[tuple[object, ...], float] = {}
+
+    def bound(self, c: Candidate) -> None:
+        """Fill the lower bound, the all-reduce and the parameter state (no schedule built)."""
+        sp = self.plans[(c.schedule, c.pp)]
+        scale = c.microbatch_size / self.table.microbatch_size
+        busy = sp.busy(c.microbatches, scale)
+        c.compute_s = max(busy)
+        # Fallback tables (unit "params") have no seconds to add link times to: compute only.
+        c.allreduce_s = _allreduce(sp, c.dp, self.cluster) if self.table.unit == "s" else 0.0
+        c.lower_bound_s = max(h * scale + x for h, x in zip(sp.head_f, busy, strict=True)) + c.allreduce_s
+        c.param_state_bytes = max(sp.param_state(self.mult))
+
+    def memory(self, c: Candidate) -> None:
+        sp = self.plans[(c.schedule, c.pp)]
+        key = (c.schedule, c.pp, _profile_microbatches(c.schedule, c.pp, c.microbatches))
+        if key not in self.profiles:
+            self.profiles[key] = activation_profile(build_schedule(*key))
+        scale = c.microbatch_size / self.table.microbatch_size
+        per_ir = [sp.activation[m] * scale for m in sp.model_stage]
+        act = self.profiles[key].peak_bytes(per_ir)
+        state = sp.param_state(self.mult)
+        total = [a + p for a, p in zip(act, state, strict=True)]
+        worst = max(range(len(total)), key=total.__getitem__)
+        c.peak_memory_bytes, c.activation_bytes = total[worst], act[worst]
+        c.activation_bytes_per_rank = tuple(act)
+        c.feasible = c.peak_memory_bytes <= self.cluster.memory_bytes
+
+    def simulate(self, c: Candidate) -> None:
+        sp = self.plans[(c.schedule, c.pp)]
+        scale = c.microbatch_size / self.table.microbatch_size
+        # CostModel needs F, B > 0 and 0 < W < B per stage; keep free layers' zeros off those edges.
+        eps = 1e-12 * max(sum(sp.f) + sum(sp.b), 1e-300)
+        f = tuple(max(x * scale, eps) for x in sp.f)
+        b = tuple(max(x * scale, 2 * eps) for x in sp.b)
+        w = tuple(min(max(x * scale, eps * 0.5), bb * (1 - 1e-9)) for x, bb in zip(sp.w, b, strict=True))
+        act = sp.boundary * scale
+        key = (c.schedule, c.pp, c.microbatches, f, b, w, act)
+        if key not in self.sims:
+            cl = self.cluster
+            comm = (
+                CommModel(
+                    latency=cl.intra_latency,
+                    bandwidth=cl.intra_bandwidth,
+                    activation_bytes=act,
+                    ranks_per_node=cl.devices_per_node,
+                    inter_latency=cl.inter_latency,
+                    inter_bandwidth=cl.inter_bandwidth,
+                )
+                if self.table.unit == "s"
+                else CommModel()
+            )
+            sched = build_schedule(c.schedule, c.pp, c.microbatches)
+            self.sims[key] = float(simulate(sched, CostModel(f=f, b=b, w=w), comm).makespan)  # type: ignore[arg-type]
+        c.pipeline_s = self.sims[key]
+        c.simulated_step_s = c.pipeline_s + c.allreduce_s
+
+
+def _profile_microbatches(schedule: str, pp: int, microbatches: int) -> int:
+    """Micro-batch count whose action order has the same activation peaks as ``microbatches``.
+
+    The planned schedules' peaks stop changing once ``N >= 2 pp`` (memory.py; a test checks it), so a
+    long step is profiled on the first valid count from ``4 pp`` on: cheaper, same numbers.
+    """
+    for n in range(4 * pp, microbatches):
+        if _valid(schedule, pp, n):
+            return n
+    return microbatches
+
+
+def _check_inputs(table: LayerTable, cluster: Cluster, global_batch: int, state_multiplier: float) -> None:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global batch must be an integer >= 1, got {global_batch!r}")
+    if not (math.isfinite(state_multiplier) and state_multiplier >= 1):
+        raise ValueError(f"state multiplier must be a finite number >= 1, got {state_multiplier!r}")
+    per_sample = 1.0 / table.microbatch_size
+    for layer in table.layers:
+        need = layer.param_bytes * state_multiplier + layer.activation_bytes * per_sample
+        if need > cluster.memory_bytes:
+            raise PlanError(
+                f"layer {layer.name!r} fits on no device: its parameter state ({state_multiplier:g} x "
+                f"{layer.param_bytes / _GB:.3g} GB) plus one sample's activations need {need / _GB:.3g} GB "
+                f"> {cluster.memory_bytes / _GB:.3g} GB; raise the memory budget by at least "
+                f"{(need - cluster.memory_bytes) / _GB:.3g} GB"
+            )
+
+
+def plan(
+    table: LayerTable,
+    cluster: Cluster,
+    global_batch: int,
+    *,
+    schedules: tuple[str, ...] = PLAN_SCHEDULES,
+    state_multiplier: float = 4.0,
+    memory_policy: str = "keep",
+    top: int = 10,
+    pp_degrees: tuple[int, ...] | None = None,
+) -> PlanResult:
+    """The fastest feasible plan and the ``top`` runners-up (PlanError when none fits).
+
+    ``pp_degrees`` restricts the pipeline degrees searched (default: all divisors of the device count).
+    """
+    t0 = time.perf_counter()
+    if memory_policy not in MEMORY_POLICIES:
+        raise ValueError(f"memory policy {memory_policy!r} is not supported yet; choose {', '.join(MEMORY_POLICIES)}")
+    unknown = [s for s in schedules if s not in PLAN_SCHEDULES]
+    if unknown or not schedules:
+        raise ValueError(f"schedules must be among {', '.join(PLAN_SCHEDULES)}, got {', '.join(schedules) or 'none'}")
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
+    _check_inputs(table, cluster, global_batch, state_multiplier)
+    if pp_degrees is not None and not any(cluster.devices % p == 0 for p in pp_degrees):
+        raise ValueError(f"no PP degree in {list(pp_degrees)} divides {cluster.devices} devices")
+    cands, plans = enumerate_candidates(table, cluster, global_batch, schedules, pp_degrees)
+    if not cands:
+        raise PlanError(_no_layout_message(table, cluster, global_batch))
+    ev = _Evaluator(table, cluster, plans, state_multiplier)
+    for c in cands:
+        c.memory_policy = memory_policy
+        ev.bound(c)
+    cands.sort(key=lambda c: (c.lower_bound_s, c.pp, c.schedule, c.microbatch_size))
+    feasible: list[Candidate] = []
+    rejected: list[Candidate] = []
+    for c in cands:
+        cutoff = feasible[top - 1].simulated_step_s if len(feasible) >= top else math.inf
+        if c.lower_bound_s >= cutoff:  # type: ignore[operator]
+            break
+        if c.param_state_bytes > cluster.memory_bytes:
+            continue
+        ev.memory(c)
+        if not c.feasible:
+            rejected.append(c)
+            continue
+        ev.simulate(c)
+        feasible.append(c)
+        feasible.sort(key=_rank_key)
+    if not feasible:
+        raise PlanError(_memory_message(cands, ev, cluster))
+    best = feasible[0]
+    faster_rejected = _faster_rejected(rejected, best, ev, top)
+    shown = feasible[:top] + faster_rejected[:top]
+    from .explain import explain
+
+    return PlanResult(
+        best=best,
+        candidates=shown,
+        unit=table.unit,
+        considered=len(cands),
+        simulated=len(ev.sims),
+        elapsed_s=time.perf_counter() - t0,
+        explanation=explain(best, feasible[1:top], faster_rejected, cluster.memory_bytes, table.unit),
+    )
+
+
+def _faster_rejected(rejected: list[Candidate], best: Candidate, ev: _Evaluator, top: int) -> list[Candidate]:
+    """Over-budget plans that would beat ``best`` (simulated only when their bound says they might)."""
+    out = []
+    for c in rejected:  # in lower-bound order
+        if c.lower_bound_s >= best.simulated_step_s or len(out) >= top:  # type: ignore[operator]
+            break
+        ev.simulate(c)
+        if c.simulated_step_s < best.simulated_step_s:  # type: ignore[operator]
+            out.append(c)
+    return sorted(out, key=_rank_key)
+
+
+def _rank_key(c: Candidate) -> tuple[object, ...]:
+    return (c.simulated_step_s, c.peak_memory_bytes, c.pp, c.schedule, c.microbatch_size)
+
+
+def _no_layout_message(table: LayerTable, cluster: Cluster, global_batch: int) -> str:
+    n = cluster.devices
+    ok_dp = [d for d in _divisors(n) if global_batch % d == 0 and n // d <= len(table.layers)]
+    if not ok_dp:
+        return (
+            f"no pipeline layout: the global batch {global_batch} must be divisible by dp = devices / pp for some "
+            f"pp <= {len(table.layers)} layers dividing {n} devices; use a global batch that is a multiple of "
+            f"{n // min(n, _largest_divisor_at_most(n, len(table.layers)))}"
+        )
+    return (
+        f"no schedule fits {len(table.layers)} layers on {n} devices with global batch {global_batch} (micro-batch "
+        f"counts too small for the schedules' minimums); raise the global batch (e.g. to {global_batch * 4})"
+    )
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in _divisors(n) if d <= cap)
+
+
+def _memory_message(cands: list[Candidate], ev: _Evaluator, cluster: Cluster) -> str:
+    """Least memory any candidate needs (smallest micro-batch of each layout: activations grow with it)."""
+    smallest: dict[tuple[str, int], Candidate] = {}
+    for c in cands:
+        k = (c.schedule, c.pp)
+        if k not in smallest or c.microbatch_size < smallest[k].microbatch_size:
+            smallest[k] = c
+    for c in smallest.values():
+        ev.memory(c)
+    need = min(smallest.values(), key=lambda c: c.peak_memory_bytes)
+    budget = cluster.memory_bytes
+    return (
+        f"no plan fits {budget / _GB:.4g} GB per device: the least memory any plan needs is "
+        f"{need.peak_memory_bytes / _GB:.4g} GB ({need.label}); raise the memory budget by at least "
+        f"{(need.peak_memory_bytes - budget) / _GB:.4g} GB, or add devices"
+    )

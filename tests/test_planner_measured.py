@@ -1,0 +1,119 @@
+"""The planner's predicted peak of saved activations, against the runtime on two CPU processes.
+
+A residual MLP with uneven layers is profiled, planned on 2 devices (one
+schedule at a time), and the chosen plan runs one step through
+``Pipeline.from_sequential(partition=...)``.  Every tensor autograd saves is
+wrapped (``saved_tensors_hooks``) so its storage is counted from the save
+until the graph drops it (a view counts its own bytes: micro-batches are views
+of the batch); parameters are not counted.  Each rank's measured peak must
+be within 10% of the plan's prediction for that rank (see EXACT / FLOOR below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dualpipe_kernels.planner import Cluster, plan, profile_layers
+from dualpipe_kernels.runtime import Pipeline, spawn
+from dualpipe_kernels.schedules import build_schedule
+
+D = 32
+WIDTHS = [64, 128, 64, 256, 64, 64]
+BATCH = 16
+TOLERANCE = 0.10
+
+
+class _Res(nn.Module):
+    """``x + fc2(tanh(fc1(x)))``: saves x, tanh's output; the sum saves nothing (no sharing across layers)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, hidden), nn.Linear(hidden, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Res(h) for h in WIDTHS])
+
+
+def _criterion(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).sum()  # saves nothing of its own
+
+
+class _Live:
+    """Bytes of saved storages alive now, and the most seen at once."""
+
+    def __init__(self, skip: set[int]) -> None:
+        self.skip, self.refs, self.size, self.now, self.peak = skip, {}, {}, 0, 0
+
+    def pack(self, t: torch.Tensor) -> object:
+        # A micro-batch is a view of the whole batch: count the view's bytes, not its storage's.
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key[0] in self.skip:
+            return t
+        if self.refs.get(key, 0) == 0:
+            self.size[key] = t.numel() * t.element_size()
+            self.now += self.size[key]
+            self.peak = max(self.peak, self.now)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        return _Box(t, key, self)
+
+    def drop(self, key: tuple[int, int, int]) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.now -= self.size.pop(key)
+
+
+class _Box:
+    def __init__(self, t: torch.Tensor, key: tuple[int, int, int], live: _Live) -> None:
+        self.t, self.key, self.live = t, key, live
+
+    def __del__(self) -> None:
+        self.live.drop(self.key)
+
+
+def _peak(rank: int, world: int, name: str, microbatches: int, partition: list[int]) -> int:
+    model = _model()
+    pipe = Pipeline.from_sequential(build_schedule(name, world, microbatches), model, partition=partition,
+                                    timeout_s=60.0)  # fmt: skip
+    live = _Live({p.untyped_storage().data_ptr() for p in model.parameters()})
+    torch.manual_seed(1)
+    x, t = torch.randn(BATCH, D), torch.randn(BATCH, D)
+    with torch.autograd.graph.saved_tensors_hooks(live.pack, lambda b: b.t if isinstance(b, _Box) else b):
+        pipe.step(x, labels=(t,), criterion=_criterion)
+    pipe.close()
+    return live.peak
+
+
+def _worker(rank: int, world: int, plans: list[tuple[str, int, list[int]]]) -> list[int]:
+    return [_peak(rank, world, *p) for p in plans]
+
+
+# Schedules whose backward is never split (1F1B, interleaved) or split only inside overlapped pairs that
+# run a full backward (DualPipe here): the runtime frees what the schedule order says, so the prediction
+# holds.  With a separate W (ZB1P; DualPipeV's warm-up/cool-down I/W), the runtime currently keeps more
+# alive than the order implies (ZB1P pp=2, 16 micro-batches: every micro-batch's saved tensors at once),
+# so there the prediction is only a lower bound until the runtime frees a micro-batch's tensors at its W.
+EXACT = ("1f1b", "interleaved1f1b", "dualpipe")
+FLOOR = ("zb1p", "dualpipev")
+
+
+@pytest.mark.timeout(300)
+def test_predicted_peak_matches_the_runtime() -> None:
+    table = profile_layers(_model(), torch.randn(4, D), repeats=1)
+    chosen = [plan(table, Cluster(2, 2, 1e9), BATCH, schedules=(name,), pp_degrees=(2,)).best for name in EXACT + FLOOR]
+    assert all(c.pp == 2 and c.dp == 1 for c in chosen)
+    per_rank = spawn(_worker, 2, [(c.schedule, c.microbatches, list(c.partition)) for c in chosen], timeout_s=240)
+    for k, c in enumerate(chosen):
+        measured = [per_rank[r][k] for r in range(2)]
+        predicted = c.activation_bytes_per_rank
+        what = f"{c.label} partition {c.partition}: predicted per rank {predicted}, measured {measured}"
+        if c.schedule in EXACT:
+            assert all(abs(m - p) <= TOLERANCE * p for m, p in zip(measured, predicted, strict=True)), what
+        else:
+            assert all(m >= p * (1 - TOLERANCE) for m, p in zip(measured, predicted, strict=True)), what
