@@ -18,14 +18,28 @@ CUDA tensors over a backend that cannot move them (gloo) are staged through a
 host buffer: the send copies to the host before posting, the receive copies to
 the device when it is waited on.  That path blocks the host; it exists so that
 the runtime works on one GPU with several ranks, not for speed.
+
+Shutdown: a waiter thread still blocked in gloo when the interpreter finalizes
+would, once its wait returns (the peer exits), be stopped by Python while it
+re-takes the GIL inside a C++ frame, and the process aborts ("terminate called
+without an active exception").  So :meth:`TorchDistTransport.close` (and an
+exit hook for a transport never closed) cancels what is still in flight and
+joins the waiters: it times out one receive that nobody sends, which makes gloo
+fail every pending transfer of the group's context (the same thing a timed-out
+gloo wait always does).  The group's gloo pairs are closed then, so this runs
+only when transfers are in flight, i.e. after a failed step.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +49,9 @@ from dualpipe_kernels.transport.base import DEFAULT_TIMEOUT_S, Handle, Transport
 __all__ = ["TorchDistTransport"]
 
 _MAX_WAITERS = 1024
+# A tag the runtime never uses (its tags stay below 2**31 - 1, see runtime.p2p.TagSpace): the cancelling receive.
+_CANCEL_TAG = 2**31 - 1
+_JOIN_S = 5.0  # how long close() waits for cancelled waiters to leave gloo
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -122,11 +139,20 @@ class _WaiterPool:
             with self._lock:
                 self._idle += 1
 
-    def close(self) -> None:
+    def busy(self) -> int:
+        """Threads blocked in a wait now (or about to be)."""
         with self._lock:
-            n = len(self._threads)
-        for _ in range(n):
+            return len(self._threads) - self._idle + self._queued
+
+    def close(self, join_s: float) -> None:
+        """Stop every thread; wait up to ``join_s`` in all for those still inside a wait to return."""
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
             self._tasks.put(None)
+        deadline = time.monotonic() + join_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class _WorkHandle(Handle):
@@ -248,6 +274,9 @@ class TorchDistTransport(Transport):
         # The waiters' own limit is generous: a caller's wait enforces its timeout.
         self.waiters = _WaiterPool(max(timeout_s, 1.0) * 4)
         self._closed = False
+        # A transport left open at exit is closed before the interpreter finalizes (see the module doc).
+        self._exit_hook = _exit_hook(weakref.ref(self))
+        atexit.register(self._exit_hook)
 
     @property
     def rank(self) -> int:
@@ -289,6 +318,31 @@ class TorchDistTransport(Transport):
         return _WorkHandle(work, self, peer, what, finish if staged else None)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.waiters.close()
+        """Idempotent.  Transfers still in flight (a failed step) are cancelled: the group's gloo pairs close."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._exit_hook)
+        if self.waiters.busy():
+            self._cancel_in_flight()
+        self.waiters.close(_JOIN_S)
+
+    def _cancel_in_flight(self) -> None:
+        # gloo answers a receive that times out by failing every pending transfer of the context.
+        if self._size < 2:
+            return
+        peer = (self._rank + 1) % self._size
+        try:
+            work = dist.irecv(torch.empty(1), group=self.group, group_src=peer, tag=_CANCEL_TAG)
+            work.wait(timedelta(milliseconds=1))
+        except RuntimeError:
+            pass
+
+
+def _exit_hook(ref: weakref.ReferenceType[TorchDistTransport]) -> Callable[[], None]:
+    def close_at_exit() -> None:
+        transport = ref()
+        if transport is not None:
+            transport.close()
+
+    return close_at_exit
