@@ -16,7 +16,7 @@ import re
 import time
 
 import pytest
-from runtime_models import bad_inputs, kill_mid_step
+from rank_lifecycle import bad_inputs, kill_mid_step
 
 from dualpipe_kernels.runtime.launch import spawn, spawn_outcomes
 from dualpipe_kernels.schedules.generators import build_schedule

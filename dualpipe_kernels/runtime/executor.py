@@ -35,6 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from dualpipe_kernels.runtime.checks import call_criterion, check_schedule, check_stage_devices, check_timeout
+from dualpipe_kernels.runtime.fingerprint import agree, fingerprint, resolved_transport
 from dualpipe_kernels.runtime.microbatch import split_microbatches
 from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace
 from dualpipe_kernels.runtime.timeline import TimelineEntry, TimelineRecorder
@@ -143,8 +145,8 @@ class Pipeline(nn.Module):
         super().__init__()
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be a dualpipe_kernels Schedule, got {type(schedule).__name__}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        timeout_s = check_timeout(timeout_s)
+        check_schedule(schedule)  # ScheduleError on every rank, before anything runs
         if recv_lookahead < 1:
             raise ValueError(f"recv_lookahead must be >= 1, got {recv_lookahead}")
         if zero_bubble not in ("split", "store"):
@@ -170,6 +172,7 @@ class Pipeline(nn.Module):
         self.schedule = schedule
         self.stages = schedule.stages_of_rank(self.rank)
         self.stage_modules = _check_modules(modules, self.stages, self.rank, schedule.name)
+        check_stage_devices(self.stage_modules)
         self.stage_module_dict = nn.ModuleDict({str(s): m for s, m in self.stage_modules.items()})
         self.batch_dim = batch_dim
         self.timeout_s = float(timeout_s)
@@ -191,6 +194,14 @@ class Pipeline(nn.Module):
         self._labels = [str(a) for a in self._actions]  # timeline labels, built once
         # (stage, mb) -> index of its SEND_F: a pair posts its forward half's send before its backward half.
         self._send_f_index = {(a.stage, a.microbatch): i for i, a in enumerate(self._actions) if a.type is _SEND_F}
+        mine = fingerprint(
+            schedule,
+            self.rank,
+            self.rank_mapping,
+            resolved_transport(transport, self.device),
+            extra={"sync_mirror_grads": str(bool(sync_mirror_grads and self.mirror_of))},
+        )
+        agree(mine, self.group, self.timeout_s)  # RanksDisagree on every rank, naming the ranks and the field
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
         self._broken: str | None = None
@@ -423,7 +434,8 @@ class Pipeline(nn.Module):
         if is_loss:
             if st.criterion is not None:
                 if loss is None:
-                    loss = st.criterion(*outs, *st.mb_labels.get(mb, ()))
+                    where = f"pipeline rank {self.rank}, stage {s}, micro-batch {mb}"
+                    loss = call_criterion(st.criterion, outs, st.mb_labels.get(mb, ()), where)
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError(f"criterion must return a scalar tensor (stage {s}, micro-batch {mb})")
                 st.losses[mb] = loss.detach()

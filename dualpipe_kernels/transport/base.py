@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Handle", "Transport", "TransportError", "TransportTimeout", "DEFAULT_TIMEOUT_S", "wait_store_key"]
+__all__ = [
+    "Handle",
+    "Transport",
+    "TransportError",
+    "TransportTimeout",
+    "DEFAULT_TIMEOUT_S",
+    "wait_store_key",
+    "group_store",
+]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -84,6 +92,16 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def group_store(group: Any) -> Any:
+    """The ``torch.distributed`` store ``group`` was created with (a PrefixStore for subgroups)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_process_group_store(group)
+    except (AttributeError, KeyError):
+        return dist.distributed_c10d._get_default_store()
 
 
 def wait_store_key(store: Any, key: str, timeout_s: float, who: str, step: str) -> None:
