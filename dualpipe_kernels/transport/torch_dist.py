@@ -35,11 +35,10 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
-
-import time
 
 import torch
 import torch.distributed as dist
