@@ -80,14 +80,14 @@ def test_broken_schedule_is_refused_before_needing_a_process_group(case):
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, 0.0, "soon"])
 def test_timeout_must_be_finite_and_positive(bad):
-    with pytest.raises(ValueError, match=r"timeout_s must be a (finite )?number of seconds"):
+    with pytest.raises(ValueError, match=r"timeout_s must be (a number of seconds|positive and finite)"):
         Pipeline(build_schedule("1f1b", 2, 2), [nn.Linear(4, 4)], timeout_s=bad)
 
 
 def test_compat_timeout_nan_is_refused():
     from dualpipe_kernels.compat import DualPipeV
 
-    with pytest.raises(ValueError, match=r"timeout_s must be a finite number of seconds > 0, got nan"):
+    with pytest.raises(ValueError, match=r"timeout_s must be positive and finite \(seconds\), got nan"):
         DualPipeV([nn.Linear(4, 4), nn.Linear(4, 4)], timeout_s=math.nan)
 
 
@@ -109,3 +109,13 @@ def test_fingerprints_name_every_differing_field():
     assert err.values == {0: "4", 1: "6"}
     assert disagreement([fingerprint(a, 0, [0, 1], "torch"), fingerprint(a, 1, [0, 1], "torch")]) is None
     assert schedule_digest(a) == schedule_digest(build_schedule("1f1b", 2, 4)) != schedule_digest(b)
+
+
+@pytest.mark.parametrize("module,cls", [("torch_dist", "TorchDistTransport"), ("native", "NativeTransport")])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 0])
+def test_transport_timeout_must_be_finite_and_positive(module, cls, bad):
+    import importlib
+
+    transport = getattr(importlib.import_module(f"dualpipe_kernels.transport.{module}"), cls)
+    with pytest.raises(ValueError, match=r"timeout_s must be positive and finite"):
+        transport(timeout_s=bad)

@@ -1,6 +1,7 @@
 """Checks of what a Pipeline is given, run before any rank takes a step (fail fast, naming the culprit).
 
-* :func:`check_timeout`: a finite number of seconds > 0 (NaN and inf are refused).
+* :func:`check_timeout`: a finite number of seconds > 0 (NaN and inf are refused;
+  the transports' own check, ``transport.base.check_timeout``).
 * :func:`check_schedule`: the full validator (``schedules.validate``, O(actions)):
   a schedule that would compute wrong gradients or deadlock never runs, and
   every rank refuses it at construction, each on its own (no communication).
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,19 +22,9 @@ import torch
 from torch import nn
 
 from dualpipe_kernels.schedules.ir import Schedule
+from dualpipe_kernels.transport.base import check_timeout
 
 __all__ = ["check_timeout", "check_schedule", "check_stage_devices", "call_criterion"]
-
-
-def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
-    """``timeout_s`` as a float; ValueError unless it is a finite number > 0."""
-    try:
-        value = float(timeout_s)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a number of seconds, got {timeout_s!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be a finite number of seconds > 0, got {timeout_s!r}")
-    return value
 
 
 def check_schedule(schedule: Schedule) -> None:

@@ -16,6 +16,7 @@ every error message.
 from __future__ import annotations
 
 import abc
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "wait_store_key",
     "group_store",
+    "check_timeout",
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -68,7 +70,7 @@ class Transport(abc.ABC):
     name: str = "abstract"
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
 
     @property
     @abc.abstractmethod
@@ -92,6 +94,17 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
+    """``timeout_s`` as a float; ValueError unless it is a finite number of seconds > 0 (NaN, inf are refused)."""
+    try:
+        value = float(timeout_s)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of seconds, got {timeout_s!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be positive and finite (seconds), got {timeout_s!r}")
+    return value
 
 
 def group_store(group: Any) -> Any:
