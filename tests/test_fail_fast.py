@@ -69,7 +69,9 @@ def test_criterion_without_labels_says_so(results):
     assert loss_rank["type"] == "ValueError", loss_rank["error"]
     assert re.search(r"stage 1, micro-batch 0: criterion.*1 output\(s\) and 0 label\(s\)", loss_rank["error"])
     assert "labels=" in loss_rank["error"]
-    assert results[0]["criterion_without_labels"]["error"] is not None  # its peer fails too
+    peer = results[0]["criterion_without_labels"]  # fails at once (the failed rank's close cancels its transfers)
+    assert peer["error"] is not None and re.search(r"peer pipeline rank 1", peer["error"]), peer["error"]
+    assert peer["elapsed_s"] < 2.0, f"the peer took {peer['elapsed_s']:.1f} s to fail"
 
 
 @pytest.mark.parametrize("case", ["b_before_f", "deleted_backward", "deadlock"])

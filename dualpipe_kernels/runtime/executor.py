@@ -201,7 +201,7 @@ class Pipeline(nn.Module):
             resolved_transport(transport, self.device),
             extra={"sync_mirror_grads": str(bool(sync_mirror_grads and self.mirror_of))},
         )
-        agree(mine, self.group, self.timeout_s)  # RanksDisagree on every rank, naming the ranks and the field
+        agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
         self._broken: str | None = None

@@ -129,28 +129,38 @@ def disagreement(prints: Sequence[Fingerprint]) -> RanksDisagree | None:
     return RanksDisagree(message, field, values, differing)
 
 
-def exchange(mine: Fingerprint, group: dist.ProcessGroup, timeout_s: float) -> list[Fingerprint]:
-    """Publish ``mine`` in ``group``'s store and return every group rank's fingerprint (collective)."""
+def exchange(
+    mine: Fingerprint, group: dist.ProcessGroup, timeout_s: float, rank_mapping: Sequence[int] | None = None
+) -> list[Fingerprint]:
+    """Publish ``mine`` in ``group``'s store and return every group rank's fingerprint (collective).
+
+    ``rank_mapping[g]``: the pipeline rank of group rank ``g`` (identity when None), used to name a peer
+    that never publishes (TransportTimeout after ``timeout_s``).
+    """
     store = group_store(group)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mapping = list(rank_mapping) if rank_mapping is not None else list(range(size))
     generation = store.add(f"{_PREFIX}/generation/{rank}", 1)
     prefix = f"{_PREFIX}/{generation}"
     store.set(f"{prefix}/{rank}", mine.to_json())
+    who = f"pipeline rank {mine.pipeline_rank} (group rank {rank}): pipeline construction"
     out: list[Fingerprint] = []
     for g in range(size):
         if g == rank:
             out.append(mine)
             continue
         key = f"{prefix}/{g}"
-        who = f"group rank {rank} (pipeline rank {mine.pipeline_rank}): pipeline construction"
-        wait_store_key(store, key, timeout_s, who, f"peer group rank {g}'s fingerprint (did it fail to build?)")
+        peer = f"peer pipeline rank {mapping[g]} (group rank {g})"
+        wait_store_key(store, key, timeout_s, who, f"{peer} to build its Pipeline (did it fail?)")
         out.append(Fingerprint.from_json(store.get(key)))
     return out
 
 
-def agree(mine: Fingerprint, group: dist.ProcessGroup, timeout_s: float) -> None:
+def agree(
+    mine: Fingerprint, group: dist.ProcessGroup, timeout_s: float, rank_mapping: Sequence[int] | None = None
+) -> None:
     """Exchange fingerprints over ``group``; raise :class:`RanksDisagree` on every rank if any differ."""
-    err = disagreement(exchange(mine, group, timeout_s))
+    err = disagreement(exchange(mine, group, timeout_s, rank_mapping))
     if err is not None:
         raise err
 

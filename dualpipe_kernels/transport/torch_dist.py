@@ -26,8 +26,10 @@ without an active exception").  So :meth:`TorchDistTransport.close` (and an
 exit hook for a transport never closed) cancels what is still in flight and
 joins the waiters: it times out one receive that nobody sends, which makes gloo
 fail every pending transfer of the group's context (the same thing a timed-out
-gloo wait always does).  The group's gloo pairs are closed then, so this runs
-only when transfers are in flight, i.e. after a failed step.
+gloo wait always does), so the peers fail at once too instead of at their
+timeout.  The group's gloo pairs are closed then, so this runs only when
+transfers are still in flight (posted, never seen finished), i.e. after a
+failed step.
 """
 
 from __future__ import annotations
@@ -176,12 +178,27 @@ class _WorkHandle(Handle):
         # A gloo work gets a waiter thread the first time someone polls it (a handle only ever waited on
         # directly costs no thread).
         self._completion: _Completion | None = None
+        self._settled = False  # counted out of the owner's in-flight transfers
+        owner._track(+1)
 
     def _describe(self) -> str:
         return f"rank {self._owner.rank} <-> peer rank {self._peer}: {self._what or 'transfer'}"
 
+    def _settle(self, _error: BaseException | None = None) -> None:
+        # Once per handle: its transfer finished (a waiter thread saw it, or a wait returned).
+        if not self._settled:
+            self._settled = True
+            self._owner._track(-1)
+
+    def _watch(self) -> _Completion:
+        assert self._work is not None
+        completion = self._owner.waiters.submit(self._work)
+        completion.add_callback(self._settle)
+        return completion
+
     def _complete(self) -> None:
         self._done = True
+        self._settle()
         self._keep = None
         self._work = None  # the work object references the tensor
         self._completion = None
@@ -214,8 +231,7 @@ class _WorkHandle(Handle):
         if self._done:
             return True
         if self._completion is None:
-            assert self._work is not None
-            self._completion = self._owner.waiters.submit(self._work)
+            self._completion = self._watch()
         return self._completion.event.is_set()
 
     def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> bool:
@@ -230,8 +246,7 @@ class _WorkHandle(Handle):
             if self._done:
                 fn(None)
                 return True
-            assert self._work is not None
-            self._completion = self._owner.waiters.submit(self._work)
+            self._completion = self._watch()
         self._completion.add_callback(fn)
         return True
 
@@ -270,6 +285,9 @@ class TorchDistTransport(Transport):
         self.device_native = self.device.type == "cpu"
         # The waiters' own limit is generous: a caller's wait enforces its timeout.
         self.waiters = _WaiterPool(max(timeout_s, 1.0) * 4)
+        # Transfers posted and not seen finished (one whose handle was dropped unwaited stays counted).
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
         self._closed = False
         # A transport left open at exit is closed before the interpreter finalizes (see the module doc).
         self._exit_hook = _exit_hook(weakref.ref(self))
@@ -278,6 +296,10 @@ class TorchDistTransport(Transport):
     @property
     def rank(self) -> int:
         return self._rank
+
+    def _track(self, delta: int) -> None:
+        with self._in_flight_lock:
+            self._in_flight += delta
 
     def _check_peer(self, peer: int, what: str) -> None:
         if not 0 <= peer < self._size or peer == self._rank:
@@ -315,12 +337,13 @@ class TorchDistTransport(Transport):
         return _WorkHandle(work, self, peer, what, finish if staged else None)
 
     def close(self) -> None:
-        """Idempotent.  Transfers still in flight (a failed step) are cancelled: the group's gloo pairs close."""
+        """Idempotent.  Transfers still in flight (a failed step) are cancelled: the group's gloo pairs close,
+        and peers waiting on them fail at once."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self._exit_hook)
-        if self.waiters.busy():
+        if self._in_flight or self.waiters.busy():
             self._cancel_in_flight()
         self.waiters.close(_JOIN_S)
 
