@@ -60,6 +60,8 @@ def rank_main(rank: int, port: int, close: bool) -> int:
 
 def main(runs: int, parallel: int) -> list[int]:
     torch.set_num_threads(1)
+    # autograd imports hundreds of modules on its first backward: do it once here, not in every child
+    nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()
     statuses: list[int] = []
     for start in range(0, runs, parallel):
         pids = []
