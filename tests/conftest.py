@@ -8,7 +8,8 @@ the rank functions (``rank_configs``, ``rank_lifecycle``) by name (the spawn sta
 processes, the first time a test asks for that world size, and caches the
 per-rank results for the session: process start costs seconds (torch import),
 a configuration milliseconds.  ``lifecycle_run`` does the same for the
-two-pipelines and memory checks.
+two-pipelines and memory checks, ``error_runs`` for the bad-input and
+fail-fast cases.
 """
 
 from __future__ import annotations
@@ -80,3 +81,14 @@ def lifecycle_run() -> list[dict[str, Any]]:
     from dualpipe_kernels.runtime.launch import spawn
 
     return spawn(lifecycle, 2, LIFECYCLE_STEPS, timeout_s=SPAWN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def error_runs() -> list[dict[str, Any]]:
+    """Per-rank results of ``rank_fail_fast.error_cases`` on 2 ranks: bad inputs, then fail-fast cases (one spawn)."""
+    from rank_fail_fast import error_cases
+    from rank_lifecycle import BAD_INPUT_CASES, BAD_INPUT_TIMEOUT_S
+
+    from dualpipe_kernels.runtime.launch import spawn
+
+    return spawn(error_cases, 2, BAD_INPUT_CASES, BAD_INPUT_TIMEOUT_S, timeout_s=SPAWN_TIMEOUT_S, pg_timeout_s=120)

@@ -1,8 +1,10 @@
 """Rank functions of the fail-fast tests (tests/test_fail_fast.py): mistakes caught at Pipeline construction.
 
 :func:`fail_fast_cases` runs each case of ``CASES`` on 2 ranks, each on a fresh
-process group, with a long pipeline timeout (``timeout_s``, 60 s in the test):
-what is checked is that every rank fails in far less than that.
+process group, with a long pipeline timeout (``TIMEOUT_S``, 60 s): what is
+checked is that every rank fails in far less than that.  :func:`error_cases`
+runs these and the bad-input cases of tests/test_runtime_errors.py in one spawn
+(process start costs seconds, a case milliseconds).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from torch import nn
 
 from dualpipe_kernels.schedules.generators import build_schedule
 from dualpipe_kernels.schedules.ir import Schedule, parse_actions
+
+#: every wait of a fail-fast case: no case may come near it
+TIMEOUT_S = 60.0
 
 #: the cases, in run order; see :func:`_case`
 CASES = (
@@ -94,3 +99,15 @@ def fail_fast_cases(rank: int, world_size: int, cases: Sequence[str], timeout_s:
         out[case] = {"error": err, "type": kind, "elapsed_s": time.monotonic() - t0}
         dist.barrier()  # on the default group, untouched by the cases
     return out
+
+
+def error_cases(
+    rank: int, world_size: int, bad_input_cases: Sequence[str], bad_input_timeout_s: float
+) -> dict[str, dict[str, Any]]:
+    """Rank function: ``{"bad_inputs": rank_lifecycle.bad_inputs(...), "fail_fast": fail_fast_cases(...)}``."""
+    from rank_lifecycle import bad_inputs
+
+    return {
+        "bad_inputs": bad_inputs(rank, world_size, bad_input_cases, bad_input_timeout_s),
+        "fail_fast": fail_fast_cases(rank, world_size, CASES, TIMEOUT_S),
+    }

@@ -118,6 +118,19 @@ def two_pipelines(rank: int, world_size: int, steps: int = 3, timeout_s: float =
 # --------------------------------------------------------------------------------------------
 # Error handling
 # --------------------------------------------------------------------------------------------
+#: every wait inside a bad-input case (seconds)
+BAD_INPUT_TIMEOUT_S = 3.0
+#: the bad-input cases, in run order (their expectations live in tests/test_runtime_errors.py)
+BAD_INPUT_CASES = (
+    "compat_few_microbatches",
+    "compat_wrong_module_count",
+    "batch_smaller_than_microbatches",
+    "wrong_module_count",
+    "no_criterion",
+    "view_output",
+)
+
+
 def _bad_input_case(rank: int, world_size: int, case: str, group: Any, timeout_s: float) -> None:
     """One kind of bad input on a DualPipeV over ``group``; returns only if nothing raised."""
     from dualpipe_kernels import compat

@@ -18,17 +18,16 @@ import re
 
 import pytest
 import torch
-from rank_fail_fast import CASES, broken_schedule, fail_fast_cases
+from rank_fail_fast import CASES, TIMEOUT_S, broken_schedule
 from torch import nn
 
 from dualpipe_kernels.runtime import Pipeline
 from dualpipe_kernels.runtime.checks import call_criterion
 from dualpipe_kernels.runtime.fingerprint import disagreement, fingerprint, schedule_digest
-from dualpipe_kernels.runtime.launch import spawn
 from dualpipe_kernels.schedules.generators import build_schedule
 from dualpipe_kernels.schedules.validate import ScheduleError
 
-TIMEOUT_S = 60.0  # configured on every pipeline: no case may come near it
+assert TIMEOUT_S == 60.0  # configured on every pipeline: no case may come near it
 
 # case -> (limit on every rank's time to fail, exception type, regex its message must match)
 EXPECT = {
@@ -47,8 +46,12 @@ EXPECT = {
 
 
 @pytest.fixture(scope="module")
-def results():
-    return spawn(fail_fast_cases, 2, list(CASES), TIMEOUT_S, timeout_s=240.0, pg_timeout_s=120)
+def results(error_runs):
+    return [res["fail_fast"] for res in error_runs]  # spawned once per session (conftest.py)
+
+
+def test_every_case_has_an_expectation():
+    assert set(CASES) == {*EXPECT, "criterion_without_labels"}
 
 
 @pytest.mark.timeout(300)
