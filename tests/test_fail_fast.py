@@ -85,14 +85,14 @@ def test_broken_schedule_is_refused_before_needing_a_process_group(case):
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, 0.0, "soon"])
 def test_timeout_must_be_finite_and_positive(bad):
-    with pytest.raises(ValueError, match=r"timeout_s must be (a number of seconds|positive and finite)"):
+    with pytest.raises(ValueError, match=r"timeout_s must be (a number of seconds|a finite number of seconds|> 0)"):
         Pipeline(build_schedule("1f1b", 2, 2), [nn.Linear(4, 4)], timeout_s=bad)
 
 
 def test_compat_timeout_nan_is_refused():
     from dualpipe_kernels.compat import DualPipeV
 
-    with pytest.raises(ValueError, match=r"timeout_s must be positive and finite \(seconds\), got nan"):
+    with pytest.raises(ValueError, match=r"timeout_s must be a finite number of seconds, got nan"):
         DualPipeV([nn.Linear(4, 4), nn.Linear(4, 4)], timeout_s=math.nan)
 
 
@@ -117,10 +117,10 @@ def test_fingerprints_name_every_differing_field():
 
 
 @pytest.mark.parametrize("module,cls", [("torch_dist", "TorchDistTransport"), ("native", "NativeTransport")])
-@pytest.mark.parametrize("bad", [math.nan, math.inf, 0])
-def test_transport_timeout_must_be_finite_and_positive(module, cls, bad):
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_transport_timeout_must_be_finite(module, cls, bad):
     import importlib
 
     transport = getattr(importlib.import_module(f"dualpipe_kernels.transport.{module}"), cls)
-    with pytest.raises(ValueError, match=r"timeout_s must be positive and finite"):
+    with pytest.raises(ValueError, match=r"timeout_s must be a finite number of seconds"):
         transport(timeout_s=bad)

@@ -31,6 +31,7 @@ __all__ = [
     "wait_store_key",
     "group_store",
     "check_timeout",
+    "finite_timeout",
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -70,7 +71,8 @@ class Transport(abc.ABC):
     name: str = "abstract"
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.timeout_s = check_timeout(timeout_s)
+        # Each transport checks > 0 itself; NaN and inf are refused here for all of them.
+        self.timeout_s = finite_timeout(timeout_s)
 
     @property
     @abc.abstractmethod
@@ -96,14 +98,22 @@ class Transport(abc.ABC):
         self.close()
 
 
-def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
-    """``timeout_s`` as a float; ValueError unless it is a finite number of seconds > 0 (NaN, inf are refused)."""
+def finite_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
+    """``timeout_s`` as a float; ValueError unless it is a finite number (NaN and inf are refused)."""
     try:
         value = float(timeout_s)
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be a number of seconds, got {timeout_s!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be positive and finite (seconds), got {timeout_s!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number of seconds, got {timeout_s!r}")
+    return value
+
+
+def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
+    """``timeout_s`` as a float; ValueError unless it is a finite number of seconds > 0."""
+    value = finite_timeout(timeout_s, what)
+    if value <= 0:
+        raise ValueError(f"{what} must be > 0, got {timeout_s!r}")
     return value
 
 

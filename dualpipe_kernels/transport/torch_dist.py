@@ -265,6 +265,8 @@ class TorchDistTransport(Transport):
         super().__init__(timeout_s)
         if not dist.is_initialized():
             raise ValueError("TorchDistTransport needs an initialised torch.distributed process group")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.group = group if group is not None else dist.group.WORLD
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._rank = dist.get_rank(self.group)
