@@ -47,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `dualpipe-kernels simulate ... | head`
         sys.stderr.close()
         return 0
+    except OSError as e:  # a file the command could not write or read: one line, status 2
+        sys.stderr.write(f"dualpipe-kernels {args.command}: error: {e}\n")
+        return 2
 
 
 if __name__ == "__main__":

@@ -238,6 +238,9 @@ class _DualPipeBase(nn.Module):
         timeout_s: float = 120.0,
     ) -> None:
         super().__init__()
+        from dualpipe_kernels.runtime.checks import check_timeout
+
+        timeout_s = check_timeout(timeout_s)
         modules = list(modules)
         if len(modules) != 2 or not all(isinstance(m, nn.Module) for m in modules):
             raise ValueError(

@@ -1,14 +1,15 @@
 """Shared fixtures of the runtime tests.
 
 ``tests/`` goes on ``sys.path`` so the spawned worker processes can import
-``runtime_models`` by name (the spawn start method passes ``sys.path`` on).
+the rank functions (``rank_configs``, ``rank_lifecycle``) by name (the spawn start method passes ``sys.path`` on).
 
 ``spawned_runs(cfg)`` runs every configuration of
-``runtime_models.configs_for_world(cfg.world)`` in ONE group of spawned
+``toy_models.configs_for_world(cfg.world)`` in ONE group of spawned
 processes, the first time a test asks for that world size, and caches the
 per-rank results for the session: process start costs seconds (torch import),
 a configuration milliseconds.  ``lifecycle_run`` does the same for the
-two-pipelines and memory checks.
+two-pipelines and memory checks, ``error_runs`` for the bad-input and
+fail-fast cases.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ SPAWN_TIMEOUT_S = 300.0
 @pytest.fixture(scope="session")
 def spawned_runs() -> Callable[[Any], list[dict[str, Any]]]:
     """``get(cfg)``: every process's results of the spawned run (one per world size) that holds ``cfg``."""
-    from runtime_models import configs_for_world, run_configs
+    from rank_configs import run_configs
+    from toy_models import configs_for_world
 
     from dualpipe_kernels.runtime.launch import spawn
 
@@ -73,9 +75,20 @@ LIFECYCLE_STEPS = 50
 
 @pytest.fixture(scope="session")
 def lifecycle_run() -> list[dict[str, Any]]:
-    """Per-rank results of ``runtime_models.lifecycle`` on 2 ranks: two pipelines, then 50-step memory runs."""
-    from runtime_models import lifecycle
+    """Per-rank results of ``rank_lifecycle.lifecycle`` on 2 ranks: two pipelines, then 50-step memory runs."""
+    from rank_lifecycle import lifecycle
 
     from dualpipe_kernels.runtime.launch import spawn
 
     return spawn(lifecycle, 2, LIFECYCLE_STEPS, timeout_s=SPAWN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def error_runs() -> list[dict[str, Any]]:
+    """Per-rank results of ``rank_fail_fast.error_cases`` on 2 ranks: bad inputs, then fail-fast cases (one spawn)."""
+    from rank_fail_fast import error_cases
+    from rank_lifecycle import BAD_INPUT_CASES, BAD_INPUT_TIMEOUT_S
+
+    from dualpipe_kernels.runtime.launch import spawn
+
+    return spawn(error_cases, 2, BAD_INPUT_CASES, BAD_INPUT_TIMEOUT_S, timeout_s=SPAWN_TIMEOUT_S, pg_timeout_s=120)

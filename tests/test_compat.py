@@ -17,7 +17,9 @@ import inspect
 
 import pytest
 import torch
-from runtime_models import check_config, configs_for_world, cuda_compat
+from rank_configs import cuda_compat
+from runtime_checks import check_config
+from toy_models import configs_for_world
 
 from dualpipe_kernels import compat
 from dualpipe_kernels.runtime.launch import spawn

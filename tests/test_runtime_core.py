@@ -230,7 +230,7 @@ def _timeout_worker(rank: int, world_size: int, transport: str) -> str:
         return "no error"
     start = time.monotonic()
     try:
-        # The native transport's rendezvous is collective: it already waits for rank 1 here.
+        # Construction is collective (the fingerprint exchange): it already waits for rank 1 here.
         pipe = Pipeline(sched, {0: _mlp()}, timeout_s=2.0, transport=transport)
         pipe.step(torch.randn(4, HIDDEN))
     except TimeoutError as exc:
@@ -246,10 +246,8 @@ def test_missing_peer_times_out_naming_it(transport: str) -> None:
     assert outcomes[1].value.startswith("ValueError") and "holds 1 stage(s)" in outcomes[1].value
     elapsed, msg = outcomes[0].value.split("|", 1)
     assert float(elapsed) < 5.0
-    if transport == "torch":
-        assert "peer pipeline rank 1" in msg and "0RECV_B0" in msg and "micro-batch 0" in msg, msg
-    else:  # the rendezvous at construction names the missing peer
-        assert "rank 0" in msg and "rank 1" in msg and "rendezvous" in msg, msg
+    # the fingerprint exchange at construction (runtime/fingerprint.py) names the missing peer, any transport
+    assert "pipeline rank 0" in msg and "peer pipeline rank 1" in msg and "build its Pipeline" in msg, msg
 
 
 @pytest.mark.parametrize("first_stage", [False, True])

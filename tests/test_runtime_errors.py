@@ -1,10 +1,11 @@
 """Bad input and a dead peer: a clear error on every rank, and every rank exits (no hang).
 
-Bad input: every case of ``CASES`` runs on 2 spawned ranks (one spawn, a
-fresh process group per case) with a short pipeline timeout (``TIMEOUT_S``,
-every wait).  The rank that holds the mistake raises a ValueError naming the
-constraint; the other rank raises too, naming the culprit as its peer (or
-repeating the constraint when it made the same mistake), within the timeout.
+Bad input: every case of ``CASES`` runs on 2 spawned ranks (one spawn shared
+with tests/test_fail_fast.py, conftest's ``error_runs``; a fresh process group
+per case) with a short pipeline timeout (``TIMEOUT_S``, every wait).  The rank
+that holds the mistake raises a ValueError naming the constraint; the other
+rank raises too, naming the culprit as its peer (or repeating the constraint
+when it made the same mistake), within the timeout.
 
 Dead peer: one rank's stage calls ``os._exit(3)`` on its third forward (mid
 step); the survivor raises within the timeout, naming the dead peer.
@@ -16,12 +17,12 @@ import re
 import time
 
 import pytest
-from runtime_models import bad_inputs, kill_mid_step
+from rank_lifecycle import BAD_INPUT_CASES, BAD_INPUT_TIMEOUT_S, kill_mid_step
 
-from dualpipe_kernels.runtime.launch import spawn, spawn_outcomes
+from dualpipe_kernels.runtime.launch import spawn_outcomes
 from dualpipe_kernels.schedules.generators import build_schedule
 
-TIMEOUT_S = 3.0  # every wait inside a step
+TIMEOUT_S = BAD_INPUT_TIMEOUT_S  # every wait inside a step
 SPAWN_LIMIT_S = 240.0  # the launcher kills ranks still running after this: reaching it is a hang
 SLACK_S = 5.0  # allowed on top of TIMEOUT_S for one case
 
@@ -41,8 +42,12 @@ def _names_peer(err: str, peer: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def bad_input_results():
-    return spawn(bad_inputs, 2, list(CASES), TIMEOUT_S, timeout_s=SPAWN_LIMIT_S, pg_timeout_s=60)
+def bad_input_results(error_runs):
+    return [res["bad_inputs"] for res in error_runs]  # spawned once per session (conftest.py)
+
+
+def test_every_bad_input_case_runs_and_has_an_expectation():
+    assert set(BAD_INPUT_CASES) == set(CASES)
 
 
 def test_too_few_microbatches_is_rejected_by_the_schedule():

@@ -1,6 +1,6 @@
 """Every schedule on spawned CPU processes (gloo, fp32) is bit-exact against the same model in one process.
 
-Per configuration (``runtime_models.configs_for_world``, toy Linear+tanh stages):
+Per configuration (``toy_models.configs_for_world``, toy Linear+tanh stages):
 a training step's per-micro-batch losses and every parameter gradient equal
 (``torch.equal``) those of a single-process run over the same micro-batches
 (forward and backward per micro-batch, in order); an inference step under
@@ -15,7 +15,8 @@ module's gradient.  Native API and compat, "torch" and "native" transports.
 from __future__ import annotations
 
 import pytest
-from runtime_models import check_config, configs_for_world
+from runtime_checks import check_config
+from toy_models import configs_for_world
 
 CONFIGS = [c for world in (1, 2, 3, 4) for c in configs_for_world(world) if c.model == "toy"]
 

@@ -1,6 +1,6 @@
 """Boundaries beyond one float tensor, and two pipelines in one process.
 
-Rich stages (``runtime_models.RichStage``): an uneven batch (``tensor_split``
+Rich stages (``toy_models.RichStage``): an uneven batch (``tensor_split``
 semantics: the last micro-batches are one row smaller), three tensors per
 stage boundary, an int64 side input that passes through every stage without
 grad, and an output the next stage ignores (its gradient is None, its weights
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_models import check_config, configs_for_world
+from runtime_checks import check_config
+from toy_models import configs_for_world
 
 CONFIGS = [c for world in (2, 4) for c in configs_for_world(world) if c.model == "rich"]
 

@@ -3,7 +3,7 @@
 Two ranks run DualPipeV through the native API (toy stages) and through compat
 (the reference example's model, WeightGradStore) for 50 steps each on a
 4096-row batch (~20 KB per activation) with an SGD update after each step
-(``runtime_models.many_steps``, inside the shared ``lifecycle_run``).  After
+(``rank_lifecycle.many_steps``, inside the shared ``lifecycle_run``).  After
 ``WARMUP`` steps (allocator and transport buffers settle):
 
 * the number of gc-tracked torch.Tensor objects (counted every 5th step) is

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from dualpipe_kernels.benchmarks.common import DEFAULT_OUT_DIR, plot_bandwidth, write_results
+from dualpipe_kernels.commands.outputs import check_output_dir
 
 #: Registered suites, in the order ``bench all`` runs them, with their ``bench --help`` line (kept here so
 #: listing them imports nothing).  Registering a suite is one line here.
@@ -163,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 f"dualpipe-kernels bench: error: suite {args.suite!r} is unavailable: {args.suite_error}\n"
             )
             return 1
+        check_output_dir(args.out, "--out")  # before the suite runs: results are never lost to a bad folder
         mod, _ = _import_suite(args.suite)
         assert mod is not None
         skip = _unavailable(mod)
@@ -182,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             print(mod.to_markdown(result))
         return 0
 
+    check_output_dir(args.out, "--out")
     results: dict[str, Any] = {}
     failed: dict[str, str] = {}
     for name in SUITES:

@@ -24,12 +24,21 @@ from ..schedules.costs import CommModel, CostModel, Num
 from ..schedules.generators import SCHEDULE_NAMES, build_schedule
 from ..schedules.simulator import SimResult, reference_bubble, simulate
 from ..schedules.validate import validate
+from .outputs import check_output_file
 
 _ASCII_MAX_STEPS = 50  # print the grid only when every rank's list is this short (or with --ascii)
 
 
 def _number(text: str) -> Num:
-    """An int when the text is integral (so JSON stays exact), else a float; accepts 'inf'."""
+    """A finite number: an int when the text is integral (so JSON stays exact), else a float."""
+    value = _bandwidth(text)
+    if math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _bandwidth(text: str) -> Num:
+    """Like :func:`_number`, but 'inf' is allowed (an unlimited link)."""
     try:
         value = float(text)
     except ValueError:
@@ -58,11 +67,11 @@ def add_parser(subparsers: Any) -> None:
     costs.add_argument("--fb", type=_number, default=None, help="overlapped F&B pair (default F + B)")
     comm = p.add_argument_group("communication")
     comm.add_argument("--comm-latency", type=_number, default=0, help="seconds per transfer (intra-node)")
-    comm.add_argument("--comm-bandwidth", type=_number, default=math.inf, help="bytes/s (intra-node)")
+    comm.add_argument("--comm-bandwidth", type=_bandwidth, default=math.inf, help="bytes/s (intra-node; inf: free)")
     comm.add_argument("--activation-bytes", type=_number, default=0, help="bytes per transfer")
     comm.add_argument("--ranks-per-node", type=int, default=None, help="default: all ranks on one node")
     comm.add_argument("--inter-latency", type=_number, default=None, help="seconds (default: --comm-latency)")
-    comm.add_argument("--inter-bandwidth", type=_number, default=None, help="bytes/s (default: --comm-bandwidth)")
+    comm.add_argument("--inter-bandwidth", type=_bandwidth, default=None, help="bytes/s (default: --comm-bandwidth)")
     comm.add_argument("--blocking-comm", action="store_true", help="a send blocks its rank until it arrives")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
@@ -98,7 +107,15 @@ def _finite_or_none(x: Num | None) -> Num | None:
     return None if x is None or math.isinf(x) else x
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every export path is writable, before the simulation runs (ValueError: exit 2, one line)."""
+    for option, path in (("--trace", args.trace), ("--png", args.png), ("--csv", args.csv)):
+        if path:
+            check_output_file(path, option)
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_outputs(args)
     schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.stages_per_rank)
     program = validate(schedule)  # simulate() below reuses it instead of validating again
     cost = CostModel(f=args.f, b=args.b, w=args.w, fb=args.fb)
@@ -144,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             "ranks_per_node": args.ranks_per_node,
             "blocking": args.blocking_comm,
         }
-        sys.stdout.write(json.dumps(d) + "\n")
+        sys.stdout.write(json.dumps(d, allow_nan=False) + "\n")  # strict JSON: no NaN/Infinity
         return 0
 
     print(_summary(res, ref))

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from dualpipe_kernels.runtime.checks import call_criterion
 from dualpipe_kernels.runtime.zero_bubble import DeferredWeightGrad, WeightGradStore, backward_full, backward_input
 from dualpipe_kernels.schedules.deps import DepKind, Topology
 from dualpipe_kernels.schedules.ir import T_I, T_RECV_B, T_RECV_F, Action, ActionType
@@ -137,7 +138,8 @@ class StageCompute:
         key = (s, mb)
         if st.criterion is not None:
             if loss is None:
-                loss = st.criterion(*outs, *st.mb_labels.get(mb, ()))
+                where = f"pipeline rank {self.rank}, stage {s}, micro-batch {mb}"
+                loss = call_criterion(st.criterion, outs, st.mb_labels.get(mb, ()), where)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(f"criterion must return a scalar tensor (stage {s}, micro-batch {mb})")
             st.losses[mb] = loss.detach()

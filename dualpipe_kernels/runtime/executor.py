@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState, Wire
+from dualpipe_kernels.runtime.checks import check_stage_devices, check_timeout
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.construction import (
     check_mapping,
@@ -38,9 +39,10 @@ from dualpipe_kernels.runtime.construction import (
     presplit,
     sequential_stages,
 )
+from dualpipe_kernels.runtime.fingerprint import agree, fingerprint, resolved_transport
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.microbatch import split_microbatches
-from dualpipe_kernels.runtime.mirror import MirrorSync
+from dualpipe_kernels.runtime.mirror import MirrorSync, mirrors
 from dualpipe_kernels.runtime.p2p import LayoutMemory, TagSpace
 from dualpipe_kernels.runtime.timeline import TimelineEntry, TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
@@ -69,12 +71,16 @@ class StepResult:
 
 
 def _lowered_program(schedule: Schedule) -> Program:
-    """The dependency program of ``schedule`` in its lowered form (lowering it when it is compute-only)."""
-    if schedule.lowered:
-        return Program(schedule)
-    from dualpipe_kernels.schedules.lowering import lower_program
+    """The validated dependency program of ``schedule`` in its lowered form (lowering it when compute-only).
 
-    return lower_program(Program(schedule))
+    Validation is the full validator (O(actions)): a schedule that would compute wrong gradients or
+    deadlock raises ScheduleError on every rank, each on its own, before anything runs.
+    """
+    from dualpipe_kernels.schedules.lowering import lower_program
+    from dualpipe_kernels.schedules.validate import validate
+
+    program = validate(schedule)
+    return program if schedule.lowered else lower_program(program)
 
 
 class Pipeline(nn.Module):
@@ -118,8 +124,7 @@ class Pipeline(nn.Module):
         super().__init__()
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be a dualpipe_kernels Schedule, got {type(schedule).__name__}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        timeout_s = check_timeout(timeout_s)
         if recv_lookahead < 1:
             raise ValueError(f"recv_lookahead must be >= 1, got {recv_lookahead}")
         if zero_bubble not in ("split", "store"):
@@ -142,6 +147,7 @@ class Pipeline(nn.Module):
         self.schedule = schedule = self.program.schedule
         self.stages = schedule.stages_of_rank(self.rank)
         self.stage_modules = check_modules(modules, self.stages, self.rank, schedule.name)
+        check_stage_devices(self.stage_modules)
         self.stage_module_dict = nn.ModuleDict({str(s): m for s, m in self.stage_modules.items()})
         self.batch_dim = batch_dim
         self.timeout_s = float(timeout_s)
@@ -157,6 +163,15 @@ class Pipeline(nn.Module):
         # Message layouts of the previous step, so receives are posted before the metadata arrives (p2p.py).
         self._layouts = LayoutMemory()
         self.weight_grad_store = WeightGradStore()
+        self._mirrors_of = mirrors(schedule)
+        mine = fingerprint(
+            schedule,
+            self.rank,
+            self.rank_mapping,
+            resolved_transport(transport, self.device),
+            extra={"sync_mirror_grads": str(bool(sync_mirror_grads and self._mirrors_of))},
+        )
+        agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
         self._broken: str | None = None

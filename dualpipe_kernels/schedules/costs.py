@@ -53,6 +53,11 @@ class StageCosts:
         return self.fb[f_stage] if full_backward else self.fb[f_stage] - self.w[b_stage]
 
 
+def _finite(x: Num) -> bool:
+    """NaN and +-inf are not costs (an exact int or Fraction always is finite)."""
+    return isinstance(x, (int, Fraction)) or math.isfinite(x)
+
+
 def _per_stage(name: str, value: Cost, schedule: Schedule) -> list[Num]:
     """Expand a scalar or a per-stage sequence to one value per IR stage.
 
@@ -103,6 +108,9 @@ class CostModel:
         )
         for s in range(schedule.num_stages):
             where = f" (stage {s})" if not isinstance(self.f, Real) or not isinstance(self.b, Real) else ""
+            for name, values in (("F", f), ("B", b), ("W", w), ("F&B", fb)):
+                if not _finite(values[s]):
+                    raise ValueError(f"cost {name} must be a finite number, got {values[s]}{where}")
             if not f[s] > 0:
                 raise ValueError(f"cost F must be > 0, got {f[s]}{where}")
             if not b[s] > 0:
@@ -150,14 +158,14 @@ class CommModel:
     def __post_init__(self) -> None:
         for name in ("latency", "inter_latency"):
             v = getattr(self, name)
-            if v is not None and not v >= 0:
-                raise ValueError(f"comm {name} must be >= 0 seconds, got {v}")
+            if v is not None and not (v >= 0 and _finite(v)):
+                raise ValueError(f"comm {name} must be >= 0 seconds and finite, got {v}")
         for name in ("bandwidth", "inter_bandwidth"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"comm {name} must be > 0 bytes/s, got {v}")
-        if not self.activation_bytes >= 0:
-            raise ValueError(f"activation_bytes must be >= 0, got {self.activation_bytes}")
+        if not (self.activation_bytes >= 0 and _finite(self.activation_bytes)):
+            raise ValueError(f"activation_bytes must be >= 0 and finite, got {self.activation_bytes}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
 

@@ -33,12 +33,23 @@ everything else it posts accordingly (runtime/p2p.py ``wire_device``).
 from __future__ import annotations
 
 import abc
+import math
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-__all__ = ["Handle", "Transport", "TransportError", "TransportTimeout", "DEFAULT_TIMEOUT_S", "wait_store_key"]
+__all__ = [
+    "Handle",
+    "Transport",
+    "TransportError",
+    "TransportTimeout",
+    "DEFAULT_TIMEOUT_S",
+    "wait_store_key",
+    "group_store",
+    "check_timeout",
+    "finite_timeout",
+]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -77,7 +88,8 @@ class Transport(abc.ABC):
     name: str = "abstract"
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.timeout_s = timeout_s
+        # Each transport checks > 0 itself; NaN and inf are refused here for all of them.
+        self.timeout_s = finite_timeout(timeout_s)
 
     @property
     @abc.abstractmethod
@@ -101,6 +113,35 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def finite_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
+    """``timeout_s`` as a float; ValueError unless it is a finite number (NaN and inf are refused)."""
+    try:
+        value = float(timeout_s)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of seconds, got {timeout_s!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number of seconds, got {timeout_s!r}")
+    return value
+
+
+def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
+    """``timeout_s`` as a float; ValueError unless it is a finite number of seconds > 0."""
+    value = finite_timeout(timeout_s, what)
+    if value <= 0:
+        raise ValueError(f"{what} must be > 0, got {timeout_s!r}")
+    return value
+
+
+def group_store(group: Any) -> Any:
+    """The ``torch.distributed`` store ``group`` was created with (a PrefixStore for subgroups)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_process_group_store(group)
+    except (AttributeError, KeyError):
+        return dist.distributed_c10d._get_default_store()
 
 
 def wait_store_key(store: Any, key: str, timeout_s: float, who: str, step: str) -> None:

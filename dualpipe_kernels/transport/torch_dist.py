@@ -18,12 +18,27 @@ CUDA tensors over a backend that cannot move them (gloo) are staged through a
 host buffer: the send copies to the host before posting, the receive copies to
 the device when it is waited on.  That path blocks the host; it exists so that
 the runtime works on one GPU with several ranks, not for speed.
+
+Shutdown: a waiter thread still blocked in gloo when the interpreter finalizes
+would, once its wait returns (the peer exits), be stopped by Python while it
+re-takes the GIL inside a C++ frame, and the process aborts ("terminate called
+without an active exception").  So :meth:`TorchDistTransport.close` (and an
+exit hook for a transport never closed) cancels what is still in flight and
+joins the waiters: it times out one receive that nobody sends, which makes gloo
+fail every pending transfer of the group's context (the same thing a timed-out
+gloo wait always does), so the peers fail at once too instead of at their
+timeout.  The group's gloo pairs are closed then, so this runs only when
+transfers are still in flight (posted, never seen finished), i.e. after a
+failed step.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -35,6 +50,9 @@ from dualpipe_kernels.transport.base import DEFAULT_TIMEOUT_S, Handle, Transport
 __all__ = ["TorchDistTransport"]
 
 _MAX_WAITERS = 1024
+# A tag the runtime never uses (its tags stay below 2**31 - 1, see runtime.p2p.TagSpace): the cancelling receive.
+_CANCEL_TAG = 2**31 - 1
+_JOIN_S = 5.0  # how long close() waits for cancelled waiters to leave gloo
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -122,11 +140,20 @@ class _WaiterPool:
             with self._lock:
                 self._idle += 1
 
-    def close(self) -> None:
+    def busy(self) -> int:
+        """Threads blocked in a wait now (or about to be)."""
         with self._lock:
-            n = len(self._threads)
-        for _ in range(n):
+            return len(self._threads) - self._idle + self._queued
+
+    def close(self, join_s: float) -> None:
+        """Stop every thread; wait up to ``join_s`` in all for those still inside a wait to return."""
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
             self._tasks.put(None)
+        deadline = time.monotonic() + join_s
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class _WorkHandle(Handle):
@@ -151,12 +178,27 @@ class _WorkHandle(Handle):
         # A gloo work gets a waiter thread the first time someone polls it (a handle only ever waited on
         # directly costs no thread).
         self._completion: _Completion | None = None
+        self._settled = False  # counted out of the owner's in-flight transfers
+        owner._track(+1)
 
     def _describe(self) -> str:
         return f"rank {self._owner.rank} <-> peer rank {self._peer}: {self._what or 'transfer'}"
 
+    def _settle(self, _error: BaseException | None = None) -> None:
+        # Once per handle: its transfer finished (a waiter thread saw it, or a wait returned).
+        if not self._settled:
+            self._settled = True
+            self._owner._track(-1)
+
+    def _watch(self) -> _Completion:
+        assert self._work is not None
+        completion = self._owner.waiters.submit(self._work)
+        completion.add_callback(self._settle)
+        return completion
+
     def _complete(self) -> None:
         self._done = True
+        self._settle()
         self._keep = None
         self._work = None  # the work object references the tensor
         self._completion = None
@@ -189,8 +231,7 @@ class _WorkHandle(Handle):
         if self._done:
             return True
         if self._completion is None:
-            assert self._work is not None
-            self._completion = self._owner.waiters.submit(self._work)
+            self._completion = self._watch()
         return self._completion.event.is_set()
 
     def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> bool:
@@ -205,8 +246,7 @@ class _WorkHandle(Handle):
             if self._done:
                 fn(None)
                 return True
-            assert self._work is not None
-            self._completion = self._owner.waiters.submit(self._work)
+            self._completion = self._watch()
         self._completion.add_callback(fn)
         return True
 
@@ -247,11 +287,21 @@ class TorchDistTransport(Transport):
         self.device_native = self.device.type == "cpu"
         # The waiters' own limit is generous: a caller's wait enforces its timeout.
         self.waiters = _WaiterPool(max(timeout_s, 1.0) * 4)
+        # Transfers posted and not seen finished (one whose handle was dropped unwaited stays counted).
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
         self._closed = False
+        # A transport left open at exit is closed before the interpreter finalizes (see the module doc).
+        self._exit_hook = _exit_hook(weakref.ref(self))
+        atexit.register(self._exit_hook)
 
     @property
     def rank(self) -> int:
         return self._rank
+
+    def _track(self, delta: int) -> None:
+        with self._in_flight_lock:
+            self._in_flight += delta
 
     def _check_peer(self, peer: int, what: str) -> None:
         if not 0 <= peer < self._size or peer == self._rank:
@@ -289,6 +339,32 @@ class TorchDistTransport(Transport):
         return _WorkHandle(work, self, peer, what, finish if staged else None)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.waiters.close()
+        """Idempotent.  Transfers still in flight (a failed step) are cancelled: the group's gloo pairs close,
+        and peers waiting on them fail at once."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._exit_hook)
+        if self._in_flight or self.waiters.busy():
+            self._cancel_in_flight()
+        self.waiters.close(_JOIN_S)
+
+    def _cancel_in_flight(self) -> None:
+        # gloo answers a receive that times out by failing every pending transfer of the context.
+        if self._size < 2:
+            return
+        peer = (self._rank + 1) % self._size
+        try:
+            work = dist.irecv(torch.empty(1), group=self.group, group_src=peer, tag=_CANCEL_TAG)
+            work.wait(timedelta(milliseconds=1))
+        except RuntimeError:
+            pass
+
+
+def _exit_hook(ref: weakref.ReferenceType[TorchDistTransport]) -> Callable[[], None]:
+    def close_at_exit() -> None:
+        transport = ref()
+        if transport is not None:
+            transport.close()
+
+    return close_at_exit

@@ -1,0 +1,69 @@
+"""Checks of what a Pipeline is given, run before any rank takes a step (fail fast, naming the culprit).
+
+* :func:`check_timeout`: a finite number of seconds > 0 (NaN and inf are refused;
+  the transports' own check, ``transport.base.check_timeout``).
+* :func:`check_schedule`: the full validator (``schedules.validate``, O(actions)):
+  a schedule that would compute wrong gradients or deadlock never runs, and
+  every rank refuses it at construction, each on its own (no communication).
+* :func:`check_stage_devices`: no parameter or buffer on the ``meta`` device
+  (a module built without data fails at construction, naming its stage).
+* :func:`call_criterion`: a criterion that cannot take the stage's outputs and
+  the labels given gets a message saying what it was given, not a bare TypeError.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dualpipe_kernels.schedules.ir import Schedule
+from dualpipe_kernels.transport.base import check_timeout
+
+__all__ = ["check_timeout", "check_schedule", "check_stage_devices", "call_criterion"]
+
+
+def check_schedule(schedule: Schedule) -> None:
+    """Raise ``ScheduleError`` (a ValueError naming rank, step and action) unless ``schedule`` is runnable."""
+    from dualpipe_kernels.schedules.validate import validate
+
+    validate(schedule)
+
+
+def check_stage_devices(stage_modules: Mapping[int, nn.Module]) -> None:
+    """ValueError naming the stage and tensor when a stage module holds a tensor on the ``meta`` device."""
+    for stage, module in stage_modules.items():
+        for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+            if t.device.type == "meta":
+                raise ValueError(
+                    f"stage {stage}: {name!r} is on the meta device (a shape without data); materialise the "
+                    "module first, e.g. module.to_empty(device=...) and initialise its weights"
+                )
+
+
+def call_criterion(
+    criterion: Callable[..., torch.Tensor], outputs: Sequence[Any], labels: Sequence[Any], where: str
+) -> Any:
+    """``criterion(*outputs, *labels)``; a call its signature cannot take raises ValueError saying why.
+
+    ``where`` names the call site (pipeline rank, stage, micro-batch).  Only a
+    failed call pays for the signature check.
+    """
+    try:
+        return criterion(*outputs, *labels)
+    except TypeError as exc:
+        try:
+            inspect.signature(criterion).bind(*outputs, *labels)
+        except TypeError as bind_exc:
+            raise ValueError(
+                f"{where}: criterion(*outputs, *labels) got {len(outputs)} output(s) and {len(labels)} label(s) "
+                f"and cannot take them ({bind_exc}); pass labels= (or microbatch_labels=) to step() on the rank "
+                "holding the loss stage"
+            ) from exc
+        except ValueError:  # no inspectable signature (a builtin): keep the original error
+            pass
+        raise
