@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fake_transports import DeviceKindTransport, RendezvousTransport
-from runtime_models import (
+from toy_models import (
     DIM,
     VOCAB,
     RunConfig,

@@ -129,6 +129,7 @@ class Pipeline(nn.Module):
             raise ValueError(f"recv_lookahead must be >= 1, got {recv_lookahead}")
         if zero_bubble not in ("split", "store"):
             raise ValueError(f"zero_bubble must be 'split' or 'store', got {zero_bubble!r}")
+        self.program = _lowered_program(schedule)  # validates: a broken schedule fails here, on every rank
         if not dist.is_initialized():
             raise ValueError("Pipeline needs an initialised torch.distributed process group")
         self.group = group if group is not None else dist.group.WORLD
@@ -143,7 +144,6 @@ class Pipeline(nn.Module):
         for g, p in enumerate(self.rank_mapping):
             self.to_group_rank[p] = g
         self.rank = self.rank_mapping[self.group_rank]
-        self.program = _lowered_program(schedule)
         self.schedule = schedule = self.program.schedule
         self.stages = schedule.stages_of_rank(self.rank)
         self.stage_modules = check_modules(modules, self.stages, self.rank, schedule.name)
