@@ -80,7 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=int, default=None, help="measured steps per contender and size (default 3; quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1)")
-    p.add_argument("--cost-repeats", type=int, default=None, help="repeats of each cost timed alone (default 5; quick 2)")
+    p.add_argument(
+        "--cost-repeats", type=int, default=None, help="repeats of each cost timed alone (default 5; quick 2)"
+    )
     p.add_argument("--transport", choices=("auto", "torch", "native"), default=None, help="our pipeline transport")
 
 
@@ -117,14 +119,19 @@ class MoeConfig:
         if run.pp < 1 or run.ep < 1:
             raise ValueError(f"--pp and --ep must be >= 1, got {run.pp}, {run.ep}")
         if run.rows < 1 or run.cols < 1 or run.rows % run.ep:
-            raise ValueError(f"--rows must be a positive multiple of --ep ({run.ep}) and --cols >= 1, "
-                             f"got {run.rows}, {run.cols}")
+            raise ValueError(
+                f"--rows must be a positive multiple of --ep ({run.ep}) and --cols >= 1, got {run.rows}, {run.cols}"
+            )
         if not (run.f_s > 0 and run.b_s > 0 and 0 < run.w_s < run.b_s):
-            raise ValueError(f"costs need F > 0, B > 0 and 0 < W < B, got F={run.f_s * 1e3:g} B={run.b_s * 1e3:g} "
-                             f"W={run.w_s * 1e3:g} ms")
+            raise ValueError(
+                f"costs need F > 0, B > 0 and 0 < W < B, got F={run.f_s * 1e3:g} B={run.b_s * 1e3:g} "
+                f"W={run.w_s * 1e3:g} ms"
+            )
         if run.steps < 1 or run.warmup < 1 or run.cost_repeats < 1:
-            raise ValueError(f"--steps, --warmup and --cost-repeats must be >= 1 (the first warm-up step is the "
-                             f"gradient check), got {run.steps}, {run.warmup}, {run.cost_repeats}")
+            raise ValueError(
+                f"--steps, --warmup and --cost-repeats must be >= 1 (the first warm-up step is the "
+                f"gradient check), got {run.steps}, {run.warmup}, {run.cost_repeats}"
+            )
         build_schedule("dualpipev", run.pp, run.microbatches)  # raises ValueError naming the constraint
         return cls(run=run)
 
@@ -141,12 +148,16 @@ def reference_skip() -> str:
     try:
         import dualpipe  # type: ignore[import-not-found]
     except Exception as e:  # noqa: BLE001 - absent or broken: either way it cannot run
-        return (f"reference skipped: no `dualpipe` package importable ({type(e).__name__}); the one on the "
-                "package index (1.0.0) is an early DualPipe-only, CUDA-only snapshot")
+        return (
+            f"reference skipped: no `dualpipe` package importable ({type(e).__name__}); the one on the "
+            "package index (1.0.0) is an early DualPipe-only, CUDA-only snapshot"
+        )
     if not hasattr(dualpipe, "DualPipeV"):
         return "reference skipped: the installed `dualpipe` has no DualPipeV (the early DualPipe-only snapshot)"
-    return ("reference skipped: the reference's DualPipeV allocates its transfer buffers on CUDA and checks that "
-            "its modules are on the current CUDA device; this suite runs CPU processes over gloo")
+    return (
+        "reference skipped: the reference's DualPipeV allocates its transfer buffers on CUDA and checks that "
+        "its modules are on the current CUDA device; this suite runs CPU processes over gloo"
+    )
 
 
 # ---------------------------------------------------------------- rows
@@ -173,7 +184,9 @@ def _simulated(run: MoeRun, c: dict[str, float], pair_s: float) -> tuple[float, 
     f, w = c["f"], max(c["w"], 1e-6)
     b = max(c["i"] + c["w"], w + 1e-6)
     fb = min(max(pair_s, f, b), f + b)
-    return float(simulate(build_schedule("dualpipev", run.pp, run.microbatches), CostModel(f=f, b=b, w=w, fb=fb)).makespan), fb
+    return float(
+        simulate(build_schedule("dualpipev", run.pp, run.microbatches), CostModel(f=f, b=b, w=w, fb=fb)).makespan
+    ), fb
 
 
 def _rows(run: MoeRun, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -187,27 +200,29 @@ def _rows(run: MoeRun, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             step = statistics.median(steps[name])
             pair = c["pair_hook"] if name == "ours" else c["pair_seq"]
             sim, fb = _simulated(run, c, pair)
-            rows.append({
-                "contender": name,
-                "a2a_bytes": int(c["a2a_bytes"]),
-                "step_s": step,
-                "pair_s": pair,
-                "f_plus_b_s": c["f"] + c["b"],
-                "exposed_a2a_s": step - base[name],
-                "simulated_s": sim,
-                "ratio_vs_ours": ours / step,
-                # extras
-                "step_min_s": min(steps[name]),
-                "step_max_s": max(steps[name]),
-                "pair_over_f_plus_b": pair / (c["f"] + c["b"]),
-                "measured_over_simulated": step / sim,
-                "a2a_s": c["a2a"],
-                "f_s": c["f"],
-                "b_s": c["b"],
-                "i_s": c["i"],
-                "w_s": c["w"],
-                "simulated_pair_s": fb,
-            })
+            rows.append(
+                {
+                    "contender": name,
+                    "a2a_bytes": int(c["a2a_bytes"]),
+                    "step_s": step,
+                    "pair_s": pair,
+                    "f_plus_b_s": c["f"] + c["b"],
+                    "exposed_a2a_s": step - base[name],
+                    "simulated_s": sim,
+                    "ratio_vs_ours": ours / step,
+                    # extras
+                    "step_min_s": min(steps[name]),
+                    "step_max_s": max(steps[name]),
+                    "pair_over_f_plus_b": pair / (c["f"] + c["b"]),
+                    "measured_over_simulated": step / sim,
+                    "a2a_s": c["a2a"],
+                    "f_s": c["f"],
+                    "b_s": c["b"],
+                    "i_s": c["i"],
+                    "w_s": c["w"],
+                    "simulated_pair_s": fb,
+                }
+            )
     return rows
 
 
@@ -280,8 +295,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- report
-_COLUMNS = ["contender", "a2a_bytes", "a2a_s", "step_s", "simulated_s", "measured_over_simulated", "pair_s",
-            "f_plus_b_s", "pair_over_f_plus_b", "exposed_a2a_s", "ratio_vs_ours"]
+_COLUMNS = [
+    "contender",
+    "a2a_bytes",
+    "a2a_s",
+    "step_s",
+    "simulated_s",
+    "measured_over_simulated",
+    "pair_s",
+    "f_plus_b_s",
+    "pair_over_f_plus_b",
+    "exposed_a2a_s",
+    "ratio_vs_ours",
+]
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -327,8 +353,10 @@ def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:
     ax.set_xscale("symlog", linthresh=max(1, min(r["a2a_bytes"] for r in rows)))
     ax.set_xlabel("bytes per all_to_all (one rank's send buffer)")
     ax.set_ylabel("step time (s)")
-    ax.set_title("DualPipeV + expert all_to_all: F&B overlap hook vs sequential pairs\n"
-                 + result["reference"]["skipped"][:90], fontsize=9)
+    ax.set_title(
+        "DualPipeV + expert all_to_all: F&B overlap hook vs sequential pairs\n" + result["reference"]["skipped"][:90],
+        fontsize=9,
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -288,8 +288,9 @@ class OverlappedMoEChunk(MoEChunk):
             (grad_out,) = torch.autograd.grad(loss1, [GradientEdge(node, 0)])
         else:
             if len(outputs1) != 1 or len(output_grads1) != 1:
-                raise ValueError(f"overlap hook: expected one output and one gradient, got {len(outputs1)}, "
-                                 f"{len(output_grads1)}")
+                raise ValueError(
+                    f"overlap hook: expected one output and one gradient, got {len(outputs1)}, {len(output_grads1)}"
+                )
             node, grad_out = _tape_node(outputs1[0], "outputs1[0]"), output_grads1[0]
         _, out0 = run_phases(module1.backward_phases(node.moe_tape, grad_out), module0.forward_phases(inputs0[0]))
         loss0 = criterion0(out0, *labels0) if criterion0 is not None else None

@@ -87,9 +87,7 @@ def _groups(pp: int, ep: int) -> tuple[Any, Any, Any]:
 
 def _chunks(cls: type[MoEChunk], run: MoeRun, group: ExpertGroup, stages: list[int], e_rank: int) -> dict[int, Any]:
     """This rank's stage chunks, weights from (stage, expert rank): identical for every contender."""
-    return {
-        s: init_chunk(cls(run.cols, group, run.f_s, run.b_s, run.w_s), 1000 * s + e_rank) for s in stages
-    }
+    return {s: init_chunk(cls(run.cols, group, run.f_s, run.b_s, run.w_s), 1000 * s + e_rank) for s in stages}
 
 
 def _batch(run: MoeRun, e_rank: int) -> torch.Tensor:
@@ -99,7 +97,9 @@ def _batch(run: MoeRun, e_rank: int) -> torch.Tensor:
 
 
 def _grads(modules: dict[int, Any]) -> dict[str, torch.Tensor]:
-    return {f"{s}.{n}": p.grad.clone() for s, m in modules.items() for n, p in m.named_parameters() if p.grad is not None}
+    return {
+        f"{s}.{n}": p.grad.clone() for s, m in modules.items() for n, p in m.named_parameters() if p.grad is not None
+    }
 
 
 def _zero(modules: dict[int, Any]) -> None:
@@ -219,14 +219,22 @@ class _Torch:
             raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.pipelining.ScheduleDualPipeV")
         stages = [p_rank, 2 * run.pp - 1 - p_rank]  # the V placement
         self.modules = _chunks(MoEChunk, run, group, stages, e_rank)
+
         # Static shapes (torch's shape inference would run the all_to_alls); an input that needs a
         # gradient (every stage but the first) says so, or torch sends no gradient back for it.
         def example(grad: bool) -> tuple[torch.Tensor]:
             return (torch.empty(run.rows, run.cols, requires_grad=grad),)
 
         self.stages = [
-            pp.PipelineStage(self.modules[s], s, 2 * run.pp, torch.device("cpu"), input_args=example(s > 0),
-                             output_args=example(True), group=pp_group)
+            pp.PipelineStage(
+                self.modules[s],
+                s,
+                2 * run.pp,
+                torch.device("cpu"),
+                input_args=example(s > 0),
+                output_args=example(True),
+                group=pp_group,
+            )
             for s in stages
         ]
         # Our runtime sums micro-batch gradients; so does torch with scale_grads=False.
@@ -272,11 +280,10 @@ def rank_main(rank: int, world: int, run: MoeRun) -> dict[str, Any]:
                     warm = run.warmup - 1
                 else:
                     warm = run.warmup
-                out["times"][name].append(_timed(c.step, max(0, warm) + run.steps)[max(0, warm):])
+                out["times"][name].append(_timed(c.step, max(0, warm) + run.steps)[max(0, warm) :])
         out["pairs"] = {name: c.pairs() for name, c in contenders.items()}
         dist.barrier()
     finally:
         for c in contenders.values():
             c.close()
     return out
-
