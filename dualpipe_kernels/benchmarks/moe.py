@@ -48,7 +48,7 @@ __all__ = ["NAME", "MoeConfig", "add_arguments", "run", "to_markdown", "write_pl
 #: Must-show targets at the size whose all_to_all is closest to a chunk's forward compute (issue 15).
 TARGETS = {"pair_over_f_plus_b": 0.65, "ours_over_torch": 0.8, "ours_over_hook_off": 0.8, "ours_vs_simulated": 0.05}
 
-_FULL_SIZES = (0, 1 << 16, 1 << 18, 1 << 20, 1 << 21, 1 << 22, 1 << 23)
+_FULL_SIZES = (0, 1 << 18, 1 << 20, 1 << 22, 1 << 23, 1 << 24, 1 << 25)
 _QUICK_SIZES = (0, 1 << 20)
 
 
@@ -144,20 +144,22 @@ class MoeConfig:
 
 # ---------------------------------------------------------------- the reference
 def reference_skip() -> str:
-    """Why the reference ``dualpipe`` package's DualPipeV is not a contender in this run (one line)."""
+    """Why the reference ``dualpipe`` package's DualPipeV is not a contender in this run (one line).
+
+    It cannot be one on CPU processes: the reference (github deepseek-ai/DualPipe) asserts that its modules
+    are on the current CUDA device and allocates its P2P receive buffers with ``device="cuda"``.
+    """
+    cuda_only = "it is CUDA-only (asserts its modules are on the current CUDA device, receives into 'cuda' buffers)"
     try:
         import dualpipe  # type: ignore[import-not-found]
     except Exception as e:  # noqa: BLE001 - absent or broken: either way it cannot run
         return (
-            f"reference skipped: no `dualpipe` package importable ({type(e).__name__}); the one on the "
-            "package index (1.0.0) is an early DualPipe-only, CUDA-only snapshot"
+            f"reference skipped: no `dualpipe` package importable ({type(e).__name__}); and on these CPU "
+            f"processes it could not run: {cuda_only}"
         )
     if not hasattr(dualpipe, "DualPipeV"):
         return "reference skipped: the installed `dualpipe` has no DualPipeV (the early DualPipe-only snapshot)"
-    return (
-        "reference skipped: the reference's DualPipeV allocates its transfer buffers on CUDA and checks that "
-        "its modules are on the current CUDA device; this suite runs CPU processes over gloo"
-    )
+    return f"reference skipped: this suite runs CPU processes over gloo and the reference's DualPipeV {cuda_only[3:]}"
 
 
 # ---------------------------------------------------------------- rows
@@ -325,6 +327,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"- overlapped pairs run by the hook: {result['overlapped_pairs']}",
         f"- first-step gradients equal across contenders: {'yes' if g['equal'] else 'NO'} "
         f"({g['compared']} tensors; {g['rule']}){'' if g['mismatch'] is None else '; ' + g['mismatch']}",
+        "- why: in the hook each all_to_all is in flight while the other chunk computes one phase (F/2 or B/2); "
+        "while an all_to_all is shorter than that phase it is hidden, beyond it the excess is exposed in every pair, "
+        "and the sequential pairs (hook off, torch) expose all four all_to_alls of a pair at every size",
         f"- targets at a2a {t['a2a_bytes']} B (one all_to_all {t['a2a_s'] * 1e3:.3g} ms vs a chunk's forward "
         f"compute {t['chunk_forward_compute_s'] * 1e3:g} ms):",
     ]
@@ -334,7 +339,8 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:
-    """``moe_step_vs_a2a.png``: step time against all_to_all size, per contender, with the simulator's lines."""
+    """``moe_step_vs_a2a.png``: step time against all_to_all size per contender with the simulator's lines (top),
+    and one all_to_all alone against the compute phases it has to hide behind (bottom)."""
     from pathlib import Path
 
     import matplotlib
@@ -342,23 +348,31 @@ def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    rows, cfg = result["rows"], result["config"]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, height_ratios=(2.2, 1))
     for name, style in zip(CONTENDERS, ("o-", "s-", "^-"), strict=True):
         pts = sorted((r["a2a_bytes"], r["step_s"], r["simulated_s"]) for r in rows if r["contender"] == name)
         xs = [p[0] for p in pts]
         line = ax.plot(xs, [p[1] for p in pts], style, label=f"{name} (measured)")[0]
-        if name != "torch.ScheduleDualPipeV":  # torch's pair costs F + B as our hook-off one: same line
+        if name != "torch.ScheduleDualPipeV":  # torch's pair is F then B, as our hook-off one: the same line
             ax.plot(xs, [p[2] for p in pts], "--", color=line.get_color(), alpha=0.7, label=f"{name} (simulator)")
     ax.set_xscale("symlog", linthresh=max(1, min(r["a2a_bytes"] for r in rows)))
-    ax.set_xlabel("bytes per all_to_all (one rank's send buffer)")
     ax.set_ylabel("step time (s)")
     ax.set_title(
-        "DualPipeV + expert all_to_all: F&B overlap hook vs sequential pairs\n" + result["reference"]["skipped"][:90],
+        "DualPipeV + expert all_to_all: F&B overlap hook vs sequential pairs\n"
+        "(reference DualPipeV: skipped, the reason is in moe.md)",
         fontsize=9,
     )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    ours = sorted((r["a2a_bytes"], r["a2a_s"]) for r in rows if r["contender"] == "ours")
+    ax2.plot([p[0] for p in ours], [p[1] * 1e3 for p in ours], "k.-", label="one all_to_all alone")
+    ax2.axhline(cfg["f_s"] / 2 * 1e3, color="tab:green", ls=":", label="a forward phase (F/2): hides a backward a2a")
+    ax2.axhline(cfg["b_s"] / 2 * 1e3, color="tab:red", ls=":", label="a backward phase (B/2): hides a forward a2a")
+    ax2.set_xlabel("bytes per all_to_all (one rank's send buffer)")
+    ax2.set_ylabel("ms")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     path = Path(out_dir) / "moe_step_vs_a2a.png"
     fig.savefig(path, dpi=110)

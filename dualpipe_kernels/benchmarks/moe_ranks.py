@@ -23,6 +23,7 @@ OVERLAP_F_B: F then B), all from the same weights and data.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -174,14 +175,18 @@ def chunk_costs(run: MoeRun, group: ExpertGroup, e_rank: int) -> dict[str, float
 
 
 # ---------------------------------------------------------------- contenders
-def _timed(step: Any, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return times
+def _timed(step: Any) -> float:
+    """One step after a barrier of every process: this process's wall time of it (s)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
+
+
+def _note(rank: int, text: str) -> None:
+    if rank == 0:
+        sys.stderr.write(f"  bench moe: {text}\n")
+        sys.stderr.flush()
 
 
 class _Ours:
@@ -274,13 +279,20 @@ def rank_main(rank: int, world: int, run: MoeRun) -> dict[str, Any]:
             group.pad_elems = pad_for_bytes(run, size)
             out["costs"].append({"a2a_bytes": group.a2a_bytes(run.rows, run.cols), **chunk_costs(run, group, e_rank)})
             for name, c in contenders.items():
-                if k == 0:  # the first step of every contender, from the same weights and data
+                for j in range(run.warmup):
                     c.step()
-                    out["grads"][name] = _grads(c.modules)
-                    warm = run.warmup - 1
-                else:
-                    warm = run.warmup
-                out["times"][name].append(_timed(c.step, max(0, warm) + run.steps)[max(0, warm) :])
+                    if k == 0 and j == 0:  # the first step of every contender, from the same weights and data
+                        out["grads"][name] = _grads(c.modules)
+                out["times"][name].append([])
+            # Contenders take turns step by step, so a change of the machine's load hits them alike.
+            for _ in range(run.steps):
+                for name, c in contenders.items():
+                    out["times"][name][k].append(_timed(c.step))
+            _note(
+                rank,
+                f"a2a {out['costs'][k]['a2a_bytes']} B: "
+                + ", ".join(f"{n} {statistics.median(out['times'][n][k]):.3f} s" for n in contenders),
+            )
         out["pairs"] = {name: c.pairs() for name, c in contenders.items()}
         dist.barrier()
     finally:
