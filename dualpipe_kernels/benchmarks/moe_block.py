@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,30 +75,46 @@ class ExpertGroup:
     all_to_all (mutable: the suite sweeps it between steps, identically on
     every rank).  A send buffer is ``size * (rows // size * cols + pad_elems)``
     float32 elements.
+
+    Owns one send and one receive buffer per direction (forward, backward),
+    reused by every exchange: at most one exchange per direction is in flight
+    (each phase program waits for its exchange before posting the next), and
+    the padding is zeroed once, not written per exchange, so posting costs a
+    copy of the tokens only.
     """
 
     group_f: Any
     group_b: Any
     size: int
     pad_elems: int = 0
+    _buffers: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def a2a_bytes(self, rows: int, cols: int) -> int:
         """Bytes of one rank's send buffer in one all_to_all of a ``[rows, cols]`` token block."""
         return 4 * self.size * (rows // self.size * cols + self.pad_elems)
+
+    def _pair(self, backward: bool, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(send, receive) ``[size, block + pad_elems]`` buffers of a direction, made anew when the size changes."""
+        shape = (self.size, block + self.pad_elems)
+        bufs = self._buffers.get(backward)
+        if bufs is None or tuple(bufs[0].shape) != shape:
+            bufs = (torch.zeros(shape), torch.zeros(shape))
+            self._buffers[backward] = bufs
+        return bufs
 
     def post(self, x: torch.Tensor, backward: bool) -> Phases:
         """Post the all_to_all of ``x [rows, cols]`` (yields its work), then return the received ``[rows, cols]``."""
         rows, cols = x.shape
         if rows % self.size:
             raise ValueError(f"all_to_all over {self.size} expert ranks needs rows divisible by it, got {rows}")
-        blocks = x.detach().reshape(self.size, rows // self.size * cols)
-        if self.pad_elems:
-            blocks = torch.cat([blocks, blocks.new_zeros(self.size, self.pad_elems)], dim=1)
-        send = blocks.contiguous().reshape(-1)
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.group_b if backward else self.group_f, async_op=True)
+        block = rows // self.size * cols
+        send, recv = self._pair(backward, block)
+        send[:, :block].copy_(x.detach().reshape(self.size, block))
+        work = dist.all_to_all_single(
+            recv.view(-1), send.view(-1), group=self.group_b if backward else self.group_f, async_op=True
+        )
         yield work
-        return recv.reshape(self.size, -1)[:, : rows // self.size * cols].reshape(rows, cols).clone()
+        return recv[:, :block].reshape(rows, cols).clone()
 
     def exchange(self, x: torch.Tensor, backward: bool) -> torch.Tensor:
         """The same all_to_all, waited at once."""

@@ -22,6 +22,7 @@ OVERLAP_F_B: F then B), all from the same weights and data.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -109,23 +110,26 @@ def _zero(modules: dict[int, Any]) -> None:
 
 
 # ---------------------------------------------------------------- chunk costs alone
-def _median_after(setup: Any, fn: Any, repeats: int, group: Any) -> float:
-    """Median time of ``fn(setup())`` (``setup`` untimed) over ``repeats`` rounds after one warm-up round."""
-    times = []
+def _per_call_s(setup: Any, fn: Any, repeats: int, group: Any, batch: int = 4) -> float:
+    """Median over ``repeats`` rounds (after one warm-up round) of the time per call of ``fn`` run ``batch`` times
+    back to back, on states made by ``setup`` before the round (untimed), as a pipeline runs them: the
+    barrier that starts a round is paid once per round, not once per call."""
+    per_call = []
     for _ in range(repeats + 1):
-        state = setup()
+        states = [setup() for _ in range(batch)]
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        fn(state)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        for st in states:
+            fn(st)
+        per_call.append((time.perf_counter() - t0) / batch)
+    return statistics.median(per_call[1:])
 
 
 def chunk_costs(run: MoeRun, group: ExpertGroup, e_rank: int) -> dict[str, float]:
-    """F, B, I, W, the sequential and the overlapped pair, one all_to_all: medians on this expert group (s).
+    """F, B, I, W, the sequential and the overlapped pair, one all_to_all: seconds per call on this expert group.
 
     Every expert rank of the group runs the same calls (the all_to_alls are collectives).  I is a backward
-    with the WeightGradStore enabled (the W sleeps deferred), W the store's pop.
+    with the WeightGradStore enabled (the W sleeps deferred), W the store's pop of one I's deferred work.
     """
     from dualpipe_kernels.runtime import WeightGradStore
 
@@ -133,25 +137,26 @@ def chunk_costs(run: MoeRun, group: ExpertGroup, e_rank: int) -> dict[str, float
     x = _batch(run, e_rank)[: run.rows].requires_grad_(True)
     ones = torch.ones(run.rows, run.cols)
     reps, g = run.cost_repeats, group.group_f
-    store = WeightGradStore()
+    store, keys = WeightGradStore(), itertools.count()
 
     def none() -> None:
         return None
 
     def fwd1() -> Any:
-        store.clear()  # the previous round's deferred W, if any
         return m1(x)
 
-    def split_backward(y: Any) -> None:
-        with store.bind():
-            store.enabled = True
+    def split_backward(y: Any) -> int:
+        key = next(keys)
+        with store.bind(), store.enabled_for(True):
             y.backward(ones)
-            store.enabled = False
-            store.flush(0)
+        store.flush(key)
+        return key
 
-    def weight(_: Any) -> None:
-        with store.bind():
-            store.pop(0)
+    def deferred() -> int:
+        return split_backward(m1(x))
+
+    def weight(key: int) -> None:
+        store.pop(key)
 
     def hook(y: Any) -> None:
         OverlappedMoEChunk.overlapped_forward_backward(m0, [x], None, [], m1, None, [y], [ones])
@@ -160,18 +165,18 @@ def chunk_costs(run: MoeRun, group: ExpertGroup, e_rank: int) -> dict[str, float
         m0(x)
         y.backward(ones)
 
-    def w_setup() -> None:
-        split_backward(fwd1())
-
-    return {
-        "f": _median_after(none, lambda _: m0(x), reps, g),
-        "b": _median_after(fwd1, lambda y: y.backward(ones), reps, g),
-        "i": _median_after(fwd1, split_backward, reps, g),
-        "w": _median_after(w_setup, weight, reps, g),
-        "pair_seq": _median_after(fwd1, sequential, reps, g),
-        "pair_hook": _median_after(fwd1, hook, reps, g),
-        "a2a": _median_after(none, lambda _: group.exchange(ones, backward=False), reps, g),
-    }
+    try:
+        return {
+            "f": _per_call_s(none, lambda _: m0(x), reps, g),
+            "b": _per_call_s(fwd1, lambda y: y.backward(ones), reps, g),
+            "i": _per_call_s(fwd1, split_backward, reps, g),
+            "w": _per_call_s(deferred, weight, reps, g),
+            "pair_seq": _per_call_s(fwd1, sequential, reps, g),
+            "pair_hook": _per_call_s(fwd1, hook, reps, g),
+            "a2a": _per_call_s(none, lambda _: group.exchange(ones, backward=False), reps, g),
+        }
+    finally:
+        store.clear()
 
 
 # ---------------------------------------------------------------- contenders
