@@ -48,7 +48,7 @@ __all__ = ["NAME", "MoeConfig", "add_arguments", "run", "to_markdown", "write_pl
 #: Must-show targets at the size whose all_to_all is closest to a chunk's forward compute (issue 15).
 TARGETS = {"pair_over_f_plus_b": 0.65, "ours_over_torch": 0.8, "ours_over_hook_off": 0.8, "ours_vs_simulated": 0.05}
 
-_FULL_SIZES = (0, 1 << 18, 1 << 20, 1 << 22, 1 << 23, 1 << 24, 1 << 25)
+_FULL_SIZES = (0, 1 << 20, 1 << 22, 1 << 23, 1 << 24, 1 << 25)
 _QUICK_SIZES = (0, 1 << 20)
 
 
@@ -78,10 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma list: one rank's send buffer per all_to_all; the smallest is the few-bytes baseline "
         f"(default {','.join(map(str, _FULL_SIZES))}; quick {','.join(map(str, _QUICK_SIZES))})",
     )
-    p.add_argument("--steps", type=int, default=None, help="measured steps per contender and size (default 3; quick 1)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per contender and size (default 5; quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1)")
     p.add_argument(
-        "--cost-repeats", type=int, default=None, help="repeats of each cost timed alone (default 5; quick 2)"
+        "--cost-repeats", type=int, default=None, help="rounds of each cost timed alone (default 7; quick 2)"
     )
     p.add_argument("--transport", choices=("auto", "torch", "native"), default=None, help="our pipeline transport")
 
@@ -111,9 +111,9 @@ class MoeConfig:
             b_s=pick("b_ms", 20.0, 8.0) / 1e3,
             w_s=pick("w_ms", 10.0, 4.0) / 1e3,
             a2a_bytes=tuple(sizes),
-            steps=int(pick("steps", 3, 1)),
+            steps=int(pick("steps", 5, 1)),
             warmup=int(pick("warmup", 1, 1)),
-            cost_repeats=int(pick("cost_repeats", 5, 2)),
+            cost_repeats=int(pick("cost_repeats", 7, 2)),
             transport=str(pick("transport", "auto", "auto")),
         )
         if run.pp < 1 or run.ep < 1:
