@@ -32,6 +32,7 @@ SUITES: dict[str, str] = {
     "schedules": "step time, bubble and hidden comm of each schedule on sleep-timed stages vs the simulator and torch",
     "overlap": "share of communication hidden behind compute, per transport and activation size",
     "transport": "point-to-point bandwidth and latency: native shared memory vs gloo vs a cross-core copy",
+    "moe": "DualPipeV F&B overlap with expert all_to_all: ours (hook on/off) vs torch vs the reference, by a2a size",
     "engine": "schedule engine speed: build + validate + simulate DualPipeV 64 ranks x 1024 micro-batches",
     "kernels": "pack/unpack bandwidth (lossless, bf16, fp8) vs a same-size copy and unfused torch cat + cast",
     "cuda_ipc": "CUDA IPC between two processes on one GPU vs a same-GPU copy: GB/s, us per message, overlap",

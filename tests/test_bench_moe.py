@@ -1,0 +1,92 @@
+"""``dualpipe-kernels bench moe``: the JSON contract in quick mode, gradients equal across contenders, the hook.
+
+One quick run (4 CPU processes, two all_to_all sizes) is shared by the tests
+of this file.  Timing targets are reported by the suite, never asserted here:
+the machine running the tests may be loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_KEYS = ("contender", "a2a_bytes", "step_s", "pair_s", "f_plus_b_s", "exposed_a2a_s", "simulated_s", "ratio_vs_ours")
+CONTENDERS = ("ours", "ours-hook-off", "torch.ScheduleDualPipeV")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], float, Path, str]:
+    out = tmp_path_factory.mktemp("moe")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dualpipe_kernels", "bench", "moe", "--quick", "--json", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout), wall, out, proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_moe_quick_json_contract(quick: tuple[dict[str, Any], float, Path, str]) -> None:
+    res, wall, out, _ = quick
+    sizes = sorted({r["a2a_bytes"] for r in res["rows"]})
+    assert len(sizes) == 2 and sizes[0] < sizes[1]
+    assert len(res["rows"]) == len(sizes) * len(CONTENDERS)
+    for r in res["rows"]:
+        for k in ROW_KEYS:
+            assert k in r, k
+        assert r["contender"] in CONTENDERS
+        assert r["step_s"] > 0 and r["simulated_s"] > 0 and r["pair_s"] > 0 and r["f_plus_b_s"] > 0
+        ours = next(o for o in res["rows"] if o["contender"] == "ours" and o["a2a_bytes"] == r["a2a_bytes"])
+        assert r["ratio_vs_ours"] == pytest.approx(ours["step_s"] / r["step_s"])
+        if r["a2a_bytes"] == sizes[0]:
+            assert r["exposed_a2a_s"] == 0.0  # the baseline against itself
+    assert res["config"]["processes"] == 4 and "4 CPU processes" in res["layout"]
+    assert res["reference"]["skipped"].startswith("reference skipped:")
+    assert set(res["targets"]["values"]) == set(res["targets"]["limits"])
+    assert (out / "moe.json").is_file() and (out / "moe.md").is_file() and (out / "moe_step_vs_a2a.png").is_file()
+    # CI budget: the whole quick run, process start included (generous on a shared machine).
+    assert wall < 120, f"quick mode took {wall:.0f} s"
+
+
+@pytest.mark.timeout(300)
+def test_moe_first_step_gradients_equal(quick: tuple[dict[str, Any], float, Path, str]) -> None:
+    """torch.equal on every parameter gradient of every process: integer values make every sum exact."""
+    grads = quick[0]["grads"]
+    assert grads["equal"], grads["mismatch"]
+    assert grads["compared"] >= 4 * 2 * 4 * 2  # processes x other contenders x params per chunk x chunks
+
+
+@pytest.mark.timeout(300)
+def test_moe_hook_runs_only_for_ours(quick: tuple[dict[str, Any], float, Path, str]) -> None:
+    pairs = quick[0]["overlapped_pairs"]
+    assert pairs["ours"] > 0
+    assert pairs["ours-hook-off"] == 0 and pairs["torch.ScheduleDualPipeV"] == 0
+
+
+def test_moe_bad_options_fail_clearly() -> None:
+    import argparse
+
+    from dualpipe_kernels.benchmarks import moe
+
+    p = argparse.ArgumentParser()
+    moe.add_arguments(p)
+    with pytest.raises(ValueError, match="--rows must be a positive multiple of --ep"):
+        moe.MoeConfig.from_args(p.parse_args(["--rows", "7"]))
+    with pytest.raises(ValueError, match="0 < W < B"):
+        moe.MoeConfig.from_args(p.parse_args(["--w-ms", "30"]))
