@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 DIM = 6
@@ -84,7 +85,9 @@ def sharded_reference(pp: int, dp: int, n: int, num_model_stages: int) -> list[l
     return total
 
 
-def ppdp_rank(rank: int, world: int, schedule_name: str, pp: int, dp: int, n: int, transport: str) -> dict[str, Any]:
+def ppdp_rank(
+    rank: int, world: int, schedule_name: str, pp: int, dp: int, n: int, transport: str, dp_op: str = "sum"
+) -> dict[str, Any]:
     """One training step of a PP x DP pipeline built from a ("dp", "pp") DeviceMesh; returns grads and timings."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -95,7 +98,9 @@ def ppdp_rank(rank: int, world: int, schedule_name: str, pp: int, dp: int, n: in
     mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
     dp_rank = mesh.get_local_rank("dp")
     schedule = build_schedule(schedule_name, pp, n)
-    pipe = Pipeline.from_mesh(schedule, make_model(), mesh, transport=transport, record_timeline=True, timeout_s=60)
+    pipe = Pipeline.from_mesh(
+        schedule, make_model(), mesh, transport=transport, record_timeline=True, timeout_s=60, dp_op=dp_op
+    )
     try:
         x, y = global_batch(dp * n * ROWS_PER_MB)
         rows = slice(dp_rank * n * ROWS_PER_MB, (dp_rank + 1) * n * ROWS_PER_MB)
@@ -115,6 +120,32 @@ def ppdp_rank(rank: int, world: int, schedule_name: str, pp: int, dp: int, n: in
         pipe.close()
 
 
-def ppdp_ranks(rank: int, world: int, names: tuple[str, ...], pp: int, dp: int, n: int, transport: str) -> dict:
-    """:func:`ppdp_rank` for each schedule name in one process group (process start costs seconds)."""
-    return {name: ppdp_rank(rank, world, name, pp, dp, n, transport) for name in names}
+def bad_layouts(pp: int, n: int) -> list[str]:
+    """The errors of a mesh without "pp"/"dp" dimensions and of an unknown ``dp_op`` (one per line)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.schedules.generators import build_schedule
+
+    schedule = build_schedule("dualpipev", pp, n)
+    errors = []
+    flat = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("world",))
+    for kw in ({"mesh": flat}, {"mesh": None, "dp_op": "avg"}):
+        try:
+            if kw["mesh"] is None:
+                Pipeline(schedule, {}, dp_group=dist.group.WORLD, dp_op=kw["dp_op"])
+            else:
+                Pipeline.from_mesh(schedule, make_model(), kw["mesh"])
+            errors.append("no error")
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def ppdp_ranks(
+    rank: int, world: int, configs: tuple[tuple[str, str], ...], pp: int, dp: int, n: int, transport: str
+) -> dict:
+    """:func:`ppdp_rank` for each ``(schedule, dp_op)`` in one process group (process start costs seconds)."""
+    out: dict[Any, Any] = {c: ppdp_rank(rank, world, c[0], pp, dp, n, transport, c[1]) for c in configs}
+    out["errors"] = bad_layouts(pp, n)
+    return out

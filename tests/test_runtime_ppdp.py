@@ -31,9 +31,11 @@ def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def runs():
-    names = ("dualpipev", "dualpipe")
-    per_rank = spawn(ppdp_ranks, PP * DP, names, PP, DP, N, "auto", timeout_s=240)
-    return {name: [r[name] for r in per_rank] for name in names}
+    configs = (("dualpipev", "sum"), ("dualpipe", "sum"), ("dualpipev", "mean"))
+    per_rank = spawn(ppdp_ranks, PP * DP, configs, PP, DP, N, "auto", timeout_s=240)
+    out = {name if op == "sum" else f"{name}/{op}": [r[(name, op)] for r in per_rank] for name, op in configs}
+    out["errors"] = [r["errors"] for r in per_rank]
+    return out
 
 
 def _stages(results, num_model):
@@ -88,3 +90,19 @@ def test_dp_reduction_overlaps_the_schedule(runs):
             overlapped += start < last_start
         assert {s for s, _a, _b in res["dp_reductions"]} == set(res["grads"])
     assert overlapped >= PP * DP, "every rank should start one reduction before its last action"
+
+
+@pytest.mark.timeout(400)
+def test_dp_mean_divides_the_sum(runs):
+    for mean, total in zip(runs["dualpipev/mean"], runs["dualpipev"], strict=True):
+        for s, grads in mean["grads"].items():
+            for g, t in zip(grads, total["grads"][s], strict=True):
+                assert torch.equal(g, t / DP), f"rank {mean['pp_rank']} stage {s}"
+
+
+@pytest.mark.timeout(400)
+def test_bad_layouts_name_the_problem(runs):
+    for errors in runs["errors"]:
+        mesh_error, op_error = errors
+        assert "'pp' and 'dp'" in mesh_error and "('world',)" in mesh_error, mesh_error
+        assert "dp_op" in op_error and "'avg'" in op_error, op_error

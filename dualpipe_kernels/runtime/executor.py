@@ -39,7 +39,7 @@ from dualpipe_kernels.runtime.construction import (
     presplit,
     sequential_stages,
 )
-from dualpipe_kernels.runtime.data_parallel import DataParallelReducer, ReductionSpan
+from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.microbatch import split_microbatches
 from dualpipe_kernels.runtime.mirror import MirrorSync
@@ -142,6 +142,8 @@ class Pipeline(nn.Module):
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if recv_lookahead < 1:
             raise ValueError(f"recv_lookahead must be >= 1, got {recv_lookahead}")
+        if dp_op not in DP_OPS:
+            raise ValueError(f"dp_op must be one of {', '.join(DP_OPS)}, got {dp_op!r}")
         if zero_bubble not in ("split", "store"):
             raise ValueError(f"zero_bubble must be 'split' or 'store', got {zero_bubble!r}")
         if not dist.is_initialized():
