@@ -115,6 +115,7 @@ def ppdp_rank(
             "dp_reductions": res.dp_reductions,
             "last_grad_action": {s: str(pipe._loop.actions[i]) for s, i in trigger.items()},
             "losses": {m: float(v) for m, v in res.losses.items()},
+            "folds_mirrors": pipe._dp is not None and pipe._dp.folds_mirrors,
         }
     finally:
         pipe.close()

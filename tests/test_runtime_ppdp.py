@@ -8,9 +8,11 @@ commutes).  Against the full-batch reference (one forward/backward of the
 whole batch) the summation order differs (one GEMM over all rows instead of
 a sum of per-micro-batch GEMMs, then the replica sum), so there the bound is
 a cosine distance <= 1e-12.  DualPipe (mirror copies on both pipeline ranks):
-the DP sum runs first, then the mirror sum, which groups the micro-batches by
-direction: cosine distance <= 1e-12 against both references, and every copy
-of a model stage bit-identical on all 4 ranks.
+one all_reduce over the 4 copies of a model stage (2 copies x 2 replicas)
+replaces the DP sum and the mirror exchange; its summation order (gloo's ring,
+micro-batches grouped by copy direction) differs from both references, so
+cosine distance <= 1e-12 against both, and every copy of a model stage
+bit-identical on all 4 ranks.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def test_dualpipe_mirror_and_dp_reduction(runs):
     num_model = PP
     exact = sharded_reference(PP, DP, N, num_model)
     full = full_batch_reference(PP, DP, N, num_model)
+    # Each copy's all_reduce spans both copies of all replicas (no separate mirror exchange).
+    assert all(res["folds_mirrors"] and len(res["dp_reductions"]) == len(res["grads"]) for res in results)
     copies: dict[int, list[list[torch.Tensor]]] = {}
     for r, s, m, grads in _stages(results, num_model):
         copies.setdefault(m, []).append(grads)

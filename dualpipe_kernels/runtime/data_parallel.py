@@ -14,10 +14,14 @@ running the full batch (all replicas' micro-batches) with the same criterion,
 its per-micro-batch losses summed.  ``op="mean"`` divides by the DP size
 (a full-batch reference whose loss is the mean of the replicas' losses).
 
-DualPipe's mirror copies (mirror.py) are summed *after* the DP reduction:
-each copy first gets the sum over its replicas (overlapped), then the end-of-step
-mirror sum adds the two copies, so every copy ends with the sum over all
-``2 x dp`` of them (summation is associative; see the tests for the bit-level story).
+DualPipe's mirror copies (mirror.py) are folded in: when every duplicated
+stage of this rank has its mirror on another pipeline rank (DualPipe), the
+reduction group of such a stage holds both copies of all replicas (``2 x dp``
+ranks, built once with :func:`mirror_dp_groups`), so one all_reduce, started as
+early as the DP one, replaces the DP sum and the end-of-step mirror exchange;
+all copies end bit-identical.  Otherwise (copies on one rank, or
+``sync_mirror_grads=False``) the mirror sum runs after the DP reduction: each
+copy first gets the sum over its replicas, then the two copies are added.
 
 Buffers: one flat buffer per (stage, dtype) holds the stage's gradients during
 the reduction; it is the reducer's until :meth:`StepReduction.finish` copies it
@@ -38,9 +42,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dualpipe_kernels.schedules.ir import T_B, T_I, T_W, Action
+from dualpipe_kernels.runtime.mirror import mirrors
+from dualpipe_kernels.schedules.ir import T_B, T_I, T_W, Action, Schedule
 
-__all__ = ["DP_OPS", "DataParallelReducer", "StepReduction", "last_grad_actions", "ReductionSpan"]
+__all__ = ["DP_OPS", "DataParallelReducer", "StepReduction", "last_grad_actions", "mirror_dp_groups", "ReductionSpan"]
 
 DP_OPS = ("sum", "mean")
 _GRAD_KINDS = (T_B, T_I, T_W)
@@ -61,6 +66,42 @@ def last_grad_actions(actions: Sequence[Action], stages: Sequence[int]) -> dict[
             if c.type in _GRAD_KINDS and c.stage in wanted:
                 last[c.stage] = i
     return last
+
+
+def mirror_dp_groups(
+    schedule: Schedule,
+    rank: int,
+    pp_group: dist.ProcessGroup,
+    to_group_rank: Sequence[int],
+    dp_group: dist.ProcessGroup,
+) -> dict[int, dist.ProcessGroup] | None:
+    """stage -> a group of every copy of its model stage in every replica, for this rank's duplicated stages.
+
+    None when some duplicated stage of this rank has its mirror on this rank too
+    (then the mirror sum is local and runs after the DP reduction).  Collective
+    over the pipeline and DP groups; each mirror group is created by its members
+    only, in model-stage order, so every member creates the same groups in the
+    same order.
+    """
+    mirror_of = mirrors(schedule)
+    mine = [s for s in schedule.stages_of_rank(rank) if s in mirror_of]
+    if any(schedule.stage_to_rank[mirror_of[s]] == rank for s in mine):
+        return None
+    pp_globals = dist.get_process_group_ranks(pp_group)
+    global_of = [pp_globals[to_group_rank[p]] for p in range(schedule.num_ranks)]
+    table: list[Any] = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(table, global_of, group=dp_group)  # table[replica][pipeline rank] -> global rank
+    backend = dist.get_backend(dp_group)
+    out: dict[int, dist.ProcessGroup] = {}
+    pairs = sorted({tuple(sorted((s, t))) for s, t in mirror_of.items()}, key=lambda st: schedule.model_stage[st[0]])
+    for s, t in pairs:
+        holders = (schedule.stage_to_rank[s], schedule.stage_to_rank[t])
+        if rank not in holders:
+            continue
+        members = sorted({row[r] for row in table for r in holders})
+        group = dist.new_group(members, backend=backend, use_local_synchronization=True)
+        out[s if holders[0] == rank else t] = group
+    return out
 
 
 @dataclass
@@ -100,10 +141,11 @@ class StepReduction:
         params = [p for p in r.modules[stage].parameters() if p.grad is not None]
         flats: list[torch.Tensor] = []
         works: list[Any] = []
+        group = r.groups.get(stage, r.group)
         for dtype in sorted({p.dtype for p in params}, key=str):
             flat = torch.cat([p.grad.reshape(-1) for p in params if p.dtype == dtype])
             flats.append(flat)
-            works.append(dist.all_reduce(flat, group=r.group, async_op=True))
+            works.append(dist.all_reduce(flat, group=group, async_op=True))
         self.buckets.append(_Bucket(stage, params, flats, works, time.perf_counter()))
 
     def finish(self) -> None:
@@ -141,6 +183,8 @@ class DataParallelReducer:
     ``actions``: this rank's lowered action list (where each stage's reduction
     starts); ``modules``: ``{stage: module}`` of this rank; ``op``: "sum" or
     "mean" (see the module docstring); ``timeout_s``: the wait for each reduction.
+    ``mirror_groups``: from :func:`mirror_dp_groups` when the mirror sum is
+    folded in (:attr:`folds_mirrors`), else None.
     """
 
     def __init__(
@@ -151,6 +195,7 @@ class DataParallelReducer:
         modules: Mapping[int, nn.Module],
         op: str = "sum",
         timeout_s: float = 120.0,
+        mirror_groups: Mapping[int, dist.ProcessGroup] | None = None,
     ) -> None:
         if op not in DP_OPS:
             raise ValueError(f"dp_op must be one of {', '.join(DP_OPS)}, got {op!r}")
@@ -161,6 +206,9 @@ class DataParallelReducer:
         self.modules = modules
         self.op = op
         self.timeout_s = timeout_s
+        #: stage -> its reduction group where it is not the DP group (folded mirror copies)
+        self.groups: dict[int, dist.ProcessGroup] = dict(mirror_groups or {})
+        self.folds_mirrors = mirror_groups is not None
         #: stage -> index of the action after which its reduction starts
         self.trigger = last_grad_actions(actions, list(modules))
         missing = sorted(set(modules) - set(self.trigger))

@@ -39,7 +39,7 @@ from dualpipe_kernels.runtime.construction import (
     presplit,
     sequential_stages,
 )
-from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan
+from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan, mirror_dp_groups
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.microbatch import split_microbatches
 from dualpipe_kernels.runtime.mirror import MirrorSync
@@ -111,8 +111,9 @@ class Pipeline(nn.Module):
     ``dp_op="sum"`` (default) sums over replicas as the step sums over
     micro-batches: the result equals one process running the whole global
     batch (every replica's micro-batches, per-micro-batch losses summed);
-    ``"mean"`` divides by the DP size.  Mirror copies (DualPipe) are summed
-    after the DP reduction, so each ends with the sum over all copies.
+    ``"mean"`` divides by the DP size.  DualPipe's mirror copies: one
+    all_reduce over every copy of every replica replaces the DP sum and the
+    mirror exchange (copies on one rank: mirror sum after the DP sum).
 
     The module is an ``nn.Module`` holding the stage modules (``parameters()``,
     ``zero_grad()`` work on it); ``stage_modules`` maps stage -> module.
@@ -194,11 +195,16 @@ class Pipeline(nn.Module):
         self.mirror_of = self._mirrors.mirror_of
         self._loop = ActionLoop(schedule.actions[self.rank], recv_lookahead)
         self.dp_group = dp_group
-        self._dp = (
-            DataParallelReducer(dp_group, self.rank, self._loop.actions, self.stage_modules, dp_op, self.timeout_s)
-            if dp_group is not None
-            else None
-        )
+        self._dp: DataParallelReducer | None = None
+        if dp_group is not None:
+            folded = (
+                mirror_dp_groups(schedule, self.rank, self.group, self.to_group_rank, dp_group)
+                if sync_mirror_grads and self._mirrors
+                else None
+            )
+            self._dp = DataParallelReducer(
+                dp_group, self.rank, self._loop.actions, self.stage_modules, dp_op, self.timeout_s, folded
+            )
 
     # ---- construction helpers -------------------------------------------
     @classmethod
@@ -285,7 +291,8 @@ class Pipeline(nn.Module):
                 self._loop.run(run)
                 if red is not None:
                     red.finish()  # before the mirror sum: each copy first sums over its DP replicas
-                if not cst.forward_only and self.sync_mirror_grads and self._mirrors:
+                folded = red is not None and red.reducer.folds_mirrors
+                if not cst.forward_only and self.sync_mirror_grads and self._mirrors and not folded:
                     # Not a schedule action, so not in the timeline (entries must parse as actions).
                     self._mirrors.run()
         except BaseException as exc:
