@@ -143,10 +143,8 @@ def bad_layouts(pp: int, n: int) -> list[str]:
     return errors
 
 
-def ppdp_ranks(
-    rank: int, world: int, configs: tuple[tuple[str, str], ...], pp: int, dp: int, n: int, transport: str
-) -> dict:
-    """:func:`ppdp_rank` for each ``(schedule, dp_op)`` in one process group (process start costs seconds)."""
-    out: dict[Any, Any] = {c: ppdp_rank(rank, world, c[0], pp, dp, n, transport, c[1]) for c in configs}
-    out["errors"] = bad_layouts(pp, n)
+def ppdp_ranks(rank: int, world: int, configs: tuple[tuple[str, str, int, int, int], ...], transport: str) -> dict:
+    """:func:`ppdp_rank` for each ``(schedule, dp_op, pp, dp, n)`` in one process group (start-up costs seconds)."""
+    out: dict[Any, Any] = {c: ppdp_rank(rank, world, c[0], c[2], c[3], c[4], transport, c[1]) for c in configs}
+    out["errors"] = bad_layouts(2, 4)
     return out

@@ -33,9 +33,14 @@ def cosine_distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def runs():
-    configs = (("dualpipev", "sum"), ("dualpipe", "sum"), ("dualpipev", "mean"))
-    per_rank = spawn(ppdp_ranks, PP * DP, configs, PP, DP, N, "auto", timeout_s=240)
-    out = {name if op == "sum" else f"{name}/{op}": [r[(name, op)] for r in per_rank] for name, op in configs}
+    configs = {
+        "dualpipev": ("dualpipev", "sum", PP, DP, N),
+        "dualpipe": ("dualpipe", "sum", PP, DP, N),
+        "dualpipev/mean": ("dualpipev", "mean", PP, DP, N),
+        "dualpipe/pp4": ("dualpipe", "sum", 4, 1, 8),
+    }
+    per_rank = spawn(ppdp_ranks, PP * DP, tuple(configs.values()), "auto", timeout_s=240)
+    out = {label: [r[c] for r in per_rank] for label, c in configs.items()}
     out["errors"] = [r["errors"] for r in per_rank]
     return out
 
@@ -62,11 +67,12 @@ def test_dualpipev_grads_equal_full_batch_reference(runs):
 
 
 @pytest.mark.timeout(400)
-def test_dualpipe_mirror_and_dp_reduction(runs):
-    results = runs["dualpipe"]
-    num_model = PP
-    exact = sharded_reference(PP, DP, N, num_model)
-    full = full_batch_reference(PP, DP, N, num_model)
+@pytest.mark.parametrize("label,pp,dp,n", [("dualpipe", PP, DP, N), ("dualpipe/pp4", 4, 1, 8)])
+def test_dualpipe_mirror_and_dp_reduction(runs, label, pp, dp, n):
+    results = runs[label]
+    num_model = pp
+    exact = sharded_reference(pp, dp, n, num_model)
+    full = full_batch_reference(pp, dp, n, num_model)
     # Each copy's all_reduce spans both copies of all replicas (no separate mirror exchange).
     assert all(res["folds_mirrors"] and len(res["dp_reductions"]) == len(res["grads"]) for res in results)
     copies: dict[int, list[list[torch.Tensor]]] = {}
@@ -75,7 +81,7 @@ def test_dualpipe_mirror_and_dp_reduction(runs):
         for g, e, f in zip(grads, exact[m], full[m], strict=True):
             assert cosine_distance(g, e) <= 1e-12 and cosine_distance(g, f) <= 1e-12, f"rank {r} stage {s}"
     for m, cs in copies.items():
-        assert len(cs) == 2 * DP, f"model stage {m}: {len(cs)} copies"
+        assert len(cs) == 2 * dp, f"model stage {m}: {len(cs)} copies"
         for c in cs[1:]:
             assert all(torch.equal(a, b) for a, b in zip(cs[0], c, strict=True)), f"model stage {m}: copies differ"
 
