@@ -106,10 +106,18 @@ def ppdp_rank(
         rows = slice(dp_rank * n * ROWS_PER_MB, (dp_rank + 1) * n * ROWS_PER_MB)
         res = pipe.step(x[rows], labels=(y[rows],), criterion=sq_error)
         trigger = pipe._dp.trigger if pipe._dp is not None else {}
+        grads = {s: [p.grad.clone() for p in m.parameters()] for s, m in pipe.stage_modules.items()}
+        # Accumulation over two steps of the same shard, reduced only at the second: twice the first step's sum.
+        pipe.zero_grad(set_to_none=True)
+        with pipe.no_sync():
+            local = pipe.step(x[rows], labels=(y[rows],), criterion=sq_error)
+        pipe.step(x[rows], labels=(y[rows],), criterion=sq_error)
         return {
             "pp_rank": pipe.rank,
             "dp_rank": dp_rank,
-            "grads": {s: [p.grad.clone() for p in m.parameters()] for s, m in pipe.stage_modules.items()},
+            "grads": grads,
+            "accumulated": {s: [p.grad.clone() for p in m.parameters()] for s, m in pipe.stage_modules.items()},
+            "no_sync_reductions": local.dp_reductions,
             "model_stage": {s: schedule.model_stage[s] for s in pipe.stage_modules},
             "timeline": res.timeline,
             "dp_reductions": res.dp_reductions,

@@ -116,3 +116,15 @@ def test_bad_layouts_name_the_problem(runs):
         mesh_error, op_error = errors
         assert "'pp' and 'dp'" in mesh_error and "('world',)" in mesh_error, mesh_error
         assert "dp_op" in op_error and "'avg'" in op_error, op_error
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("label", ["dualpipev", "dualpipe"])
+def test_no_sync_accumulates_then_reduces_once(runs, label):
+    """A step under no_sync() reduces nothing; the next reduces the accumulated sum: twice one step's sum."""
+    for res in runs[label]:
+        assert res["no_sync_reductions"] == []
+        for s, grads in res["accumulated"].items():
+            for acc, one in zip(grads, res["grads"][s], strict=True):
+                assert cosine_distance(acc, 2 * one) <= 1e-12, f"stage {s}"
+                assert abs(float(acc.norm() / (2 * one).norm()) - 1) <= 1e-12, f"stage {s}"

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -209,6 +210,7 @@ class DataParallelReducer:
         #: stage -> its reduction group where it is not the DP group (folded mirror copies)
         self.groups: dict[int, dist.ProcessGroup] = dict(mirror_groups or {})
         self.folds_mirrors = mirror_groups is not None
+        self.paused = False
         #: stage -> index of the action after which its reduction starts
         self.trigger = last_grad_actions(actions, list(modules))
         missing = sorted(set(modules) - set(self.trigger))
@@ -218,6 +220,15 @@ class DataParallelReducer:
                 "a data-parallel reduction needs one"
             )
 
-    def begin(self, t0: float) -> StepReduction:
-        """The reductions of a new training step whose timeline starts at ``t0`` (``perf_counter``)."""
-        return StepReduction(self, t0)
+    def begin(self, t0: float) -> StepReduction | None:
+        """The reductions of a new training step whose timeline starts at ``t0`` (None inside :meth:`pause`)."""
+        return None if self.paused else StepReduction(self, t0)
+
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Steps inside skip the reduction (and a folded mirror sum): gradients accumulate locally."""
+        before, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = before

@@ -22,7 +22,8 @@ transfers may be left in the process group).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,6 +250,20 @@ class Pipeline(nn.Module):
             return cls.from_sequential(schedule, modules, partition, **kw)
         return cls(schedule, modules, **kw)
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation with a ``dp_group``: steps inside neither reduce over DP nor fold the mirror sum.
+
+        Each reduction sums the whole ``.grad``, so accumulating over several
+        steps reduces only at the last one (as with DDP's ``no_sync``); without
+        a ``dp_group`` this changes nothing.
+        """
+        if self._dp is None:
+            yield
+            return
+        with self._dp.pause():
+            yield
+
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
         if self._owns_transport:
@@ -291,7 +306,7 @@ class Pipeline(nn.Module):
                 self._loop.run(run)
                 if red is not None:
                     red.finish()  # before the mirror sum: each copy first sums over its DP replicas
-                folded = red is not None and red.reducer.folds_mirrors
+                folded = self._dp is not None and self._dp.folds_mirrors  # also under no_sync()
                 if not cst.forward_only and self.sync_mirror_grads and self._mirrors and not folded:
                     # Not a schedule action, so not in the timeline (entries must parse as actions).
                     self._mirrors.run()
