@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -52,9 +53,10 @@ def _launch(tmp: str) -> list[tuple[int | None, str]]:
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         )
     out: list[tuple[int | None, str]] = []
+    deadline = time.monotonic() + TIMEOUT_S  # one budget for both: a node whose peer died waits in rendezvous
     for p in procs:
         try:
-            text, _ = p.communicate(timeout=TIMEOUT_S)
+            text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)  # the torchrun we started and its workers (own session)
             text, _ = p.communicate()
