@@ -305,7 +305,7 @@ class Pipeline(nn.Module):
             with self.weight_grad_store.bind():
                 self._loop.run(run)
                 if red is not None:
-                    red.finish()  # before the mirror sum: each copy first sums over its DP replicas
+                    red.finish()  # before an unfolded mirror sum: each copy first sums over its replicas
                 folded = self._dp is not None and self._dp.folds_mirrors  # also under no_sync()
                 if not cst.forward_only and self.sync_mirror_grads and self._mirrors and not folded:
                     # Not a schedule action, so not in the timeline (entries must parse as actions).
