@@ -6,6 +6,7 @@ The work is split into rooms, each with its own state:
 * :mod:`.compute`: stage compute (F, B, I/W split, F&B pair and the overlap hook);
 * :mod:`.boundary`: boundary communication (post, complete, reap);
 * :mod:`.mirror`: DualPipe's mirror-gradient sync at the end of a step;
+* :mod:`.data_parallel`: the per-stage data-parallel gradient reduction (PP x DP);
 * :mod:`.construction`: checking the arguments and cutting an ``nn.Sequential`` into stages.
 
 :class:`Pipeline` wires them together once at construction; a step builds the
@@ -21,8 +22,9 @@ transfers may be left in the process group).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +41,7 @@ from dualpipe_kernels.runtime.construction import (
     presplit,
     sequential_stages,
 )
+from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan, mirror_dp_groups
 from dualpipe_kernels.runtime.fingerprint import agree, fingerprint, resolved_transport
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.microbatch import split_microbatches
@@ -62,12 +65,16 @@ class StepResult:
     the loss stage when ``return_outputs`` (else None).  ``timeline``:
     ``(pipeline rank, action, start_s, end_s)`` relative to the step start when
     ``record_timeline``.  ``step_time_s``: wall time of the step on this rank.
+    ``dp_reductions``: ``(stage, start_s, end_s)`` of each data-parallel
+    reduction (posted after the stage's last gradient action, waited for at the
+    end), relative to the step start; empty without a ``dp_group``.
     """
 
     losses: dict[int, torch.Tensor]
     outputs: dict[int, tuple[torch.Tensor, ...]] | None
     timeline: list[TimelineEntry]
     step_time_s: float
+    dp_reductions: list[ReductionSpan] = field(default_factory=list)
 
 
 def _lowered_program(schedule: Schedule) -> Program:
@@ -102,6 +109,19 @@ class Pipeline(nn.Module):
     enabled, W only pops the store).  ``device``: where received tensors go
     (default: the device of the modules' parameters).
 
+    PP x DP: ``dp_group`` is this rank's data-parallel group (the ranks
+    holding the same pipeline rank of the other replicas; ``group`` is then
+    this replica's pipeline group), or build from a 2-D mesh with
+    :meth:`from_mesh`.  Each stage's gradients are all-reduced over
+    ``dp_group`` as soon as its last gradient action of the step is done and
+    the step returns once all are complete (runtime/data_parallel.py).
+    ``dp_op="sum"`` (default) sums over replicas as the step sums over
+    micro-batches: the result equals one process running the whole global
+    batch (every replica's micro-batches, per-micro-batch losses summed);
+    ``"mean"`` divides by the DP size.  DualPipe's mirror copies: one
+    all_reduce over every copy of every replica replaces the DP sum and the
+    mirror exchange (copies on one rank: mirror sum after the DP sum).
+
     The module is an ``nn.Module`` holding the stage modules (``parameters()``,
     ``zero_grad()`` work on it); ``stage_modules`` maps stage -> module.
     """
@@ -120,6 +140,8 @@ class Pipeline(nn.Module):
         recv_lookahead: int = 2,
         zero_bubble: str = "split",
         device: torch.device | str | None = None,
+        dp_group: dist.ProcessGroup | None = None,
+        dp_op: str = "sum",
     ) -> None:
         super().__init__()
         if not isinstance(schedule, Schedule):
@@ -127,6 +149,8 @@ class Pipeline(nn.Module):
         timeout_s = check_timeout(timeout_s)
         if recv_lookahead < 1:
             raise ValueError(f"recv_lookahead must be >= 1, got {recv_lookahead}")
+        if dp_op not in DP_OPS:
+            raise ValueError(f"dp_op must be one of {', '.join(DP_OPS)}, got {dp_op!r}")
         if zero_bubble not in ("split", "store"):
             raise ValueError(f"zero_bubble must be 'split' or 'store', got {zero_bubble!r}")
         self.program = _lowered_program(schedule)  # validates: a broken schedule fails here, on every rank
@@ -186,6 +210,17 @@ class Pipeline(nn.Module):
         self._mirrors = MirrorSync(wire, schedule, self.stage_modules)
         self.mirror_of = self._mirrors.mirror_of
         self._loop = ActionLoop(schedule.actions[self.rank], recv_lookahead)
+        self.dp_group = dp_group
+        self._dp: DataParallelReducer | None = None
+        if dp_group is not None:
+            folded = (
+                mirror_dp_groups(schedule, self.rank, self.group, self.to_group_rank, dp_group)
+                if sync_mirror_grads and self._mirrors
+                else None
+            )
+            self._dp = DataParallelReducer(
+                dp_group, self.rank, self._loop.actions, self.stage_modules, dp_op, self.timeout_s, folded
+            )
 
     # ---- construction helpers -------------------------------------------
     @classmethod
@@ -204,6 +239,45 @@ class Pipeline(nn.Module):
         rank, which is a deep copy (so both copies start identical).
         """
         return cls(schedule, sequential_stages(schedule, model, partition, kw), **kw)
+
+    @classmethod
+    def from_mesh(
+        cls,
+        schedule: Schedule,
+        modules: Mapping[int, nn.Module] | Sequence[nn.Module] | nn.Sequential,
+        mesh: Any,
+        partition: Sequence[int] | None = None,
+        **kw: Any,
+    ) -> Pipeline:
+        """Build from a 2-D ``torch.distributed.DeviceMesh`` with dimensions named ``"pp"`` and ``"dp"``.
+
+        The pipeline group is the mesh's ``"pp"`` group and the data-parallel
+        group its ``"dp"`` group.  ``modules``: this rank's stage modules, or
+        the whole ``nn.Sequential`` (cut as by :meth:`from_sequential`).
+        """
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if "pp" not in names or "dp" not in names:
+            raise ValueError(f"from_mesh needs a DeviceMesh with dimensions 'pp' and 'dp', got names {names}")
+        if "group" in kw or "dp_group" in kw:
+            raise ValueError("from_mesh takes the groups from the mesh; do not pass group or dp_group")
+        kw["group"], kw["dp_group"] = mesh.get_group("pp"), mesh.get_group("dp")
+        if isinstance(modules, nn.Sequential):
+            return cls.from_sequential(schedule, modules, partition, **kw)
+        return cls(schedule, modules, **kw)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation with a ``dp_group``: steps inside neither reduce over DP nor fold the mirror sum.
+
+        Each reduction sums the whole ``.grad``, so accumulating over several
+        steps reduces only at the last one (as with DDP's ``no_sync``); without
+        a ``dp_group`` this changes nothing.
+        """
+        if self._dp is None:
+            yield
+            return
+        with self._dp.pause():
+            yield
 
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
@@ -237,12 +311,18 @@ class Pipeline(nn.Module):
         cst = self._compute_state(inputs, tuple(labels), criterion, return_outputs, microbatches, microbatch_labels)
         rec = TimelineRecorder(self.rank, self.record_timeline)
         t0 = rec.t0
+        red = self._dp.begin(t0) if self._dp is not None and not cst.forward_only else None
         run = StepRun(self._loop, self._compute, self._boundary, cst, BoundaryState(cst.forward_only), rec)
+        if red is not None:
+            run.done_hooks = red.hooks()
         self.weight_grad_store.clear()
         try:
             with self.weight_grad_store.bind():
                 self._loop.run(run)
-                if not cst.forward_only and self.sync_mirror_grads and self._mirrors:
+                if red is not None:
+                    red.finish()  # before an unfolded mirror sum: each copy first sums over its replicas
+                folded = self._dp is not None and self._dp.folds_mirrors  # also under no_sync()
+                if not cst.forward_only and self.sync_mirror_grads and self._mirrors and not folded:
                     # Not a schedule action, so not in the timeline (entries must parse as actions).
                     self._mirrors.run()
         except BaseException as exc:
@@ -256,6 +336,7 @@ class Pipeline(nn.Module):
             outputs=cst.outputs if return_outputs else None,
             timeline=rec.entries,
             step_time_s=elapsed,
+            dp_reductions=red.spans if red is not None else [],
         )
 
     def _compute_state(

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
@@ -56,7 +57,10 @@ def window_ends(actions: Sequence[Action], lookahead: int) -> list[int]:
 
 @dataclass
 class StepRun:
-    """One step on this rank: the compute and boundary states and the timeline recorder."""
+    """One step on this rank: the compute and boundary states and the timeline recorder.
+
+    ``done_hooks[i]()`` runs right after action ``i`` (e.g. a stage's data-parallel reduction).
+    """
 
     loop: ActionLoop
     compute: StageCompute
@@ -64,6 +68,7 @@ class StepRun:
     cst: ComputeState
     bst: BoundaryState
     rec: TimelineRecorder
+    done_hooks: Mapping[int, Callable[[], Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cst.fetch = self.fetch
@@ -171,4 +176,6 @@ class ActionLoop:
                     handler(run, i, a)
             else:
                 handler(run, i, a)
+            if i in run.done_hooks:
+                run.done_hooks[i]()
         run.finish()

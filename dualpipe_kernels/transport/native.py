@@ -34,7 +34,6 @@ A dead peer (its pid gone) fails the waiting transfer within about
 from __future__ import annotations
 
 import os
-import socket
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +48,7 @@ from dualpipe_kernels.transport.base import (
     TransportTimeout,
     wait_store_key,
 )
+from dualpipe_kernels.transport.hosts import host_id as default_host_id
 
 if TYPE_CHECKING:
     from dualpipe_kernels.transport.torch_dist import TorchDistTransport
@@ -148,7 +148,8 @@ class NativeTransport(Transport):
     unless ``DUALPIPE_KERNELS_SINGLE_COPY=0``) lets messages of at least
     ``single_copy_min_bytes`` bytes be read by the receiver straight from the
     sender's tensor (see the module docstring).  ``host_id`` names this host
-    for grouping peers (default: the hostname); ranks with different host ids
+    for grouping peers (default: :func:`~dualpipe_kernels.transport.hosts.host_id`,
+    the hostname refined by torchrun's node rank); ranks with different host ids
     talk through torch.distributed.
     """
 
@@ -200,7 +201,7 @@ class NativeTransport(Transport):
             single_copy_min_bytes=single_copy_min_bytes,
         )
         try:  # the engine swept stale segments of both engines when it started
-            hosts = self._rendezvous(_group_store(self.group), host_id or socket.gethostname())
+            hosts = self._rendezvous(_group_store(self.group), host_id or default_host_id())
         except BaseException:
             self._engine.close()
             raise
