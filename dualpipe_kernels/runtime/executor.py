@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState, Wire
+from dualpipe_kernels.runtime.boundary_codec import BoundaryFormat, boundary_format
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.construction import (
     check_mapping,
@@ -68,6 +69,9 @@ class StepResult:
     step_time_s: float
 
 
+_boundary_format = boundary_format  # the parser, under a name the keyword argument does not shadow
+
+
 def _lowered_program(schedule: Schedule) -> Program:
     """The dependency program of ``schedule`` in its lowered form (lowering it when it is compute-only)."""
     if schedule.lowered:
@@ -94,7 +98,11 @@ class Pipeline(nn.Module):
     ``"split"`` (I/W autograd-graph split, default) or ``"store"`` (the
     reference's behaviour: I runs the full backward with the WeightGradStore
     enabled, W only pops the store).  ``device``: where received tensors go
-    (default: the device of the modules' parameters).
+    (default: the device of the modules' parameters).  ``boundary_format``: how
+    stage-boundary messages travel, ``"none"`` (default: one transfer per tensor),
+    ``"packed"`` (one lossless message), ``"bf16"`` or ``"fp8"``; one name for both
+    directions, or ``(activations, gradients)`` / ``"fp8,bf16"`` / a BoundaryFormat
+    (runtime/boundary_codec.py; every rank must pass the same).
 
     The module is an ``nn.Module`` holding the stage modules (``parameters()``,
     ``zero_grad()`` work on it); ``stage_modules`` maps stage -> module.
@@ -114,8 +122,10 @@ class Pipeline(nn.Module):
         recv_lookahead: int = 2,
         zero_bubble: str = "split",
         device: torch.device | str | None = None,
+        boundary_format: str | tuple[str, str] | BoundaryFormat | None = "none",
     ) -> None:
         super().__init__()
+        fmt = _boundary_format(boundary_format)
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be a dualpipe_kernels Schedule, got {type(schedule).__name__}")
         if timeout_s <= 0:
@@ -149,6 +159,8 @@ class Pipeline(nn.Module):
         self.record_timeline = record_timeline
         self.recv_lookahead = recv_lookahead
         self.zero_bubble = zero_bubble
+        #: how boundary messages travel (part of what every rank must agree on)
+        self.boundary_format = fmt
         self.device = torch.device(device) if device is not None else module_device(self.stage_modules)
         if self.device.type == "cuda" and self.device.index is None:
             # Receive buffers may be allocated on a transport thread, whose current device differs.
@@ -165,7 +177,7 @@ class Pipeline(nn.Module):
         )
         self.overlap_hook = self._compute.overlap_hook
         wire = Wire(
-            self.rank, self._transport, self.to_group_rank, self.tags, self._layouts, self.device, self.timeout_s
+            self.rank, self._transport, self.to_group_rank, self.tags, self._layouts, self.device, self.timeout_s, fmt
         )
         self._boundary = Boundary(wire, self.program)
         self._mirrors = MirrorSync(wire, schedule, self.stage_modules)
@@ -189,6 +201,11 @@ class Pipeline(nn.Module):
         rank, which is a deep copy (so both copies start identical).
         """
         return cls(schedule, sequential_stages(schedule, model, partition, kw), **kw)
+
+    def boundary_bytes(self) -> dict[str, tuple[int, int]]:
+        """``{"activations" | "gradients": (messages, data bytes)}`` this rank sent so far (metadata excluded)."""
+        b = self._boundary
+        return {name: (b.messages_sent[d], b.bytes_sent[d]) for d, name in enumerate(("activations", "gradients"))}
 
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
