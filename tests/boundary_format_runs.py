@@ -6,7 +6,8 @@ of three tensors (hidden with grad, int ids, a float mask without grad),
 micro-batches of different sizes, two steps whose shapes differ (speculative
 receives, then placeholders).  ``gpt_formats``: the demo's small GPT trained
 with "none", "bf16" and "fp8" boundaries; losses per step and the bytes each
-rank sent per direction.
+rank sent per direction.  ``all_runs``: both in one group of processes (a
+process start costs seconds, a run milliseconds).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def gpt_formats(
     from dualpipe_kernels.runtime import Pipeline
     from dualpipe_kernels.schedules import build_schedule
 
-    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=64, n_heads=4, n_layers=4)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=32, n_heads=2, n_layers=4, mlp_ratio=2)
     schedule = build_schedule("dualpipev", world_size, 4)
     data = SyntheticTokens(cfg.vocab_size, cfg.seq_len, seed=0)
     out = {}
@@ -121,7 +122,7 @@ def gpt_formats(
         losses = []
         try:
             for step in range(steps):
-                ids, tgt = data.batch(step, 4 * 4)
+                ids, tgt = data.batch(step, 4 * 2)
                 res = pipe.step(ids, labels=(tgt,), criterion=gpt_loss)
                 if res.losses:
                     losses.append(float(torch.stack(list(res.losses.values())).mean()))
@@ -131,3 +132,13 @@ def gpt_formats(
         finally:
             pipe.close()
     return out
+
+
+def all_runs(
+    rank: int, world_size: int, schedules: Sequence[str], transports: Sequence[str], steps: int, timeout_s: float
+) -> dict[str, Any]:
+    """``{"packed": packed_vs_none(...), "gpt": gpt_formats(none, bf16, fp8)}`` on this rank."""
+    return {
+        "packed": packed_vs_none(rank, world_size, schedules, transports, timeout_s),
+        "gpt": gpt_formats(rank, world_size, ("none", "bf16", "fp8"), steps, timeout_s),
+    }
