@@ -134,11 +134,36 @@ def gpt_formats(
     return out
 
 
+def compat_formats(rank: int, world_size: int, timeout_s: float) -> dict[str, Any]:
+    """compat DualPipeV with ``boundary_format`` "none" and "packed": losses and gradients of one step."""
+    from dualpipe_kernels.compat import DualPipeV
+
+    out = {}
+    for fmt in ("none", "packed"):
+        mods = [MixStage(rank), MixStage(2 * world_size - 1 - rank)]
+        model = DualPipeV(mods, boundary_format=fmt, timeout_s=timeout_s)
+        try:
+            if rank == 0:
+                (mbs, labels) = _microbatches(1, 0)
+                x, ids, mask = (torch.cat([t] * 4) for t in mbs[0])
+                loss, _ = model.step(
+                    x, ids, mask, num_chunks=4, criterion=_mix_loss, labels=(torch.cat([labels[0][0]] * 4),)
+                )
+            else:
+                loss, _ = model.step(num_chunks=4)
+        finally:
+            model.close()
+        grads = [None if p.grad is None else p.grad.clone() for m in mods for p in m.parameters()]
+        out[fmt] = {"loss": loss, "grads": grads, "format": str(model.boundary_format)}
+    return out
+
+
 def all_runs(
     rank: int, world_size: int, schedules: Sequence[str], transports: Sequence[str], steps: int, timeout_s: float
 ) -> dict[str, Any]:
-    """``{"packed": packed_vs_none(...), "gpt": gpt_formats(none, bf16, fp8)}`` on this rank."""
+    """``{"packed": packed_vs_none(...), "gpt": gpt_formats(none, bf16, fp8), "compat": compat_formats(...)}``."""
     return {
         "packed": packed_vs_none(rank, world_size, schedules, transports, timeout_s),
         "gpt": gpt_formats(rank, world_size, ("none", "bf16", "fp8"), steps, timeout_s),
+        "compat": compat_formats(rank, world_size, timeout_s),
     }

@@ -110,3 +110,11 @@ def test_boundary_format_option_parsing() -> None:
         boundary_format(8)
     with pytest.raises(ValueError, match="expected a format name"):
         boundary_format("fp8,bf16,none")
+
+
+def test_pipeline_rejects_a_bad_boundary_format_before_anything_else() -> None:
+    from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.schedules import build_schedule
+
+    with pytest.raises(ValueError, match="unknown format 'fp4' for activations"):
+        Pipeline(build_schedule("1f1b", 2, 2), {}, boundary_format="fp4")

@@ -7,7 +7,8 @@
 * ``bf16`` and ``fp8``: the demo's small GPT trained 50 steps ends within 2%
   of the loss of the uncompressed run, and the bytes per boundary message
   measured by the runtime are fp8 <= 0.52 x bf16 and <= 0.26 x fp32 (scales
-  included), in both directions.
+  included), in both directions;
+* the compat DualPipeV takes the same option (``packed`` bit-exact against ``none``).
 """
 
 from __future__ import annotations
@@ -91,3 +92,11 @@ def test_fp8_wire_bytes_per_boundary(gpt_runs) -> None:
                 per[fmt] = nbytes / n
             assert per["fp8"] <= 0.52 * per["bf16"], f"rank {rank} {d}: {per}"
             assert per["fp8"] <= 0.26 * per["none"], f"rank {rank} {d}: {per}"
+
+
+def test_compat_takes_the_option(runs) -> None:
+    for rank, res in enumerate(r["compat"] for r in runs):
+        none, packed = res["none"], res["packed"]
+        assert (none["format"], packed["format"]) == ("none", "packed")
+        assert _equal(packed["loss"], none["loss"]) and _equal(packed["grads"], none["grads"]), f"rank {rank}"
+    assert runs[0]["compat"]["none"]["loss"] is not None
