@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState, Wire
-from dualpipe_kernels.runtime.boundary_codec import BoundaryFormat, boundary_format
+from dualpipe_kernels.runtime.boundary_codec import BoundaryFormat
+from dualpipe_kernels.runtime.boundary_codec import boundary_format as parse_boundary_format
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.construction import (
     check_mapping,
@@ -67,9 +68,6 @@ class StepResult:
     outputs: dict[int, tuple[torch.Tensor, ...]] | None
     timeline: list[TimelineEntry]
     step_time_s: float
-
-
-_boundary_format = boundary_format  # the parser, under a name the keyword argument does not shadow
 
 
 def _lowered_program(schedule: Schedule) -> Program:
@@ -125,7 +123,7 @@ class Pipeline(nn.Module):
         boundary_format: str | tuple[str, str] | BoundaryFormat | None = "none",
     ) -> None:
         super().__init__()
-        fmt = _boundary_format(boundary_format)
+        fmt = parse_boundary_format(boundary_format)
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be a dualpipe_kernels Schedule, got {type(schedule).__name__}")
         if timeout_s <= 0:
