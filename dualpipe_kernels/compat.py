@@ -35,7 +35,9 @@ and dtype are exchanged at run time, so ``set_p2p_tensor_shapes`` /
 ``set_p2p_tensor_dtype`` are accepted and only validated; bad input raises
 ValueError (the reference asserts).  Keyword-only extras: ``transport``
 ("auto", the default: the native engine for same-host peers when built |
-"torch" | "native" | a Transport) and ``timeout_s`` (every wait).
+"torch" | "native" | a Transport), ``timeout_s`` (every wait) and
+``boundary_format`` ("none", the default | "packed" | "bf16" | "fp8", or one
+per direction as ``(activations, gradients)``; see ``Pipeline``).
 
 ``WeightGradStore``: the reference keeps the zero-bubble weight-gradient queue
 in class attributes that user autograd functions call directly
@@ -236,11 +238,16 @@ class _DualPipeBase(nn.Module):
         *,
         transport: Any = "auto",
         timeout_s: float = 120.0,
+        boundary_format: Any = "none",
     ) -> None:
         super().__init__()
         from dualpipe_kernels.runtime.checks import check_timeout
 
         timeout_s = check_timeout(timeout_s)
+        from dualpipe_kernels.runtime.boundary_codec import boundary_format as parse_format
+
+        #: how stage-boundary messages travel (validated here, used by every pipeline built)
+        self.boundary_format = parse_format(boundary_format)
         modules = list(modules)
         if len(modules) != 2 or not all(isinstance(m, nn.Module) for m in modules):
             raise ValueError(
@@ -300,6 +307,7 @@ class _DualPipeBase(nn.Module):
             batch_dim=self.batch_dim,
             timeout_s=self.timeout_s,
             sync_mirror_grads=False,
+            boundary_format=self.boundary_format,
         )
         object.__setattr__(self, "_pipe", pipe)
         self._pipe_chunks = num_chunks

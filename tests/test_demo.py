@@ -84,6 +84,7 @@ def test_demo_json_contract_and_bit_exact_first_step() -> None:
         (["--steps", "0"], "--steps"),
         (["--ranks", "0"], "--ranks"),
         (["--layers", "2", "--ranks", "2"], "--layers"),
+        (["--boundary-format", "fp4"], "unknown format 'fp4'"),
     ],
 )
 def test_demo_impossible_options_exit_2_with_one_line(

@@ -52,6 +52,7 @@ class SleepRun:
     transport: str = "auto"
     record_timeline: bool = False
     device: str = "cpu"
+    boundary_format: str = "none"
 
     @classmethod
     def from_args(
@@ -158,7 +159,7 @@ def measure_sleep_pipeline(rank: int, run: SleepRun) -> RankMeasurement:
     dev = torch.device(run.device)
     modules = {s: SleepStage(k * run.f_s, k * run.b_s, k * run.w_s).to(dev) for s in sched.stages_of_rank(rank)}
     switch = PayloadSwitch(make_transport(run.transport, None, dev))
-    pipe = Pipeline(sched, modules, transport=switch, record_timeline=True)
+    pipe = Pipeline(sched, modules, transport=switch, record_timeline=True, boundary_format=run.boundary_format)
     x = sleep_batch(run.microbatches, run.activation_bytes).to(dev)
     labels = torch.zeros(x.shape[0], device=dev)
     out = RankMeasurement()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dualpipe_kernels.runtime.boundary_codec import BoundaryFormat
 from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace
 from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import T_SEND_B, T_SEND_F, Action, ActionType
@@ -46,7 +47,9 @@ class Wire:
 
     ``to_group_rank[pipeline rank]``: the peer's rank in the process group;
     ``layouts``: message layouts of the previous step (speculative receives, p2p.py);
-    ``device``: where received tensors go; ``timeout_s``: every wait.
+    ``device``: where received tensors go; ``timeout_s``: every wait;
+    ``boundary_format``: how stage-boundary messages are encoded (boundary_codec.py;
+    the end-of-step exchanges always go unpacked).
     """
 
     rank: int
@@ -56,14 +59,21 @@ class Wire:
     layouts: LayoutMemory
     device: torch.device
     timeout_s: float
+    boundary_format: BoundaryFormat = BoundaryFormat()
 
 
 @dataclass
 class Boundary:
-    """This rank's stage-boundary transfers over ``wire`` (see the module docstring)."""
+    """This rank's stage-boundary transfers over ``wire`` (see the module docstring).
+
+    ``bytes_sent`` / ``messages_sent``: data bytes (packed buffers or tensors, without
+    metadata) and messages this rank has sent, per direction (0 activations, 1 gradients).
+    """
 
     wire: Wire
     program: Program
+    bytes_sent: list[int] = field(default_factory=lambda: [0, 0])
+    messages_sent: list[int] = field(default_factory=lambda: [0, 0])
 
     @property
     def rank(self) -> int:
@@ -89,7 +99,8 @@ class Boundary:
         w = self.wire
         # Transport errors already name this rank, the peer, the action and the micro-batch (``what``).
         tag, what = self.program.tag_key(key), self._what(a, peer)
-        st.recvs[k] = BoundaryRecv(w.transport, w.to_group_rank[peer], w.tags, tag, what, w.device, w.layouts)
+        fmt = w.boundary_format.for_direction(tag[0])
+        st.recvs[k] = BoundaryRecv(w.transport, w.to_group_rank[peer], w.tags, tag, what, w.device, w.layouts, fmt)
 
     def progress(self, st: BoundaryState) -> None:
         for r in st.recvs.values():
@@ -118,7 +129,11 @@ class Boundary:
         key, dst = self.program.sends[self.rank][i][0]
         w = self.wire
         tag, what = self.program.tag_key(key), self._what(a, dst)
-        send = BoundarySend(w.transport, tensors, grad_flags, w.to_group_rank[dst], w.tags, tag, what, w.layouts)
+        fmt = w.boundary_format.for_direction(tag[0])
+        peer = w.to_group_rank[dst]
+        send = BoundarySend(w.transport, tensors, grad_flags, peer, w.tags, tag, what, w.layouts, fmt)
+        self.bytes_sent[tag[0]] += send.data_bytes
+        self.messages_sent[tag[0]] += 1
         st.sends.append((send, keep))
 
     def reap(self, st: BoundaryState, block: bool) -> None:

@@ -32,6 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState, Wire
+from dualpipe_kernels.runtime.boundary_codec import BoundaryFormat
+from dualpipe_kernels.runtime.boundary_codec import boundary_format as parse_boundary_format
 from dualpipe_kernels.runtime.checks import check_stage_devices, check_timeout
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.construction import (
@@ -107,7 +109,11 @@ class Pipeline(nn.Module):
     ``"split"`` (I/W autograd-graph split, default) or ``"store"`` (the
     reference's behaviour: I runs the full backward with the WeightGradStore
     enabled, W only pops the store).  ``device``: where received tensors go
-    (default: the device of the modules' parameters).
+    (default: the device of the modules' parameters).  ``boundary_format``: how
+    stage-boundary messages travel, ``"none"`` (default: one transfer per tensor),
+    ``"packed"`` (one lossless message), ``"bf16"`` or ``"fp8"``; one name for both
+    directions, or ``(activations, gradients)`` / ``"fp8,bf16"`` / a BoundaryFormat
+    (runtime/boundary_codec.py; every rank must pass the same).
 
     PP x DP: ``dp_group`` is this rank's data-parallel group (the ranks
     holding the same pipeline rank of the other replicas; ``group`` is then
@@ -142,8 +148,10 @@ class Pipeline(nn.Module):
         device: torch.device | str | None = None,
         dp_group: dist.ProcessGroup | None = None,
         dp_op: str = "sum",
+        boundary_format: str | tuple[str, str] | BoundaryFormat | None = "none",
     ) -> None:
         super().__init__()
+        fmt = parse_boundary_format(boundary_format)
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be a dualpipe_kernels Schedule, got {type(schedule).__name__}")
         timeout_s = check_timeout(timeout_s)
@@ -179,6 +187,8 @@ class Pipeline(nn.Module):
         self.record_timeline = record_timeline
         self.recv_lookahead = recv_lookahead
         self.zero_bubble = zero_bubble
+        #: how boundary messages travel (part of what every rank must agree on)
+        self.boundary_format = fmt
         self.device = torch.device(device) if device is not None else module_device(self.stage_modules)
         if self.device.type == "cuda" and self.device.index is None:
             # Receive buffers may be allocated on a transport thread, whose current device differs.
@@ -193,7 +203,7 @@ class Pipeline(nn.Module):
             self.rank,
             self.rank_mapping,
             resolved_transport(transport, self.device),
-            extra={"sync_mirror_grads": str(bool(sync_mirror_grads and self._mirrors_of))},
+            extra={"sync_mirror_grads": str(bool(sync_mirror_grads and self._mirrors_of)), "boundary_format": str(fmt)},
         )
         agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
@@ -204,7 +214,7 @@ class Pipeline(nn.Module):
         )
         self.overlap_hook = self._compute.overlap_hook
         wire = Wire(
-            self.rank, self._transport, self.to_group_rank, self.tags, self._layouts, self.device, self.timeout_s
+            self.rank, self._transport, self.to_group_rank, self.tags, self._layouts, self.device, self.timeout_s, fmt
         )
         self._boundary = Boundary(wire, self.program)
         self._mirrors = MirrorSync(wire, schedule, self.stage_modules)
@@ -278,6 +288,11 @@ class Pipeline(nn.Module):
             return
         with self._dp.pause():
             yield
+
+    def boundary_bytes(self) -> dict[str, tuple[int, int]]:
+        """``{"activations" | "gradients": (messages, data bytes)}`` this rank sent so far (metadata excluded)."""
+        b = self._boundary
+        return {name: (b.messages_sent[d], b.bytes_sent[d]) for d, name in enumerate(("activations", "gradients"))}
 
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""

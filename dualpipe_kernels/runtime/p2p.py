@@ -1,15 +1,14 @@
-"""Stage-boundary messages: shape/dtype metadata ahead of the data, over any Transport.
+"""Stage-boundary messages: metadata ahead of the data, over any Transport.
 
 A boundary message carries the tensors one stage hands to another for one
 micro-batch (activations forward, input gradients backward).  The receiver
-does not know their shapes in advance, so every message starts with
+does not know their shapes in advance, so every message is
 
-1. one int64 metadata tensor of ``META_LEN`` entries (fixed size, so it can be
-   received before anything is known): ``[MAGIC, n, speculative, (kind, dtype,
-   ndim, dims...) * n]``.  ``kind`` is 0 for "no tensor" (a None gradient:
-   nothing is sent for it), 1 for a tensor without grad (integer ids, masks),
-   2 for a tensor that requires grad on the receiving side;
-2. one transfer per tensor of non-zero size, each with its own tag.
+1. one fixed-size int64 metadata tensor (shapes, dtypes, grad flags, the
+   boundary format: boundary_meta.py);
+2. its data: one transfer per tensor of non-zero size (format ``none``), or
+   one packed uint8 buffer (``packed``, ``bf16``, ``fp8``: boundary_codec.py,
+   sent with :meth:`Transport.isend_packed`).
 
 Speculative receives (why: latency).  Over gloo a transfer only moves once its
 receive is posted (the receiver notifies the sender), so a receive posted
@@ -21,7 +20,7 @@ buffers of that layout and posts their receives together with the metadata
 receive, long before the data is sent.  The sender sends to those
 *speculative* tags when the layout is unchanged (flag 1 in the metadata),
 else it sends zero-filled placeholders of the remembered layout there (so no
-posted receive is left hanging) and the real tensors to the *fresh* tags,
+posted receive is left hanging) and the real data to the *fresh* tags,
 which the receiver posts once it has read the metadata.  Both ends update
 their memory with every message, and every message of a step is received, so
 the two memories always agree.  The first step (no memory) is two-phase:
@@ -34,22 +33,31 @@ device (:func:`wire_device`): the metadata, the placeholders and payloads
 that come from elsewhere (e.g. a CPU mask) are staged there first, and
 received data is allocated on the receiver's device.  A CUDA transport
 rejects host tensors, so nothing may be created on the default device.
-
-Tags: ``TagSpace`` gives every (direction, consumer stage, micro-batch, slot)
-its own tag, so transfers between one pair of ranks never mix: slot 0 is the
-metadata, slots 1..31 the speculative and 32..62 the fresh tensor transfers.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from dualpipe_kernels.runtime.boundary_codec import BOUNDARY_FORMATS, MessageCodec
+from dualpipe_kernels.runtime.boundary_meta import (
+    FRESH_BASE,
+    MAX_TENSORS,
+    META_LEN,
+    SPEC_BASE,
+    Layout,
+    LayoutMemory,
+    TagSpace,
+    TensorMeta,
+    decode_meta,
+    encode_meta,
+    meta_signature,
+    wire_device,
+)
 from dualpipe_kernels.transport.base import Handle, Transport, TransportError
 
 __all__ = [
@@ -65,176 +73,37 @@ __all__ = [
     "wire_device",
 ]
 
-META_LEN = 128
-MAX_TENSORS = 31  # speculative slots 1..31, fresh slots 32..62; slot 0 is the metadata, 63 is spare
-_SLOTS = 64
-_SPEC_BASE, _FRESH_BASE = 1, 32
-_MAX_ENCODED = 512
-_MAGIC = 0x44504B31  # "DPK1"
 
-_KIND_NONE, _KIND_TENSOR, _KIND_GRAD = 0, 1, 2
-
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """What the receiver needs to allocate one tensor (None entries are gradients that were not computed)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
-
-
-class TagSpace:
-    """Tags for one pipeline: ``((direction * stages + stage) * microbatches + mb) * 64 + index``.
-
-    direction 0: activations (keyed by the consuming stage), 1: gradients
-    (keyed by the stage whose inputs they are, i.e. the same consumer stage),
-    2: end-of-step exchanges (mirror gradients), keyed by the sender's stage.
-    """
-
-    DIRECTIONS = 3
-
-    def __init__(self, num_stages: int, num_microbatches: int) -> None:
-        self.num_stages = num_stages
-        self.num_microbatches = num_microbatches
-        top = self.DIRECTIONS * num_stages * max(num_microbatches, 1) * _SLOTS
-        if top >= 2**31:
-            raise ValueError(
-                f"{num_stages} stages x {num_microbatches} micro-batches exceed the 31-bit tag space of the transport"
-            )
-
-    def tag(self, direction: int, stage: int, microbatch: int, index: int) -> int:
-        return ((direction * self.num_stages + stage) * self.num_microbatches + microbatch) * _SLOTS + index
-
-
-Layout = tuple[tuple[torch.dtype, tuple[int, ...]] | None, ...]
-"""What must match for a speculative receive: per tensor None or (dtype, shape); grad flags may differ."""
-
-
-def layout_of(metas: Sequence[TensorMeta | None]) -> Layout:
-    return tuple(None if m is None else (m.dtype, m.shape) for m in metas)
-
-
-def _layout_of_tensors(tensors: Sequence[torch.Tensor | None]) -> Layout:
-    return tuple(None if t is None else (t.dtype, tuple(t.shape)) for t in tensors)
-
-
-class LayoutMemory:
-    """Per pipeline and per direction of use: message key -> layout of the last message with that key.
-
-    The sender's memory holds what it sent, the receiver's what it received;
-    they agree because every message sent in a step is received in that step
-    (a failed step breaks the pipeline for good).
-    """
-
-    def __init__(self) -> None:
-        self.sent: dict[tuple[int, int, int], Layout] = {}
-        self.received: dict[tuple[int, int, int], Layout] = {}
-        # Encoded metadata tensors by signature: a send only reads its metadata
-        # tensor, so messages with the same layout share one (never written after
-        # creation).  At most ``_MAX_ENCODED`` entries.
-        self.encoded: dict[tuple[object, ...], torch.Tensor] = {}
-
-
-def wire_device(transport: Transport) -> torch.device:
-    """The device of every tensor posted to ``transport``: its ``device``, or CPU.
-
-    CPU when the transport declares no device, or when it moves host memory
-    and only stages device tensors through it (``device_native`` False, e.g.
-    torch over gloo): its metadata then needs no staging at all, and a data
-    callback never reads a metadata buffer whose staging copy has not run.
-    """
-    dev = getattr(transport, "device", None)
-    if dev is None or not getattr(transport, "device_native", True):
-        return torch.device("cpu")
-    return torch.device(dev)
-
-
-def encode_meta(
+def _metadata(
+    memory: LayoutMemory | None,
     tensors: Sequence[torch.Tensor | None],
     grad_flags: Sequence[bool],
-    speculative: bool = False,
-    device: torch.device | str = "cpu",
+    hit: bool,
+    code: int,
+    wire: torch.device,
 ) -> torch.Tensor:
-    """The metadata tensor (int64, ``META_LEN`` entries, on ``device``) for ``tensors``.
-
-    ``speculative``: the data goes to the speculative tags (the receiver's
-    remembered layout matches).
-    """
-    if len(tensors) > MAX_TENSORS:
-        raise ValueError(f"a stage boundary carries at most {MAX_TENSORS} tensors, got {len(tensors)}")
-    words = [_MAGIC, len(tensors), int(speculative)]
-    for t, g in zip(tensors, grad_flags, strict=False):
-        if t is None:
-            words.append(_KIND_NONE)
-            continue
-        if t.dtype not in _DTYPE_CODE:
-            raise ValueError(f"dtype {t.dtype} cannot cross a stage boundary (supported: {list(_DTYPE_CODE)})")
-        words += [_KIND_GRAD if g else _KIND_TENSOR, _DTYPE_CODE[t.dtype], t.dim(), *t.shape]
-    if len(words) > META_LEN:
-        raise ValueError(
-            f"stage boundary metadata needs {len(words)} words, more than {META_LEN}: too many tensors or dimensions"
-        )
-    # Built on the host (the words are Python ints), then moved: one small copy per distinct layout (cached).
-    return torch.tensor(words + [0] * (META_LEN - len(words)), dtype=torch.int64, device="cpu").to(device)
-
-
-def _meta_signature(
-    tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool], speculative: bool
-) -> tuple[object, ...]:
-    """Everything :func:`encode_meta` reads, as a hashable key (for the metadata cache)."""
-    return (
-        speculative,
-        tuple(
-            None if t is None else (t.dtype, tuple(t.shape), bool(g)) for t, g in zip(tensors, grad_flags, strict=False)
-        ),
-        len(tensors),
-    )
-
-
-def decode_meta(meta: torch.Tensor) -> tuple[list[TensorMeta | None], bool]:
-    """``(per-tensor metadata, speculative flag)`` of a metadata tensor (on any device; read after its transfer)."""
-    words = meta.tolist()
-    if words[0] != _MAGIC:
-        raise TransportError(f"corrupt stage boundary metadata (magic {words[0]:#x}): sender and receiver disagree")
-    out: list[TensorMeta | None] = []
-    pos = 3
-    for _ in range(words[1]):
-        kind = words[pos]
-        if kind == _KIND_NONE:
-            out.append(None)
-            pos += 1
-            continue
-        dtype, ndim = _DTYPES[words[pos + 1]], words[pos + 2]
-        shape = tuple(words[pos + 3 : pos + 3 + ndim])
-        out.append(TensorMeta(shape, dtype, kind == _KIND_GRAD))
-        pos += 3 + ndim
-    return out, bool(words[2])
+    """The message's metadata tensor, from the memory's cache when it has one."""
+    if memory is None:
+        return encode_meta(tensors, grad_flags, hit, wire, code)
+    sig = meta_signature(tensors, grad_flags, hit, code)
+    meta = memory.encoded.get(sig)
+    if meta is None:
+        if len(memory.encoded) >= memory.MAX_ENCODED:
+            memory.encoded.clear()  # shapes that change every step: keep the cache small
+        meta = memory.encoded[sig] = encode_meta(tensors, grad_flags, hit, wire, code)
+    return meta
 
 
 class BoundarySend:
-    """One boundary message in flight to ``peer``.  Owns (keeps alive) the tensors until completion.
+    """One boundary message in flight to ``peer``.  Owns (keeps alive) what it sends until completion.
 
     ``memory``: the sender's layout memory (see the module docstring); None
     disables speculation for this message (the receiver must pass None too).
-    Every tensor posted is on the transport's device (:func:`wire_device`);
-    payloads elsewhere are copied there first.
+    ``fmt``: the boundary format (boundary_codec.py; the receiver must use the
+    same).  Every tensor posted is on the transport's device
+    (:func:`wire_device`); payloads elsewhere are copied there first.
+    ``data_bytes``: the bytes of the message's data transfers (without the
+    metadata and placeholders).
     """
 
     def __init__(
@@ -247,42 +116,60 @@ class BoundarySend:
         key: tuple[int, int, int],
         what: str,
         memory: LayoutMemory | None = None,
+        fmt: str = "none",
     ) -> None:
         direction, stage, mb = key
         self.what = what
+        codec = MessageCodec(fmt, direction)
         wire = wire_device(transport)
-        layout = _layout_of_tensors(tensors)
+        layout = codec.layout(tensors, grad_flags)
         guess = memory.sent.get(key) if memory is not None else None
         hit = guess is not None and guess == layout
         if memory is not None:
             memory.sent[key] = layout
-        if memory is not None:
-            sig = _meta_signature(tensors, grad_flags, hit)
-            meta = memory.encoded.get(sig)
-            if meta is None:
-                if len(memory.encoded) >= _MAX_ENCODED:
-                    memory.encoded.clear()  # shapes that change every step: keep the cache small
-                meta = memory.encoded[sig] = encode_meta(tensors, grad_flags, speculative=hit, device=wire)
-        else:
-            meta = encode_meta(tensors, grad_flags, speculative=hit, device=wire)
-        self._meta = meta
-        self._payload: list[torch.Tensor | None] = [
-            None if t is None else t.detach().to(wire).contiguous() for t in tensors
-        ]
-        self._handles: list[Handle] = [transport.isend(self._meta, peer, tags.tag(direction, stage, mb, 0), what)]
+        meta = _metadata(memory, tensors, grad_flags, hit, codec.code, wire)
+        self._payload: list[torch.Tensor] = [meta]
+        self._handles: list[Handle] = [transport.isend(meta, peer, tags.tag(direction, stage, mb, 0), what)]
         if guess is not None and not hit:
             # The receiver posted receives of the remembered layout: satisfy them with placeholders.
-            for i, g in enumerate(guess):
-                if g is not None and math.prod(g[1]) > 0:
-                    dummy = torch.zeros(g[1], dtype=g[0], device=wire)
-                    self._payload.append(dummy)
-                    tag = tags.tag(direction, stage, mb, _SPEC_BASE + i)
-                    self._handles.append(transport.isend(dummy, peer, tag, f"{what} placeholder {i}"))
-        base = _SPEC_BASE if hit else _FRESH_BASE
-        for i, t in enumerate(self._payload[: len(tensors)]):
+            for slot, dtype, shape in codec.wire_specs(guess):
+                dummy = torch.zeros(shape, dtype=dtype, device=wire)
+                self._payload.append(dummy)
+                tag = tags.tag(direction, stage, mb, SPEC_BASE + slot)
+                self._handles.append(transport.isend(dummy, peer, tag, f"{what} placeholder {slot}"))
+        base = SPEC_BASE if hit else FRESH_BASE
+        self.data_bytes = 0
+        if codec.packed:
+            self._send_packed(codec, transport, tensors, layout, wire, peer, tags.tag(direction, stage, mb, base))
+            return
+        for i, t in enumerate(tensors):
             if t is not None and t.numel() > 0:
+                t = t.detach().to(wire).contiguous()
+                self._payload.append(t)
+                self.data_bytes += t.numel() * t.element_size()
                 tag = tags.tag(direction, stage, mb, base + i)
                 self._handles.append(transport.isend(t, peer, tag, f"{what} tensor {i}"))
+
+    def _send_packed(
+        self,
+        codec: MessageCodec,
+        transport: Transport,
+        tensors: Sequence[torch.Tensor | None],
+        layout: Layout,
+        wire: torch.device,
+        peer: int,
+        tag: int,
+    ) -> None:
+        plan = codec.pack_layout(layout)
+        if plan is None or plan.nbytes == 0:
+            return
+        # Pack where the data is (a device-staging transport then moves one buffer), except
+        # on a device-native transport, whose buffers must be on its device.
+        first = next(t for t in tensors if t is not None)
+        device = wire if wire.type != "cpu" else first.device
+        inputs = codec.pack_inputs(tensors, layout, device)
+        self.data_bytes = plan.nbytes
+        self._handles.append(transport.isend_packed(inputs, plan, peer, tag, f"{self.what} packed ({codec.format})"))
 
     def is_completed(self) -> bool:
         return all(h.is_completed() for h in self._handles)
@@ -301,7 +188,8 @@ class BoundaryRecv:
     ``memory``: the receiver's layout memory; with a remembered layout for
     ``key`` the data receives are posted at once (speculatively), see the
     module docstring.  ``device``: where the received tensors are allocated
-    (the transport's device; the metadata buffer is always there).
+    (the transport's device; the metadata buffer is always there).  ``fmt``:
+    the boundary format this rank expects (a sender using another one is an error).
     """
 
     def __init__(
@@ -313,6 +201,7 @@ class BoundaryRecv:
         what: str,
         device: torch.device,
         memory: LayoutMemory | None = None,
+        fmt: str = "none",
     ) -> None:
         self.what = what
         self._transport = transport
@@ -321,27 +210,22 @@ class BoundaryRecv:
         self._key = key
         self._device = device
         self._memory = memory
+        self._codec = MessageCodec(fmt, key[0])
         self._meta_buf = torch.empty(META_LEN, dtype=torch.int64, device=wire_device(transport))
         self._metas: list[TensorMeta | None] | None = None
+        self._layout: Layout = ()
         self._tensors: list[torch.Tensor | None] = []
+        self._buffers: list[tuple[int, torch.Tensor]] = []
         self._handles: list[Handle] = []
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._meta_handle = transport.irecv(self._meta_buf, peer, tags.tag(key[0], key[1], key[2], 0), what)
         self._guess = memory.received.get(key) if memory is not None else None
-        self._spec: list[torch.Tensor | None] = []
+        self._spec: tuple[list[torch.Tensor | None], list[tuple[int, torch.Tensor]]] = ([], [])
         self._spec_handles: list[Handle] = []
         if self._guess is not None:
-            direction, stage, mb = key
-            for i, g in enumerate(self._guess):
-                if g is None:
-                    self._spec.append(None)
-                    continue
-                t = torch.empty(g[1], dtype=g[0], device=device)
-                self._spec.append(t)
-                if t.numel() > 0:
-                    tag = tags.tag(direction, stage, mb, _SPEC_BASE + i)
-                    self._spec_handles.append(transport.irecv(t, peer, tag, f"{what} tensor {i}"))
+            self._spec = self._codec.alloc(self._guess, device)
+            self._spec_handles = self._post(self._spec[1], SPEC_BASE)
             return  # the data is already on its way: no need to watch the metadata
         # Transports that can call back on completion (TorchDist over gloo) post
         # the data receives from their waiter thread the moment the metadata is
@@ -349,6 +233,15 @@ class BoundaryRecv:
         add_callback = getattr(self._meta_handle, "add_done_callback", None)
         if add_callback is not None:
             add_callback(self._on_meta)
+
+    def _post(self, buffers: Sequence[tuple[int, torch.Tensor]], base: int) -> list[Handle]:
+        direction, stage, mb = self._key
+        return [
+            self._transport.irecv(
+                buf, self._peer, self._tags.tag(direction, stage, mb, base + slot), f"{self.what} data {slot}"
+            )
+            for slot, buf in buffers
+        ]
 
     def _on_meta(self, error: BaseException | None) -> None:
         if error is not None:
@@ -358,6 +251,16 @@ class BoundaryRecv:
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the owner's thread
             self._error = exc
 
+    def _read_meta(self) -> tuple[list[TensorMeta | None], bool]:
+        metas, speculative, code = decode_meta(self._meta_buf)
+        if code != self._codec.code:
+            theirs = BOUNDARY_FORMATS[code] if 0 <= code < len(BOUNDARY_FORMATS) else f"code {code}"
+            raise TransportError(
+                f"{self.what}: the sender uses boundary format {theirs!r}, this rank {self._codec.format!r}; "
+                "every rank must pass the same boundary_format"
+            )
+        return metas, speculative
+
     def _post_data(self) -> None:
         with self._lock:
             if self._metas is not None:
@@ -365,31 +268,23 @@ class BoundaryRecv:
             if self._meta_buf.is_cuda:
                 # Reading it on the host goes through the current stream: order it after the transfer's copy.
                 self._meta_handle.wait_stream(torch.cuda.current_stream(self._meta_buf.device))
-            metas, speculative = decode_meta(self._meta_buf)
-            if speculative != (self._guess is not None and self._guess == layout_of(metas)):
+            metas, speculative = self._read_meta()
+            layout = self._codec.layout_of(metas)
+            if speculative != (self._guess is not None and self._guess == layout):
                 raise TransportError(
                     f"{self.what}: sender and receiver disagree on the remembered layout of this message "
                     "(a previous step did not complete on both sides?)"
                 )
             if self._memory is not None:
-                self._memory.received[self._key] = layout_of(metas)
+                self._memory.received[self._key] = layout
             if speculative:
-                self._tensors = self._spec
-                self._handles = self._spec_handles
+                (self._tensors, self._buffers), self._handles = self._spec, self._spec_handles
             else:
-                direction, stage, mb = self._key
-                for i, m in enumerate(metas):
-                    if m is None:
-                        self._tensors.append(None)
-                        continue
-                    t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
-                    self._tensors.append(t)
-                    if t.numel() > 0:
-                        tag = self._tags.tag(direction, stage, mb, _FRESH_BASE + i)
-                        self._handles.append(self._transport.irecv(t, self._peer, tag, f"{self.what} tensor {i}"))
+                self._tensors, self._buffers = self._codec.alloc(layout, self._device)
                 # Placeholders into the speculative buffers: waited for, then dropped.
-                self._handles += self._spec_handles
-            self._spec, self._spec_handles = [], []
+                self._handles = self._post(self._buffers, FRESH_BASE) + self._spec_handles
+            self._spec, self._spec_handles = ([], []), []
+            self._layout = layout
             self._metas = metas
 
     def progress(self) -> None:
@@ -403,7 +298,8 @@ class BoundaryRecv:
 
         Tensors whose metadata says "requires grad" come back as leaves with
         ``requires_grad=True`` (set only after the transfer: the transport writes
-        into them outside autograd).
+        into them outside autograd).  A packed message is unpacked here (on
+        ``stream``'s device: after the transfer in stream order).
         """
         deadline = time.monotonic() + timeout_s
         if self._metas is None:
@@ -417,9 +313,9 @@ class BoundaryRecv:
             else:
                 h.wait(max(0.001, deadline - time.monotonic()))
         assert self._metas is not None
-        out = self._tensors
+        out = self._codec.finish(self._tensors, self._buffers, self._layout)
         for t, m in zip(out, self._metas, strict=False):
             if t is not None and m is not None and m.requires_grad:
                 t.requires_grad_(True)
-        self._tensors, self._handles = [], []
+        self._tensors, self._buffers, self._handles = [], [], []
         return out

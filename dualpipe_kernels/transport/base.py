@@ -28,14 +28,23 @@ transport without ``device``, or whose ``device_native`` is False (torch over
 gloo with a CUDA ``device``: it moves host memory and stages device tensors
 through it), takes CPU tensors.  The runtime stages the metadata and
 everything else it posts accordingly (runtime/p2p.py ``wire_device``).
+
+Packed sends: ``isend_packed`` packs several tensors into one message of
+``layout.nbytes`` uint8 bytes (:func:`dualpipe_kernels.kernels.pack`); the
+receiver posts an ordinary ``irecv`` of a uint8 tensor of that size and unpacks
+it.  A transport with staging memory of its own may override it to pack
+straight into that memory (one pass over the bytes); the default packs into
+a new buffer and sends that (which, on the native transport, the receiver
+reads in place when it is at least ``single_copy_min_bytes``).
 """
 
 from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +59,9 @@ __all__ = [
     "check_timeout",
     "finite_timeout",
 ]
+if TYPE_CHECKING:
+    from dualpipe_kernels.kernels import PackLayout
+
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -81,6 +93,24 @@ class Handle(abc.ABC):
         self.wait()
 
 
+class _HoldingHandle(Handle):
+    """A handle that keeps the buffer it sends alive until the transfer is waited for."""
+
+    def __init__(self, inner: Handle, buffer: torch.Tensor) -> None:
+        self._inner = inner
+        self._buffer: torch.Tensor | None = buffer
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._inner.wait(timeout)
+        self._buffer = None
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
+        self._inner.wait_stream(stream)
+
+
 class Transport(abc.ABC):
     """Point-to-point transport between the ranks of one process group."""
 
@@ -103,6 +133,27 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
         """Post an asynchronous receive into the contiguous tensor ``tensor`` from group rank ``peer``."""
+
+    def isend_packed(
+        self, tensors: Sequence[torch.Tensor], layout: PackLayout, peer: int, tag: int, what: str = ""
+    ) -> Handle:
+        """Post a send of ``tensors`` (one device, any strides) packed as ``layout`` into one uint8 message.
+
+        The tensors are read before this returns (they may change afterwards);
+        the receiver gets ``layout.nbytes`` bytes.  Default: pack into a buffer
+        owned by the returned handle, then :meth:`isend` it.
+        """
+        from dualpipe_kernels.kernels import pack
+
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=tensors[0].device)
+        fmt = layout.format
+        dtype = {"packed": None, "bf16": torch.bfloat16}.get(fmt, torch.float8_e4m3fn)
+        _, got = pack(tensors, dtype, out=buffer, pow2_scales=fmt == "fp8_pow2")
+        if got != layout:
+            raise ValueError(
+                f"isend_packed ({what}): the tensors do not match the layout ({got.signature} vs {layout.signature})"
+            )
+        return _HoldingHandle(self.isend(buffer, peer, tag, what), buffer)
 
     def close(self) -> None:
         """Release buffers, threads and shared segments. Idempotent."""
