@@ -297,6 +297,7 @@ class _DualPipeBase(nn.Module):
             batch_dim=self.batch_dim,
             timeout_s=self.timeout_s,
             sync_mirror_grads=False,
+            scale_grads=False,  # the reference sums the micro-batch losses' gradients
         )
         object.__setattr__(self, "_pipe", pipe)
         self._pipe_chunks = num_chunks

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from dualpipe_kernels.demo_data import SyntheticTokens
-from dualpipe_kernels.models.gpt import GPTConfig, gpt_loss, stage_modules_for
+from dualpipe_kernels.models import GPTConfig, gpt_loss, stage_modules_for
 from dualpipe_kernels.runtime import Pipeline
-from dualpipe_kernels.schedules.generators import build_schedule
+from dualpipe_kernels.schedules import build_schedule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,13 +76,11 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[float]:
         for step in range(args.steps):
             ids, targets = data.batch(step, n * args.batch_size)  # the full batch; the pipeline splits it
             t0 = time.perf_counter()
-            res = pipe.step(ids.to(device), labels=(targets.to(device),), criterion=gpt_loss)
+            # reduce_loss: the step's mean loss on every rank (the loss stage lives on rank 0 only).
+            res = pipe.step(ids.to(device), labels=(targets.to(device),), criterion=gpt_loss, reduce_loss=True)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            # Losses live on the rank holding the last stage; share their mean with everyone.
-            total = torch.tensor([sum(float(v) for v in res.losses.values()), float(len(res.losses))])
-            dist.all_reduce(total)
-            loss = float(total[0] / total[1])
+            loss = float(res.loss)
             history.append(loss)
             if rank == 0:
                 print(f"step {step + 1:3d}  loss {loss:.4f}  {time.perf_counter() - t0:.3f} s", flush=True)
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
         return 0
-    from dualpipe_kernels.runtime.launch import spawn
+    from dualpipe_kernels.runtime import spawn
 
     losses = spawn(train, args.ranks, args, backend="gloo", timeout_s=3600)
     print(f"final loss {losses[0][-1]:.4f} after {args.steps} steps (first {losses[0][0]:.4f})")

@@ -1,6 +1,7 @@
 """Runtime: executes a Schedule on one rank (see executor.Pipeline) plus the local launcher.
 
-``Pipeline`` / ``StepResult``: the per-rank executor.  ``run_reference``: the
+``Pipeline`` / ``StepResult``: the per-rank executor.  ``build_stage_modules``:
+this rank's stage modules for any schedule.  ``run_reference``: the
 single-process reference the executor is checked against.  ``spawn`` /
 ``spawn_outcomes``: start local worker processes, one per rank.
 """
@@ -9,11 +10,15 @@ from dualpipe_kernels.runtime.executor import Pipeline, StepResult
 from dualpipe_kernels.runtime.launch import RankOutcome, RanksFailed, free_port, spawn, spawn_outcomes
 from dualpipe_kernels.runtime.microbatch import merge_microbatches, split_microbatches
 from dualpipe_kernels.runtime.reference import run_reference
+from dualpipe_kernels.runtime.stages import StageLayers, build_stage_modules, layer_partition
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore, current_store, run_backward
 
 __all__ = [
     "Pipeline",
     "StepResult",
+    "build_stage_modules",
+    "StageLayers",
+    "layer_partition",
     "run_reference",
     "spawn",
     "spawn_outcomes",

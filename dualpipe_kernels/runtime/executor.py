@@ -20,6 +20,8 @@ transfers may be left in the process group).
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +38,6 @@ from dualpipe_kernels.runtime.construction import (
     check_modules,
     module_device,
     presplit,
-    sequential_stages,
 )
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.microbatch import split_microbatches
@@ -50,13 +51,18 @@ from dualpipe_kernels.transport import Transport, make_transport
 
 __all__ = ["Pipeline", "StepResult"]
 
+_log = logging.getLogger(__name__)  # under "dualpipe_kernels": what each pipeline chose, at debug level
+
 
 @dataclass
 class StepResult:
     """What one step returns on this rank.
 
     ``losses``: micro-batch -> detached scalar loss, for the micro-batches whose
-    loss stage this rank holds.  ``outputs``: micro-batch -> detached outputs of
+    loss stage this rank holds.  ``loss``: the mean of those losses as a 0-d
+    float32 tensor (summed in float64), None when this rank has none; with
+    ``step(..., reduce_loss=True)`` the mean over all the step's micro-batches,
+    the same value on every rank of the pipeline group.  ``outputs``: micro-batch -> detached outputs of
     the loss stage when ``return_outputs`` (else None).  ``timeline``:
     ``(pipeline rank, action, start_s, end_s)`` relative to the step start when
     ``record_timeline``.  ``step_time_s``: wall time of the step on this rank.
@@ -66,6 +72,7 @@ class StepResult:
     outputs: dict[int, tuple[torch.Tensor, ...]] | None
     timeline: list[TimelineEntry]
     step_time_s: float
+    loss: torch.Tensor | None = None
 
 
 def _lowered_program(schedule: Schedule) -> Program:
@@ -94,7 +101,13 @@ class Pipeline(nn.Module):
     ``"split"`` (I/W autograd-graph split, default) or ``"store"`` (the
     reference's behaviour: I runs the full backward with the WeightGradStore
     enabled, W only pops the store).  ``device``: where received tensors go
-    (default: the device of the modules' parameters).
+    (default: the device of the modules' parameters).  ``scale_grads``: seed
+    each micro-batch loss's backward with ``1/N`` (N = the schedule's
+    micro-batches), so a mean criterion gives the full batch's mean-loss
+    gradients, as torch.distributed.pipelining does by default; ``False``
+    accumulates the plain sum over micro-batches (the DualPipe reference's and
+    ``compat``'s semantics).  Only this step's contribution is scaled:
+    gradients already in ``.grad`` (accumulation over steps) are left alone.
 
     The module is an ``nn.Module`` holding the stage modules (``parameters()``,
     ``zero_grad()`` work on it); ``stage_modules`` maps stage -> module.
@@ -114,6 +127,7 @@ class Pipeline(nn.Module):
         recv_lookahead: int = 2,
         zero_bubble: str = "split",
         device: torch.device | str | None = None,
+        scale_grads: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(schedule, Schedule):
@@ -149,6 +163,7 @@ class Pipeline(nn.Module):
         self.record_timeline = record_timeline
         self.recv_lookahead = recv_lookahead
         self.zero_bubble = zero_bubble
+        self.scale_grads = scale_grads
         self.device = torch.device(device) if device is not None else module_device(self.stage_modules)
         if self.device.type == "cuda" and self.device.index is None:
             # Receive buffers may be allocated on a transport thread, whose current device differs.
@@ -171,6 +186,30 @@ class Pipeline(nn.Module):
         self._mirrors = MirrorSync(wire, schedule, self.stage_modules)
         self.mirror_of = self._mirrors.mirror_of
         self._loop = ActionLoop(schedule.actions[self.rank], recv_lookahead)
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("%s", self._describe())
+
+    def _describe(self) -> str:
+        """One line: what this pipeline runs and what it chose (transport per peer, policies)."""
+        peers = sorted({a.peer for a in self._loop.actions if a.is_comm and a.peer is not None})
+        single = set(getattr(self._transport, "single_copy_peers", ()) or ())
+        per_peer = ", ".join(
+            f"{p}: {self.transport_name}{' single-copy' if self.to_group_rank[p] in single else ''}" for p in peers
+        )
+        return (
+            f"pipeline rank {self.rank} (group rank {self.group_rank}) of {self.schedule.name!r}: stages "
+            f"{list(self.stages)}, {len(self._loop.actions)} actions; transport per peer {{{per_peer}}}; "
+            f"device {self.device}, zero_bubble={self.zero_bubble}, scale_grads={self.scale_grads}, "
+            f"recv_lookahead={self.recv_lookahead}, sync_mirror_grads={self.sync_mirror_grads}, "
+            f"overlap hook={'on' if self.overlap_hook else 'off'}"
+        )
+
+    @property
+    def transport_name(self) -> str:
+        """The transport actually in use (``"native"``, ``"torch"``, ``"cuda_ipc"``...), never ``"auto"``."""
+        t = self._transport
+        inner = getattr(t, "inner", None)  # a wrapper (e.g. the benchmarks' payload switch) names what it wraps
+        return str(getattr(inner if isinstance(inner, Transport) else t, "name", type(t).__name__))
 
     # ---- construction helpers -------------------------------------------
     @classmethod
@@ -181,14 +220,44 @@ class Pipeline(nn.Module):
         partition: Sequence[int] | None = None,
         **kw: Any,
     ) -> Pipeline:
-        """Build this rank's stage modules from a full ``nn.Sequential``.
+        """A pipeline running this rank's share of the full ``model`` (every rank builds the same model).
 
         ``partition[m]``: number of layers of model stage ``m`` (default: as even
-        as possible, earlier stages one layer more).  Stage modules share the
-        model's layers, except a second copy of a model stage held by the same
-        rank, which is a deep copy (so both copies start identical).
+        as possible, earlier stages one layer more).  ``kw``: ``Pipeline``'s
+        keywords.  The stage modules are :func:`build_stage_modules`'s
+        (``StageLayers`` sharing the model's layers; a second copy of a model
+        stage held by the same rank is a deep copy), so parameter names map back
+        to ``model``'s (``runtime.checkpoint``).  Example::
+
+            model = nn.Sequential(*layers)  # same seed on every rank
+            pipe = Pipeline.from_sequential(build_schedule("dualpipev", 2, 8), model)
         """
-        return cls(schedule, sequential_stages(schedule, model, partition, kw), **kw)
+        from dualpipe_kernels.runtime.stages import build_stage_modules
+
+        mods = build_stage_modules(
+            schedule, model, partition=partition, group=kw.get("group"), rank_mapping=kw.get("rank_mapping")
+        )
+        return cls(schedule, mods, **kw)
+
+    def write_trace(self, path: str | os.PathLike[str], result: StepResult) -> str | None:
+        """Write the measured step ``result`` of every rank as one chrome-trace JSON (open in ui.perfetto.dev).
+
+        Collective over the pipeline group (every rank calls it with its own
+        result of the same step); group rank 0 writes ``path`` and returns it,
+        the others return None.  Needs ``Pipeline(record_timeline=True)``.
+        Each rank's times are relative to its own step start.
+        """
+        from dualpipe_kernels.schedules.trace import write_chrome_trace
+
+        if not self.record_timeline:
+            raise ValueError("write_trace needs a step recorded with Pipeline(record_timeline=True)")
+        timelines: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(timelines, list(result.timeline), group=self.group)
+        if self.group_rank != 0:
+            return None
+        merged = [e for t in timelines for e in t]
+        write_chrome_trace(path, merged, schedule=self.schedule.name, step_time_s=result.step_time_s)
+        return os.fspath(path)
 
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
@@ -204,18 +273,24 @@ class Pipeline(nn.Module):
         return_outputs: bool = False,
         microbatches: Sequence[Sequence[Any]] | None = None,
         microbatch_labels: Sequence[Sequence[Any]] | None = None,
+        reduce_loss: bool = False,
     ) -> StepResult:
         """Run one step: forward+backward (or forward only under ``torch.no_grad()``).
 
         ``inputs`` / ``labels``: the full batch, split into the schedule's
         micro-batches along ``batch_dim``; needed only on ranks holding a first
         / loss stage.  ``criterion(*outputs, *labels) -> scalar`` on loss stages.
-        Gradients accumulate into the stage modules' ``.grad``.
+        Gradients accumulate into the stage modules' ``.grad`` (divided by the
+        number of micro-batches unless ``scale_grads=False``).
 
         ``microbatches`` / ``microbatch_labels``: instead of ``inputs`` /
         ``labels``, the micro-batches already split: one tuple of inputs
         (labels) per micro-batch, ``schedule.num_microbatches`` of them (no
         padding or splitting is done; shapes may differ between micro-batches).
+
+        ``reduce_loss``: give every rank the step's mean loss in
+        ``StepResult.loss`` (one 2-element all-reduce over the pipeline group:
+        every rank must pass the same value).
         """
         if self._broken is not None:
             raise RuntimeError(f"pipeline rank {self.rank}: a previous step failed ({self._broken}); rebuild it")
@@ -235,13 +310,29 @@ class Pipeline(nn.Module):
             raise
         finally:
             self.weight_grad_store.clear()
+        loss = self._mean_loss(cst.losses, reduce_loss)
         elapsed = time.perf_counter() - t0
         return StepResult(
             losses=cst.losses,
             outputs=cst.outputs if return_outputs else None,
             timeline=rec.entries,
             step_time_s=elapsed,
+            loss=loss,
         )
+
+    def _mean_loss(self, losses: Mapping[int, torch.Tensor], reduce: bool) -> torch.Tensor | None:
+        """Mean of ``losses`` (this rank's, or every rank's with ``reduce``) as a 0-d float32 tensor."""
+        # [sum, count] in float64: one all-reduce gives the mean over the whole pipeline,
+        # and this rank's own mean is computed the same way (identical values either way).
+        acc = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if losses:
+            acc[0] = torch.stack([v.detach().reshape(()).double() for v in losses.values()]).sum()
+            acc[1] = len(losses)
+        if reduce:
+            dist.all_reduce(acc, group=self.group)
+        if acc[1].item() == 0:
+            return None
+        return (acc[0] / acc[1]).float()
 
     def _compute_state(
         self,
@@ -283,6 +374,7 @@ class Pipeline(nn.Module):
             forward_only=forward_only,
             return_outputs=return_outputs,
             criterion=criterion,
+            loss_scale=1.0 / n if self.scale_grads else 1.0,
             mb_inputs={m: split_in[m] for m in first},
             mb_labels={m: split_lab[m] for m in last} if split_lab else {},
         )
