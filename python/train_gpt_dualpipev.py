@@ -37,7 +37,7 @@ from dualpipe_kernels.schedules import build_schedule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
     p.add_argument("--ranks", type=int, default=2, help="processes to start when not launched by torchrun")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--microbatches", type=int, default=None, help="default 4 x ranks (DualPipeV needs >= 2 x ranks)")

@@ -188,6 +188,7 @@ def _rank_main(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"losses": [], "times": [], "busy": [], "timelines": [], "peak_act": [], "grads": {}}
     switch = PayloadSwitch(make_transport(cfg.transport, None, dev))
     pipe = Pipeline(sched, modules, transport=switch, record_timeline=True)
+    out["transport_used"] = pipe.transport_name  # what "auto" became on this rank
 
     def timed_step(ids: Any, tgt: Any) -> tuple[Any, float]:
         dist.barrier()
@@ -368,7 +369,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "steps": cfg.steps,
         "microbatches": cfg.microbatches,
         "stages": sched.num_stages,
-        "transport": cfg.transport,
+        # The transport the ranks actually used ("auto" resolved); what was asked for beside it.
+        "transport": "/".join(sorted({str(o["transport_used"]) for o in per_rank})),
+        "transport_requested": cfg.transport,
         "device": cfg.device,
         "losses": losses,
         "step_times_s": times,

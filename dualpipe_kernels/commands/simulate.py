@@ -98,6 +98,29 @@ def _finite_or_none(x: Num | None) -> Num | None:
     return None if x is None or math.isinf(x) else x
 
 
+def _export(args: argparse.Namespace, schedule: Any, res: SimResult) -> dict[str, str]:
+    """Write the requested files; return ``{kind: path}`` of what was written."""
+    written: dict[str, str] = {}
+    if args.trace:
+        from ..schedules.trace import write_chrome_trace
+
+        write_chrome_trace(
+            args.trace, res.events, schedule=res.schedule, ranks=res.ranks, microbatches=res.microbatches
+        )
+        written["trace"] = args.trace
+    if args.png:
+        from ..schedules.plot import plot_timeline
+
+        plot_timeline(res, args.png)
+        written["png"] = args.png
+    if args.csv:
+        from ..schedules.csv_io import to_csv
+
+        to_csv(schedule, args.csv)
+        written["csv"] = args.csv
+    return written
+
+
 def run(args: argparse.Namespace) -> int:
     schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.stages_per_rank)
     program = validate(schedule)  # simulate() below reuses it instead of validating again
@@ -115,25 +138,15 @@ def run(args: argparse.Namespace) -> int:
     ref = reference_bubble(schedule.name, schedule.num_ranks, cost)
 
     # Exports first, so a --json consumer sees complete files once the JSON is printed.
-    if args.trace:
-        from ..schedules.trace import write_chrome_trace
-
-        write_chrome_trace(
-            args.trace, res.events, schedule=res.schedule, ranks=res.ranks, microbatches=res.microbatches
-        )
-    if args.png:
-        from ..schedules.plot import plot_timeline
-
-        plot_timeline(res, args.png)
-    if args.csv:
-        from ..schedules.csv_io import to_csv
-
-        to_csv(schedule, args.csv)
+    written = _export(args, schedule, res)
+    for kind, path in written.items():
+        print(f"wrote {kind} {path}", file=sys.stderr)
 
     if args.json:
         d = res.to_dict(events=args.events)
         d["stages_per_rank"] = res.params_per_rank
         d["reference_bubble"] = None if ref is None else (ref if isinstance(ref, int) else float(ref))
+        d["written"] = written
         d["costs"] = {"f": args.f, "b": args.b, "w": args.w, "fb": args.f + args.b if args.fb is None else args.fb}
         d["comm"] = {
             "latency": args.comm_latency,

@@ -129,6 +129,7 @@ class Pipeline(nn.Module):
         device: torch.device | str | None = None,
         scale_grads: bool = True,
     ) -> None:
+        """Check the arguments, lower the schedule and set up the transport (collective: every rank builds it)."""
         super().__init__()
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be a dualpipe_kernels Schedule, got {type(schedule).__name__}")

@@ -78,7 +78,7 @@ def pipeline_rank(
 
 def build_stage_modules(
     schedule: Schedule,
-    layers: Sequence[nn.Module] | LayerFactory,
+    layers: nn.Sequential | Sequence[nn.Module] | LayerFactory,
     num_layers: int | None = None,
     partition: Sequence[int] | None = None,
     rank: int | None = None,
@@ -95,12 +95,12 @@ def build_stage_modules(
     this rank holds twice gets a deep copy for its second stage module.
     ``rank``: default this process's pipeline rank in ``group`` / ``rank_mapping``.
     """
-    if callable(layers) and not isinstance(layers, nn.Module):
+    if not isinstance(layers, nn.Module) and callable(layers):
         if num_layers is None:
             raise ValueError("build_stage_modules: a layer factory needs num_layers")
         factory: LayerFactory = layers
     else:
-        given = list(layers)
+        given = list(layers.children()) if isinstance(layers, nn.Module) else list(layers)
         if num_layers is not None and num_layers != len(given):
             raise ValueError(f"num_layers={num_layers} but {len(given)} layers given")
         num_layers = len(given)
