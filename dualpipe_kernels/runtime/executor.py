@@ -260,6 +260,12 @@ class Pipeline(nn.Module):
         write_chrome_trace(path, merged, schedule=self.schedule.name, step_time_s=result.step_time_s)
         return os.fspath(path)
 
+    def model_state_dict(self, full_name: Callable[[int, str], str] | None = None) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the full model's names (``runtime.checkpoint``)."""
+        from dualpipe_kernels.runtime.checkpoint import stage_state_dict
+
+        return stage_state_dict(self.schedule, self.stage_modules, full_name)
+
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
         if self._owns_transport:
