@@ -114,10 +114,13 @@ def _export(args: argparse.Namespace, schedule: Any, res: SimResult) -> dict[str
         plot_timeline(res, args.png)
         written["png"] = args.png
     if args.csv:
-        from ..schedules.csv_io import to_csv
+        from ..schedules.csv_io import to_csv, torch_incompatibility
 
         to_csv(schedule, args.csv)
         written["csv"] = args.csv
+        reason = torch_incompatibility(schedule)
+        if reason is not None:
+            print(f"note: torch.distributed.pipelining cannot run {args.csv}: {reason}", file=sys.stderr)
     return written
 
 
