@@ -329,15 +329,16 @@ class Pipeline(nn.Module):
 
     def _mean_loss(self, losses: Mapping[int, torch.Tensor], reduce: bool) -> torch.Tensor | None:
         """Mean of ``losses`` (this rank's, or every rank's with ``reduce``) as a 0-d float32 tensor."""
-        # [sum, count] in float64: one all-reduce gives the mean over the whole pipeline,
-        # and this rank's own mean is computed the same way (identical values either way).
+        # Summed in float64, this rank's and the reduced mean alike (adding the zeros of ranks
+        # without losses is exact), so the two agree bit for bit on a rank holding every loss.
+        total = torch.stack([v.detach().reshape(()).double() for v in losses.values()]).sum() if losses else None
+        if not reduce:
+            return None if total is None else (total / len(losses)).float()
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if losses:
-            acc[0] = torch.stack([v.detach().reshape(()).double() for v in losses.values()]).sum()
-            acc[1] = len(losses)
-        if reduce:
-            dist.all_reduce(acc, group=self.group)
-        if acc[1].item() == 0:
+        if total is not None:
+            acc[0], acc[1] = total, len(losses)
+        dist.all_reduce(acc, group=self.group)
+        if acc[1].item() == 0:  # no rank had a loss (no criterion, or inference without one)
             return None
         return (acc[0] / acc[1]).float()
 
