@@ -73,6 +73,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     summed.close()
     out["summed"] = _named_grads(mods)
     out.update(_observability(rank, sched, mods))
+    out["dualpipe"] = _dualpipe(x, t)
     if rank == 0:  # the single-process reference, same threads and kernels as the ranks
         every = {**build_stage_modules(sched, _layer, num_layers=LAYERS, rank=0)}
         every.update(build_stage_modules(sched, _layer, num_layers=LAYERS, rank=1))
@@ -84,6 +85,20 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         out["full_loss"] = loss.detach()
         out["full"] = {n: p.grad.clone() for n, p in full.named_parameters()}
     return out
+
+
+def _dualpipe(x: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
+    """DualPipe: both ranks hold loss stages; mirror copies summed by the runtime."""
+    sched = build_schedule("dualpipe", 2, N)
+    mods = build_stage_modules(sched, _layer, num_layers=LAYERS)
+    pipe = Pipeline(sched, mods, timeout_s=30.0)
+    try:
+        res = pipe.step(x, labels=(t,), criterion=_mse, reduce_loss=True)
+    finally:
+        pipe.close()
+    first = {m.full_name(k): p.grad.clone() for s, m in sorted(mods.items())[:1] for k, p in m.named_parameters()}
+    second = {m.full_name(k): p.grad.clone() for s, m in sorted(mods.items())[1:] for k, p in m.named_parameters()}
+    return {"loss": res.loss, "losses": res.losses, "grads": {**first, **second}}
 
 
 class _Lines(logging.Handler):
@@ -103,8 +118,11 @@ def _observability(rank: int, sched: Any, mods: dict[int, Any]) -> dict[str, Any
     logger.setLevel(logging.DEBUG)
     try:
         pipe = Pipeline(sched, mods, timeout_s=30.0, record_timeline=True, transport="torch")
+        probe = Pipeline(sched, mods, timeout_s=30.0)  # "auto": native on one host, with its per-peer details
+        probe.close()
     finally:
         logger.removeHandler(lines)
+        logger.setLevel(logging.NOTSET)
     try:
         labels = [str(a) for a in pipe.schedule.actions[rank]]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -184,6 +202,21 @@ def test_build_stage_modules_places_every_schedule() -> None:
 
 
 @pytest.mark.timeout(300)
+def test_dualpipe_loss_and_mirrored_grads(runs: list[dict[str, Any]]) -> None:
+    """Losses on both ranks, reduced to one mean; each model stage's synced copies give the full-batch gradient."""
+    d0, d1 = runs[0]["dualpipe"], runs[1]["dualpipe"]
+    every = {**d0["losses"], **d1["losses"]}
+    assert sorted(every) == list(range(N)) and d0["losses"] and d1["losses"]
+    mean = torch.stack([every[m].double() for m in sorted(every)]).sum() / N
+    assert torch.equal(d0["loss"], d1["loss"]) and abs(float(d0["loss"]) - float(mean)) <= 1e-6 * float(mean)
+    full = runs[0]["full"]
+    for grads in (d0["grads"], d1["grads"]):
+        assert sorted(grads) == sorted(full)  # rank r holds model stages r and 1 - r: every layer
+        for name, g in grads.items():
+            assert _rel(g, full[name]) <= 1e-6, f"{name}: {_rel(g, full[name]):.2e}"
+
+
+@pytest.mark.timeout(300)
 def test_profiler_range_per_action(runs: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(runs):
         assert r["ranges"] == dict(Counter(r["labels"])), f"rank {rank}: ranges differ from the action list"
@@ -201,5 +234,6 @@ def test_write_trace_holds_every_rank(runs: list[dict[str, Any]]) -> None:
 
 @pytest.mark.timeout(300)
 def test_debug_log_says_what_was_chosen(runs: list[dict[str, Any]]) -> None:
-    (line,) = runs[1]["log"]
+    line, auto = runs[1]["log"]
     assert "pipeline rank 1" in line and "transport per peer {0: torch}" in line and "scale_grads=True" in line
+    assert "transport per peer {0: native" in auto

@@ -192,25 +192,31 @@ class Pipeline(nn.Module):
 
     def _describe(self) -> str:
         """One line: what this pipeline runs and what it chose (transport per peer, policies)."""
-        peers = sorted({a.peer for a in self._loop.actions if a.is_comm and a.peer is not None})
-        single = set(getattr(self._transport, "single_copy_peers", ()) or ())
-        per_peer = ", ".join(
-            f"{p}: {self.transport_name}{' single-copy' if self.to_group_rank[p] in single else ''}" for p in peers
-        )
+        t = self._base_transport()
+        local = getattr(t, "local_peers", None)  # native: same-host peers; the others go through torch
+        single_of = getattr(t, "single_copy_peers", None)
+        single = set(single_of()) if callable(single_of) else set()
+        kinds = []
+        for p in sorted({a.peer for a in self._loop.actions if a.is_comm and a.peer is not None}):
+            g = self.to_group_rank[p]
+            kind = self.transport_name if local is None or g in local else "torch (other host)"
+            kinds.append(f"{p}: {kind}{' single-copy' if g in single else ''}")
         return (
             f"pipeline rank {self.rank} (group rank {self.group_rank}) of {self.schedule.name!r}: stages "
-            f"{list(self.stages)}, {len(self._loop.actions)} actions; transport per peer {{{per_peer}}}; "
+            f"{list(self.stages)}, {len(self._loop.actions)} actions; transport per peer {{{', '.join(kinds)}}}; "
             f"device {self.device}, zero_bubble={self.zero_bubble}, scale_grads={self.scale_grads}, "
             f"recv_lookahead={self.recv_lookahead}, sync_mirror_grads={self.sync_mirror_grads}, "
             f"overlap hook={'on' if self.overlap_hook else 'off'}"
         )
 
+    def _base_transport(self) -> Transport:
+        inner = getattr(self._transport, "inner", None)  # a wrapper (the benchmarks' payload switch) names its inner
+        return inner if isinstance(inner, Transport) else self._transport
+
     @property
     def transport_name(self) -> str:
         """The transport actually in use (``"native"``, ``"torch"``, ``"cuda_ipc"``...), never ``"auto"``."""
-        t = self._transport
-        inner = getattr(t, "inner", None)  # a wrapper (e.g. the benchmarks' payload switch) names what it wraps
-        return str(getattr(inner if isinstance(inner, Transport) else t, "name", type(t).__name__))
+        return str(self._base_transport().name)
 
     # ---- construction helpers -------------------------------------------
     @classmethod
