@@ -143,8 +143,6 @@ def _plots(name: str, mod: ModuleType, result: dict[str, Any], out: Path) -> lis
 
 def _run_one(name: str, mod: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
-    sys.stderr.write(f"bench {name}: running...\n")  # suites take minutes: say what is going on
-    sys.stderr.flush()
     result = mod.run(args)
     if not isinstance(result, dict) or not isinstance(result.get("rows"), list):
         raise RuntimeError(f"bench suite {name!r} returned no 'rows' list")
