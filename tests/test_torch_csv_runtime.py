@@ -23,6 +23,7 @@ from dualpipe_kernels.runtime import build_stage_modules, spawn
 from dualpipe_kernels.schedules import build_schedule, load_csv, lower_comms, to_csv, validate
 
 LAYERS, DIM, ROWS, N = 4, 8, 16, 4
+NAMES = ("dualpipev", "zb1p")
 
 
 def _layer(i: int) -> nn.Module:
@@ -48,7 +49,11 @@ def _runtime(sched: Any, rank: int) -> tuple[Any, dict[int, Any]]:
     return _PipelineScheduleRuntime(stages, N, loss_fn=_mse, scale_grads=True), mods
 
 
-def _worker(rank: int, world: int, name: str, csv_dir: str) -> dict[str, Any]:
+def _worker(rank: int, world: int, csv_dir: str) -> dict[str, Any]:
+    return {name: _run(rank, world, name, csv_dir) for name in NAMES}
+
+
+def _run(rank: int, world: int, name: str, csv_dir: str) -> dict[str, Any]:
     sched = build_schedule(name, world, N)
     rt, mods = _runtime(sched, rank)
     rt._load_csv(f"{csv_dir}/{name}_comms.csv", format="compute_comms")
@@ -64,14 +69,23 @@ def _worker(rank: int, world: int, name: str, csv_dir: str) -> dict[str, Any]:
     return out
 
 
+@pytest.fixture(scope="module")
+def csv_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """One spawn for every schedule: the CSVs written here, the ranks' gradients."""
+    path = tmp_path_factory.mktemp("csv")
+    for name in NAMES:
+        sched = build_schedule(name, 2, N)
+        to_csv(lower_comms(sched), path / f"{name}_comms.csv", include_comms=True)
+        to_csv(sched, path / f"{name}_compute.csv")
+    return path, spawn(_worker, 2, str(path), timeout_s=240)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["dualpipev", "zb1p"])
-def test_torch_runtime_runs_our_compute_comms_csv(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_runtime_runs_our_compute_comms_csv(csv_dir: tuple[Path, list[dict[str, Any]]], name: str) -> None:
+    tmp_path, ranks = csv_dir
     sched = build_schedule(name, 2, N)
-    to_csv(lower_comms(sched), tmp_path / f"{name}_comms.csv", include_comms=True)
-    to_csv(sched, tmp_path / f"{name}_compute.csv")
-    ranks = spawn(_worker, 2, name, str(tmp_path), timeout_s=240)
-    got = {**ranks[0], **ranks[1]}
+    got = {**ranks[0][name], **ranks[1][name]}
     full = nn.Sequential(*[_layer(i) for i in range(LAYERS)])
     x, t = _batch()
     _mse(full(x), t).backward()
