@@ -52,7 +52,17 @@ def _worker(rank: int, world: int, src: str, dst: str) -> dict[str, Any]:
         saved = {k: v.clone() for k, v in pipe.model_state_dict().items()}
     finally:
         pipe.close()
-    return {"loaded": loaded, "saved": saved}
+    # DualPipe: both ranks hold every layer (model stage r and a mirror of 1 - r); DCP writes each key once.
+    dp = build_schedule("dualpipe", world, 4)
+    mirrored = Pipeline(dp, build_stage_modules(dp, lambda i: _layer(i, seed=3), num_layers=LAYERS), timeout_s=30)
+    try:
+        load_pipeline(mirrored, src)
+        save_pipeline(mirrored, dst + "_dualpipe")
+        mods = mirrored.stage_modules.values()
+        both_copies = [(m.full_name(k), p.detach().clone()) for m in mods for k, p in m.named_parameters()]
+    finally:
+        mirrored.close()
+    return {"loaded": loaded, "saved": saved, "dualpipe": mirrored.model_state_dict(), "copies": both_copies}
 
 
 @pytest.mark.timeout(300)
@@ -76,6 +86,15 @@ def test_dcp_round_trip_between_pipeline_and_one_process(tmp_path: Path) -> None
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, saved[k]), f"pipeline -> one process: {k}"
     assert not torch.equal(saved["0.0.weight"], loaded["0.0.weight"])  # the step changed them
+    for r in ranks:  # DualPipe: every layer on both ranks, mirror copies loaded too; its save reads back whole
+        assert sorted(r["dualpipe"]) == sorted(full.state_dict())
+        assert all(torch.equal(v, full.state_dict()[k]) for k, v in r["dualpipe"].items())
+        assert len(r["copies"]) == len(list(full.parameters()))  # 2 stage modules of 4 layers
+        assert all(torch.equal(v, full.state_dict()[k]) for k, v in r["copies"])
+    back = nn.Sequential(*[_layer(i, seed=9) for i in range(LAYERS)])
+    sd = back.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dst_dualpipe"))
+    assert all(torch.equal(v, full.state_dict()[k]) for k, v in sd.items())
 
 
 def test_mirror_copies_are_saved_once_and_loaded_into_both() -> None:
