@@ -93,6 +93,8 @@ def build_stage_modules(
     factory must give layer ``i`` the same initial weights on every rank (seed
     it by ``i``): DualPipe's mirror copies live on two ranks.  A model stage
     this rank holds twice gets a deep copy for its second stage module.
+    ``partition``: layers per model stage (the form of ``plan --json``'s
+    ``best.partition``); default as even as possible, earlier stages one more.
     ``rank``: default this process's pipeline rank in ``group`` / ``rank_mapping``.
     """
     if not isinstance(layers, nn.Module) and callable(layers):
