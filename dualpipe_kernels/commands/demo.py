@@ -240,7 +240,8 @@ def _reference_losses(modules: dict[int, Any], schedule: Any, ids: Any, tgt: Any
     from dualpipe_kernels.models.gpt import gpt_loss
     from dualpipe_kernels.runtime.reference import run_reference
 
-    return run_reference(modules, schedule, (ids,), (tgt,), gpt_loss)
+    # Seeded with 1/N as the demo's Pipeline (scale_grads=True, its default): same gradients bit for bit.
+    return run_reference(modules, schedule, (ids,), (tgt,), gpt_loss, scale_grads=True)
 
 
 def _check_first_step(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
