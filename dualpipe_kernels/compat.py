@@ -308,6 +308,7 @@ class _DualPipeBase(nn.Module):
             timeout_s=self.timeout_s,
             sync_mirror_grads=False,
             boundary_format=self.boundary_format,
+            scale_grads=False,  # the reference sums the micro-batch losses' gradients
         )
         object.__setattr__(self, "_pipe", pipe)
         self._pipe_chunks = num_chunks

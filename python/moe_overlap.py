@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dualpipe_kernels.runtime import Pipeline, run_backward
-from dualpipe_kernels.schedules.generators import build_schedule
+from dualpipe_kernels.schedules import build_schedule
 
 
 class _AllToAll(torch.autograd.Function):
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.pp < 1 or args.ep < 1 or args.steps < 1:
         ap.error("--pp, --ep and --steps must be >= 1")
-    from dualpipe_kernels.runtime.launch import spawn
+    from dualpipe_kernels.runtime import spawn
 
     out = spawn(run_rank, args.pp * args.ep, args, timeout_s=600)
     for o in out:

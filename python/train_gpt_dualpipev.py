@@ -41,13 +41,13 @@ import torch
 import torch.distributed as dist
 
 from dualpipe_kernels.demo_data import SyntheticTokens
-from dualpipe_kernels.models.gpt import GPTConfig, gpt_loss, stage_modules_for
+from dualpipe_kernels.models import GPTConfig, gpt_loss, stage_modules_for
 from dualpipe_kernels.runtime import Pipeline
-from dualpipe_kernels.schedules.generators import build_schedule
+from dualpipe_kernels.schedules import build_schedule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
     p.add_argument(
         "--ranks", type=int, default=2, help="pipeline ranks to start (x --dp processes) when not launched by torchrun"
     )
@@ -142,15 +142,15 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[float]:
             ids, targets = data.batch(step, args.dp * n * args.batch_size)
             rows = slice(dp_rank * n * args.batch_size, (dp_rank + 1) * n * args.batch_size)
             t0 = time.perf_counter()
-            res = pipe.step(ids[rows].to(device), labels=(targets[rows].to(device),), criterion=gpt_loss)
+            # reduce_loss: the step's mean loss on every rank of the pipeline (the loss stage lives on one).
+            res = pipe.step(
+                ids[rows].to(device), labels=(targets[rows].to(device),), criterion=gpt_loss, reduce_loss=True
+            )
             if step == 0 and args.dump_grads:
                 dump_grads(args.dump_grads, rank, pipe, args)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            # Losses live on the rank holding the last stage; share their mean with everyone.
-            total = torch.tensor([sum(float(v) for v in res.losses.values()), float(len(res.losses))])
-            dist.all_reduce(total)
-            loss = float(total[0] / total[1])
+            loss = float(res.loss)
             history.append(loss)
             if rank == 0:
                 print(f"step {step + 1:3d}  loss {loss:.4f}  {time.perf_counter() - t0:.3f} s", flush=True)
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
         return 0
-    from dualpipe_kernels.runtime.launch import spawn
+    from dualpipe_kernels.runtime import spawn
 
     losses = spawn(train, args.ranks * args.dp, args, backend="gloo", timeout_s=3600)
     print(f"final loss {losses[0][-1]:.4f} after {args.steps} steps (first {losses[0][0]:.4f})")

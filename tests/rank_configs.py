@@ -115,7 +115,13 @@ def run_native(cfg: RunConfig, rank: int, group: Any, timeout_s: float) -> dict[
     x, label = _rank_inputs(schedule, rank, x, label)
     crit = criterion_of(cfg.model)
     pipe = Pipeline(
-        schedule, local, group=group, rank_mapping=cfg.mapping, transport=cfg.transport, timeout_s=timeout_s
+        schedule,
+        local,
+        group=group,
+        rank_mapping=cfg.mapping,
+        transport=cfg.transport,
+        timeout_s=timeout_s,
+        scale_grads=False,  # reference_step sums the micro-batch losses' gradients
     )
     try:
         res = pipe.step(*x, labels=label, criterion=crit, return_outputs=cfg.train_outputs)

@@ -56,6 +56,7 @@ def test_demo_json_contract_and_bit_exact_first_step() -> None:
         assert k in res, k
     assert (res["ranks"], res["schedule"], res["steps"], res["stages"]) == (2, "dualpipev", 2, 4)
     assert res["bit_exact_first_step"] is True
+    assert res["transport"] in ("native", "torch") and res["transport_requested"] == "auto"  # what "auto" became
     assert res["first_step_grad_tensors"] > 0
     assert len(res["losses"]) == len(res["step_times_s"]) == len(res["bubble_measured"]) == 2
     # Untrained model on 256 tokens: cross-entropy near ln(256).

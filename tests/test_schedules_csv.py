@@ -18,7 +18,7 @@ from dualpipe_kernels.schedules import (
     to_csv,
     validate,
 )
-from dualpipe_kernels.schedules.csv_io import csv_text
+from dualpipe_kernels.schedules.csv_io import TorchCSVWarning, csv_text, torch_incompatibility
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -62,15 +62,19 @@ def test_round_trip_inferring_the_topology(name: str, ranks: int, n: int, v: int
 def test_lowered_round_trip_restores_peers(tmp_path: Path) -> None:
     low = lower_comms(build_schedule("dualpipe", 4, 8))
     path = tmp_path / "low.csv"
-    to_csv(low, path, include_comms=True)
+    with pytest.warns(TorchCSVWarning, match="second direction"):  # ours reads it back; torch cannot run it
+        to_csv(low, path, include_comms=True)
     loaded = load_csv(path, name="dualpipe")
     assert loaded.lowered
     _same(low, loaded)
     validate(loaded)
     # Without include_comms only the compute actions are written.
-    assert "SEND" not in csv_text(low) and "SEND" in csv_text(low, include_comms=True)
+    assert "SEND" not in csv_text(low)
+    with pytest.warns(TorchCSVWarning):
+        assert "SEND" in csv_text(low, include_comms=True)
 
 
+@pytest.mark.filterwarnings("ignore::dualpipe_kernels.schedules.csv_io.TorchCSVWarning")
 @pytest.mark.parametrize("name, ranks, n, v", CASES)
 def test_torch_parses_every_cell(name: str, ranks: int, n: int, v: int | None) -> None:
     s = build_schedule(name, ranks, n, v)
@@ -146,3 +150,18 @@ def test_every_schedule_prints() -> None:
     for name in SCHEDULE_NAMES:
         s = build_schedule(name, 2, 4)
         assert len(to_ascii(s).splitlines()) == 2 + s.num_ranks
+
+
+def test_compute_comms_csv_scales_like_torch_and_reads_torch_dumps() -> None:
+    low = lower_comms(build_schedule("zb1p", 2, 3))
+    rows = [line.split(",") for line in csv_text(low, include_comms=True).splitlines()]
+    # REDUCE_GRAD once per stage, right after its last W (where torch divides the gradients by N).
+    assert [c for c in rows[0] if "REDUCE" in c] == ["0REDUCE_GRAD"] and rows[0][-1] == "0REDUCE_GRAD"
+    assert rows[1][rows[1].index("1W2") + 1] == "1REDUCE_GRAD"
+    torch_dump = [["0UNSHARD", *rows[0][:-1], "0RESHARD", "0REDUCE_GRAD"], ["1UNSHARD", *rows[1]]]
+    loaded = load_csv(io.StringIO("\n".join(",".join(r) for r in torch_dump)), name="zb1p")
+    _same(low, loaded)
+    assert torch_incompatibility(build_schedule("dualpipev", 2, 4)) is None
+    assert "second direction" in (torch_incompatibility(build_schedule("dualpipe", 2, 4)) or "")
+    with pytest.raises(ValueError, match="lowered"):
+        csv_text(build_schedule("1f1b", 2, 2), include_comms=True)

@@ -204,7 +204,9 @@ class _Ours:
         sched = build_schedule("dualpipev", run.pp, run.microbatches)
         cls = OverlappedMoEChunk if hook else MoEChunk
         self.modules = _chunks(cls, run, group, sched.stages_of_rank(p_rank), e_rank)
-        self.pipe = Pipeline(sched, self.modules, group=pp_group, transport=run.transport)
+        self.pipe = Pipeline(
+            sched, self.modules, group=pp_group, transport=run.transport, scale_grads=False
+        )  # as torch's peer
         self.x = _batch(run, e_rank)
 
     def step(self) -> None:

@@ -19,6 +19,7 @@ import argparse
 import importlib
 import json
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -143,6 +144,7 @@ def _plots(name: str, mod: ModuleType, result: dict[str, Any], out: Path) -> lis
 
 
 def _run_one(name: str, mod: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
     result = mod.run(args)
     if not isinstance(result, dict) or not isinstance(result.get("rows"), list):
         raise RuntimeError(f"bench suite {name!r} returned no 'rows' list")
@@ -154,7 +156,7 @@ def _run_one(name: str, mod: ModuleType, args: argparse.Namespace) -> dict[str, 
         except Exception as e:  # noqa: BLE001 - a failed plot must not lose the numbers already written
             sys.stderr.write(f"bench {name}: plot failed: {type(e).__name__}: {e}\n")
     result["files"] = [str(f) for f in files]
-    sys.stderr.write(f"bench {name}: wrote {', '.join(result['files'])}\n")
+    sys.stderr.write(f"bench {name}: done in {time.perf_counter() - t0:.0f} s, wrote {', '.join(result['files'])}\n")
     return result
 
 

@@ -197,6 +197,7 @@ def _rank_main(rank: int, world: int, cfg: DemoConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"losses": [], "times": [], "busy": [], "timelines": [], "peak_act": [], "grads": {}}
     switch = PayloadSwitch(make_transport(cfg.transport, None, dev))
     pipe = Pipeline(sched, modules, transport=switch, record_timeline=True, boundary_format=cfg.boundary_format)
+    out["transport_used"] = pipe.transport_name  # what "auto" became on this rank
 
     def timed_step(ids: Any, tgt: Any) -> tuple[Any, float]:
         dist.barrier()
@@ -248,7 +249,8 @@ def _reference_losses(modules: dict[int, Any], schedule: Any, ids: Any, tgt: Any
     from dualpipe_kernels.models.gpt import gpt_loss
     from dualpipe_kernels.runtime.reference import run_reference
 
-    return run_reference(modules, schedule, (ids,), (tgt,), gpt_loss)
+    # Seeded with 1/N as the demo's Pipeline (scale_grads=True, its default): same gradients bit for bit.
+    return run_reference(modules, schedule, (ids,), (tgt,), gpt_loss, scale_grads=True)
 
 
 def _check_first_step(cfg: DemoConfig, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -377,7 +379,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "steps": cfg.steps,
         "microbatches": cfg.microbatches,
         "stages": sched.num_stages,
-        "transport": cfg.transport,
+        # The transport the ranks actually used ("auto" resolved); what was asked for beside it.
+        "transport": "/".join(sorted({str(o["transport_used"]) for o in per_rank})),
+        "transport_requested": cfg.transport,
         "boundary_format": cfg.boundary_format,
         "device": cfg.device,
         "losses": losses,

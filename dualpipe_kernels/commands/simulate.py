@@ -114,6 +114,32 @@ def _check_outputs(args: argparse.Namespace) -> None:
             check_output_file(path, option)
 
 
+def _export(args: argparse.Namespace, schedule: Any, res: SimResult) -> dict[str, str]:
+    """Write the requested files; return ``{kind: path}`` of what was written."""
+    written: dict[str, str] = {}
+    if args.trace:
+        from ..schedules.trace import write_chrome_trace
+
+        write_chrome_trace(
+            args.trace, res.events, schedule=res.schedule, ranks=res.ranks, microbatches=res.microbatches
+        )
+        written["trace"] = args.trace
+    if args.png:
+        from ..schedules.plot import plot_timeline
+
+        plot_timeline(res, args.png)
+        written["png"] = args.png
+    if args.csv:
+        from ..schedules.csv_io import to_csv, torch_incompatibility
+
+        to_csv(schedule, args.csv)
+        written["csv"] = args.csv
+        reason = torch_incompatibility(schedule)
+        if reason is not None:
+            print(f"note: torch.distributed.pipelining cannot run {args.csv}: {reason}", file=sys.stderr)
+    return written
+
+
 def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.stages_per_rank)
@@ -132,25 +158,15 @@ def run(args: argparse.Namespace) -> int:
     ref = reference_bubble(schedule.name, schedule.num_ranks, cost)
 
     # Exports first, so a --json consumer sees complete files once the JSON is printed.
-    if args.trace:
-        from ..schedules.trace import write_chrome_trace
-
-        write_chrome_trace(
-            args.trace, res.events, schedule=res.schedule, ranks=res.ranks, microbatches=res.microbatches
-        )
-    if args.png:
-        from ..schedules.plot import plot_timeline
-
-        plot_timeline(res, args.png)
-    if args.csv:
-        from ..schedules.csv_io import to_csv
-
-        to_csv(schedule, args.csv)
+    written = _export(args, schedule, res)
+    for kind, path in written.items():
+        print(f"wrote {kind} {path}", file=sys.stderr)
 
     if args.json:
         d = res.to_dict(events=args.events)
         d["stages_per_rank"] = res.params_per_rank
         d["reference_bubble"] = None if ref is None else (ref if isinstance(ref, int) else float(ref))
+        d["written"] = written
         d["costs"] = {"f": args.f, "b": args.b, "w": args.w, "fb": args.f + args.b if args.fb is None else args.fb}
         d["comm"] = {
             "latency": args.comm_latency,

@@ -1,19 +1,30 @@
 """Runtime: executes a Schedule on one rank (see executor.Pipeline) plus the local launcher.
 
-``Pipeline`` / ``StepResult``: the per-rank executor.  ``run_reference``: the
+``Pipeline`` / ``StepResult``: the per-rank executor.  ``build_stage_modules``:
+this rank's stage modules for any schedule.  ``save_pipeline`` / ``load_pipeline``:
+DCP checkpoints under the full model's parameter names.  ``run_reference``: the
 single-process reference the executor is checked against.  ``spawn`` /
 ``spawn_outcomes``: start local worker processes, one per rank.
 """
 
+from dualpipe_kernels.runtime.checkpoint import load_pipeline, load_stage_state_dict, save_pipeline, stage_state_dict
 from dualpipe_kernels.runtime.executor import Pipeline, StepResult
 from dualpipe_kernels.runtime.launch import RankOutcome, RanksFailed, free_port, spawn, spawn_outcomes
 from dualpipe_kernels.runtime.microbatch import merge_microbatches, split_microbatches
 from dualpipe_kernels.runtime.reference import run_reference
+from dualpipe_kernels.runtime.stages import StageLayers, build_stage_modules, layer_partition
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore, current_store, run_backward
 
 __all__ = [
     "Pipeline",
     "StepResult",
+    "build_stage_modules",
+    "StageLayers",
+    "save_pipeline",
+    "load_pipeline",
+    "stage_state_dict",
+    "load_stage_state_dict",
+    "layer_partition",
     "run_reference",
     "spawn",
     "spawn_outcomes",

@@ -46,6 +46,8 @@ class ComputeState:
     criterion: Callable[..., torch.Tensor] | None
     mb_inputs: dict[int, tuple[Any, ...]]
     mb_labels: dict[int, tuple[Any, ...]]
+    # Gradient seed of each micro-batch loss: 1/N with Pipeline(scale_grads=True), 1 for the sum.
+    loss_scale: float = 1.0
     # Complete the receive of (RECV type, stage, mb) if the list reached it (set by the action loop).
     fetch: Callable[[ActionType, int, int], None] = field(default=lambda t, s, mb: None)
     inputs: dict[Key, list[Any]] = field(default_factory=dict)
@@ -155,8 +157,9 @@ class StageCompute:
         st.fetch(T_RECV_B, s, mb)
         roots = st.roots.pop(key, [])
         if self.topo.is_loss_stage(s, mb):
-            st.loss_tensors.pop(key, None)
-            return [(e, None) for e, _ in roots]
+            loss = st.loss_tensors.pop(key, None)
+            seed = None if loss is None or st.loss_scale == 1.0 else torch.full_like(loss, st.loss_scale)
+            return [(e, seed) for e, _ in roots]
         grads = st.out_grads.pop(key, None)
         if grads is None:
             raise RuntimeError(f"pipeline rank {self.rank}: backward of stage {s} micro-batch {mb} has no output grads")
@@ -221,6 +224,8 @@ class StageCompute:
         kb = (b.stage, b.microbatch)
         if topo.is_loss_stage(b.stage, b.microbatch):
             loss1 = st.loss_tensors.pop(kb, None)
+            if loss1 is not None and st.loss_scale != 1.0:
+                loss1 = loss1 * st.loss_scale  # the hook runs loss1.backward(): seed 1/N as _grad_roots does
             outputs1: list[torch.Tensor] = []
             grads1: list[torch.Tensor] = []
             st.roots.pop(kb, None)

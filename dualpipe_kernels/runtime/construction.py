@@ -1,18 +1,14 @@
-"""Pipeline construction: checking what the caller gives and cutting a model into stage modules."""
+"""Pipeline construction: checking what the caller gives (cutting a model into stages: ``stages.py``)."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from dualpipe_kernels.schedules.ir import Schedule
-
-__all__ = ["check_mapping", "check_modules", "module_device", "sequential_stages", "presplit"]
+__all__ = ["check_mapping", "check_modules", "module_device", "presplit"]
 
 
 def check_mapping(rank_mapping: Sequence[int] | None, size: int) -> list[int]:
@@ -62,38 +58,6 @@ def module_device(modules: Mapping[int, nn.Module]) -> torch.device:
         for p in m.parameters():
             return p.device
     return torch.device("cpu")
-
-
-def sequential_stages(
-    schedule: Schedule, model: nn.Sequential, partition: Sequence[int] | None, kw: Mapping[str, Any]
-) -> dict[int, nn.Module]:
-    """This rank's stage modules cut from ``model`` (see ``Pipeline.from_sequential``)."""
-    num_model = max(schedule.model_stage) + 1
-    layers = list(model)
-    if partition is None:
-        if len(layers) < num_model:
-            raise ValueError(f"model has {len(layers)} layers, fewer than the {num_model} model stages")
-        base, extra = divmod(len(layers), num_model)
-        partition = [base + (1 if m < extra else 0) for m in range(num_model)]
-    partition = list(partition)
-    if len(partition) != num_model or any(n < 1 for n in partition) or sum(partition) != len(layers):
-        raise ValueError(
-            f"partition {partition} must give >= 1 layer to each of {num_model} model stages and sum to "
-            f"{len(layers)} layers"
-        )
-    starts = [sum(partition[:m]) for m in range(num_model)]
-    group = kw.get("group")
-    g = group if group is not None else dist.group.WORLD
-    mapping = check_mapping(kw.get("rank_mapping"), dist.get_world_size(g))
-    rank = mapping[dist.get_rank(g)]
-    modules: dict[int, nn.Module] = {}
-    seen: set[int] = set()
-    for s in schedule.stages_of_rank(rank):
-        m = schedule.model_stage[s]
-        piece = nn.Sequential(*layers[starts[m] : starts[m] + partition[m]])
-        modules[s] = copy.deepcopy(piece) if m in seen else piece
-        seen.add(m)
-    return modules
 
 
 def presplit(

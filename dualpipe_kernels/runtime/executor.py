@@ -21,9 +21,9 @@ transfers may be left in the process group).
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +41,8 @@ from dualpipe_kernels.runtime.construction import (
     check_modules,
     module_device,
     presplit,
-    sequential_stages,
 )
+from dualpipe_kernels.runtime.conveniences import PipelineConveniences
 from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan, mirror_dp_groups
 from dualpipe_kernels.runtime.fingerprint import agree, fingerprint, resolved_transport
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
@@ -57,13 +57,18 @@ from dualpipe_kernels.transport import Transport, make_transport
 
 __all__ = ["Pipeline", "StepResult"]
 
+_log = logging.getLogger(__name__)  # under "dualpipe_kernels": what each pipeline chose, at debug level
+
 
 @dataclass
 class StepResult:
     """What one step returns on this rank.
 
     ``losses``: micro-batch -> detached scalar loss, for the micro-batches whose
-    loss stage this rank holds.  ``outputs``: micro-batch -> detached outputs of
+    loss stage this rank holds.  ``loss``: the mean of those losses as a 0-d
+    float32 tensor (summed in float64), None when this rank has none; with
+    ``step(..., reduce_loss=True)`` the mean over all the step's micro-batches,
+    the same value on every rank of the pipeline group.  ``outputs``: micro-batch -> detached outputs of
     the loss stage when ``return_outputs`` (else None).  ``timeline``:
     ``(pipeline rank, action, start_s, end_s)`` relative to the step start when
     ``record_timeline``.  ``step_time_s``: wall time of the step on this rank.
@@ -77,6 +82,7 @@ class StepResult:
     timeline: list[TimelineEntry]
     step_time_s: float
     dp_reductions: list[ReductionSpan] = field(default_factory=list)
+    loss: torch.Tensor | None = None
 
 
 def _lowered_program(schedule: Schedule) -> Program:
@@ -92,7 +98,7 @@ def _lowered_program(schedule: Schedule) -> Program:
     return program if schedule.lowered else lower_program(program)
 
 
-class Pipeline(nn.Module):
+class Pipeline(PipelineConveniences, nn.Module):
     """Runs ``schedule`` on this process's pipeline rank with its stage modules.
 
     ``schedule``: compute-only (lowered here with ``lower_comms``) or lowered.
@@ -128,6 +134,14 @@ class Pipeline(nn.Module):
     all_reduce over every copy of every replica replaces the DP sum and the
     mirror exchange (copies on one rank: mirror sum after the DP sum).
 
+    ``scale_grads``: seed
+    each micro-batch loss's backward with ``1/N`` (N = the schedule's
+    micro-batches), so a mean criterion gives the full batch's mean-loss
+    gradients, as torch.distributed.pipelining does by default; ``False``
+    accumulates the plain sum over micro-batches (the DualPipe reference's and
+    ``compat``'s semantics).  Only this step's contribution is scaled:
+    gradients already in ``.grad`` (accumulation over steps) are left alone.
+
     The module is an ``nn.Module`` holding the stage modules (``parameters()``,
     ``zero_grad()`` work on it); ``stage_modules`` maps stage -> module.
     """
@@ -149,7 +163,9 @@ class Pipeline(nn.Module):
         dp_group: dist.ProcessGroup | None = None,
         dp_op: str = "sum",
         boundary_format: str | tuple[str, str] | BoundaryFormat | None = "none",
+        scale_grads: bool = True,
     ) -> None:
+        """Check the arguments, lower the schedule and set up the transport (collective: every rank builds it)."""
         super().__init__()
         fmt = parse_boundary_format(boundary_format)
         if not isinstance(schedule, Schedule):
@@ -189,6 +205,7 @@ class Pipeline(nn.Module):
         self.zero_bubble = zero_bubble
         #: how boundary messages travel (part of what every rank must agree on)
         self.boundary_format = fmt
+        self.scale_grads = scale_grads
         self.device = torch.device(device) if device is not None else module_device(self.stage_modules)
         if self.device.type == "cuda" and self.device.index is None:
             # Receive buffers may be allocated on a transport thread, whose current device differs.
@@ -231,68 +248,8 @@ class Pipeline(nn.Module):
             self._dp = DataParallelReducer(
                 dp_group, self.rank, self._loop.actions, self.stage_modules, dp_op, self.timeout_s, folded
             )
-
-    # ---- construction helpers -------------------------------------------
-    @classmethod
-    def from_sequential(
-        cls,
-        schedule: Schedule,
-        model: nn.Sequential,
-        partition: Sequence[int] | None = None,
-        **kw: Any,
-    ) -> Pipeline:
-        """Build this rank's stage modules from a full ``nn.Sequential``.
-
-        ``partition[m]``: number of layers of model stage ``m`` (default: as even
-        as possible, earlier stages one layer more).  Stage modules share the
-        model's layers, except a second copy of a model stage held by the same
-        rank, which is a deep copy (so both copies start identical).
-        """
-        return cls(schedule, sequential_stages(schedule, model, partition, kw), **kw)
-
-    @classmethod
-    def from_mesh(
-        cls,
-        schedule: Schedule,
-        modules: Mapping[int, nn.Module] | Sequence[nn.Module] | nn.Sequential,
-        mesh: Any,
-        partition: Sequence[int] | None = None,
-        **kw: Any,
-    ) -> Pipeline:
-        """Build from a 2-D ``torch.distributed.DeviceMesh`` with dimensions named ``"pp"`` and ``"dp"``.
-
-        The pipeline group is the mesh's ``"pp"`` group and the data-parallel
-        group its ``"dp"`` group.  ``modules``: this rank's stage modules, or
-        the whole ``nn.Sequential`` (cut as by :meth:`from_sequential`).
-        """
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if "pp" not in names or "dp" not in names:
-            raise ValueError(f"from_mesh needs a DeviceMesh with dimensions 'pp' and 'dp', got names {names}")
-        if "group" in kw or "dp_group" in kw:
-            raise ValueError("from_mesh takes the groups from the mesh; do not pass group or dp_group")
-        kw["group"], kw["dp_group"] = mesh.get_group("pp"), mesh.get_group("dp")
-        if isinstance(modules, nn.Sequential):
-            return cls.from_sequential(schedule, modules, partition, **kw)
-        return cls(schedule, modules, **kw)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation with a ``dp_group``: steps inside neither reduce over DP nor fold the mirror sum.
-
-        Each reduction sums the whole ``.grad``, so accumulating over several
-        steps reduces only at the last one (as with DDP's ``no_sync``); without
-        a ``dp_group`` this changes nothing.
-        """
-        if self._dp is None:
-            yield
-            return
-        with self._dp.pause():
-            yield
-
-    def boundary_bytes(self) -> dict[str, tuple[int, int]]:
-        """``{"activations" | "gradients": (messages, data bytes)}`` this rank sent so far (metadata excluded)."""
-        b = self._boundary
-        return {name: (b.messages_sent[d], b.bytes_sent[d]) for d, name in enumerate(("activations", "gradients"))}
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("%s", self._describe())
 
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
@@ -308,18 +265,24 @@ class Pipeline(nn.Module):
         return_outputs: bool = False,
         microbatches: Sequence[Sequence[Any]] | None = None,
         microbatch_labels: Sequence[Sequence[Any]] | None = None,
+        reduce_loss: bool = False,
     ) -> StepResult:
         """Run one step: forward+backward (or forward only under ``torch.no_grad()``).
 
         ``inputs`` / ``labels``: the full batch, split into the schedule's
         micro-batches along ``batch_dim``; needed only on ranks holding a first
         / loss stage.  ``criterion(*outputs, *labels) -> scalar`` on loss stages.
-        Gradients accumulate into the stage modules' ``.grad``.
+        Gradients accumulate into the stage modules' ``.grad`` (divided by the
+        number of micro-batches unless ``scale_grads=False``).
 
         ``microbatches`` / ``microbatch_labels``: instead of ``inputs`` /
         ``labels``, the micro-batches already split: one tuple of inputs
         (labels) per micro-batch, ``schedule.num_microbatches`` of them (no
         padding or splitting is done; shapes may differ between micro-batches).
+
+        ``reduce_loss``: give every rank the step's mean loss in
+        ``StepResult.loss`` (one 2-element all-reduce over the pipeline group:
+        every rank must pass the same value).
         """
         if self._broken is not None:
             raise RuntimeError(f"pipeline rank {self.rank}: a previous step failed ({self._broken}); rebuild it")
@@ -345,6 +308,7 @@ class Pipeline(nn.Module):
             raise
         finally:
             self.weight_grad_store.clear()
+        loss = self._mean_loss(cst.losses, reduce_loss)
         elapsed = time.perf_counter() - t0
         return StepResult(
             losses=cst.losses,
@@ -352,6 +316,7 @@ class Pipeline(nn.Module):
             timeline=rec.entries,
             step_time_s=elapsed,
             dp_reductions=red.spans if red is not None else [],
+            loss=loss,
         )
 
     def _compute_state(
@@ -394,6 +359,7 @@ class Pipeline(nn.Module):
             forward_only=forward_only,
             return_outputs=return_outputs,
             criterion=criterion,
+            loss_scale=1.0 / n if self.scale_grads else 1.0,
             mb_inputs={m: split_in[m] for m in first},
             mb_labels={m: split_lab[m] for m in last} if split_lab else {},
         )

@@ -9,15 +9,24 @@ first, data the moment the metadata is in).  A RECV action the loop reaches is
 not waited for there but by the compute that reads its data (``fetch``), so an
 F&B pair runs its forward half while its backward half's gradient is still in
 flight; its timeline entry spans the actual wait.
+
+Under an active torch profiler every executed action runs inside
+``torch.profiler.record_function(<action>)`` (``0F3``, ``(0F7;7B3)OVERLAP_F_B``,
+``1SEND_F2``; a receive's range spans its wait).  Whether a profiler is on is
+read once per step, so a step without one pays nothing per action.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from torch.profiler import record_function
 
 from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
@@ -69,6 +78,7 @@ class StepRun:
     bst: BoundaryState
     rec: TimelineRecorder
     done_hooks: Mapping[int, Callable[[], Any]] = field(default_factory=dict)
+    profiling: bool = False  # a torch profiler is recording this step: record_function per action
 
     def __post_init__(self) -> None:
         self.cst.fetch = self.fetch
@@ -82,7 +92,11 @@ class StepRun:
             return
         rec = self.rec
         start = time.perf_counter() if rec.enabled else 0.0
-        self.receive(i)
+        if self.profiling:
+            with record_function(self.loop.labels[i]):
+                self.receive(i)
+        else:
+            self.receive(i)
         if rec.enabled:
             rec.add(self.loop.labels[i], start, time.perf_counter())
 
@@ -148,6 +162,9 @@ class ActionLoop:
     def run(self, run: StepRun) -> None:
         acts, bst, boundary, rec = self.actions, run.bst, run.boundary, run.rec
         forward_only = bst.forward_only
+        # Read once per step: entering record_function costs microseconds even with no profiler on.
+        run.profiling = profiling = torch.autograd.profiler._is_profiler_enabled
+        traced = profiling or rec.enabled
         next_post = 0
         for i, a in enumerate(acts):
             # Post the receives of the next `recv_lookahead` compute actions after
@@ -171,11 +188,20 @@ class ActionLoop:
             handler = HANDLERS.get(t)
             if handler is None:
                 raise ValueError(f"pipeline rank {boundary.rank}: no runtime handler for action kind {t} ({a})")
-            if rec.enabled:
-                with rec.span(self.labels[i]):
-                    handler(run, i, a)
+            if traced:
+                self._traced(run, i, a, handler)
             else:
                 handler(run, i, a)
             if i in run.done_hooks:
                 run.done_hooks[i]()
         run.finish()
+
+    def _traced(self, run: StepRun, i: int, a: Action, handler: Handler) -> None:
+        """Action ``i`` inside its profiler range and/or timeline span."""
+        label = self.labels[i]
+        with contextlib.ExitStack() as stack:
+            if run.profiling:
+                stack.enter_context(record_function(label))
+            if run.rec.enabled:
+                stack.enter_context(run.rec.span(label))
+            handler(run, i, a)

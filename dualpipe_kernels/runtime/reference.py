@@ -1,7 +1,8 @@
 """Single-process reference: the same stage modules, the same micro-batches, no pipeline.
 
 For each micro-batch in order: forward through its path of stages, loss,
-backward.  Gradients accumulate in the given modules.  This is what the
+backward (seeded with 1/N, as ``Pipeline(scale_grads=True)``, unless
+``scale_grads=False``).  Gradients accumulate in the given modules.  This is what the
 multi-process runtime must reproduce bit for bit (losses, outputs, and the
 gradients of every stage whose micro-batches are summed in the same order).
 """
@@ -29,6 +30,7 @@ def run_reference(
     batch_dim: int = 0,
     forward_only: bool = False,
     outputs: dict[int, tuple[torch.Tensor, ...]] | None = None,
+    scale_grads: bool = True,
 ) -> dict[int, torch.Tensor]:
     """Run every micro-batch of ``schedule`` through its path of stages in one process.
 
@@ -36,6 +38,8 @@ def run_reference(
     two copies of a model stage may be the same object or two modules).
     Returns ``{micro-batch: detached loss}`` (empty without a criterion).  When
     ``outputs`` is a dict, the last stage's detached outputs are stored in it.
+    ``scale_grads``: as ``Pipeline``'s, seed each loss's backward with ``1/N``
+    (N micro-batches); ``False`` sums the micro-batch gradients.
     """
     missing = [s for s in range(schedule.num_stages) if s not in stage_modules_by_stage]
     if missing:
@@ -56,6 +60,6 @@ def run_reference(
                 continue
             loss = criterion(*x, *mb_labels[m])
             if loss.requires_grad:
-                loss.backward()
+                loss.backward(torch.full_like(loss, 1.0 / n) if scale_grads else None)
             losses[m] = loss.detach()
     return losses

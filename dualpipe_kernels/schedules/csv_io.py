@@ -5,7 +5,19 @@ which ``torch.distributed.pipelining.schedules._Action.from_str`` parses, so
 ``_PipelineScheduleRuntime._load_csv(path, format="compute_only")`` (and
 torchtitan's ``pipeline_parallel_schedule_csv``) can run a schedule made here.
 ``to_csv`` writes the compute-only form by default; ``include_comms=True``
-writes a lowered schedule's comm actions too (torch's ``compute_comms``).
+writes a lowered schedule's comm actions too (torch's ``compute_comms``), plus
+one ``{stage}REDUCE_GRAD`` right after each stage's last B/W: torch's
+``_PipelineScheduleRuntime`` runs a ``compute_comms`` file as written, and it is
+at REDUCE_GRAD that it divides the gradients by the micro-batch count (its
+``scale_grads``); without it they come out N x too large.  torch runs a
+schedule only when every micro-batch passes through stages ``0..S-1`` in order
+(:func:`torch_incompatibility` says why not otherwise, e.g. DualPipe's two
+directions); ``include_comms=True`` writes such a schedule for this package's
+own reader but warns (:class:`TorchCSVWarning`) that torch cannot run it.
+
+Reading accepts torch's own ``compute_comms`` dump: its ``UNSHARD``,
+``RESHARD`` (FSDP) and ``REDUCE_GRAD`` cells are skipped (this runtime has no
+FSDP, and scales gradients with ``Pipeline(scale_grads=True)``).
 
 The file holds no topology, so :func:`load_csv` rebuilds it:
 
@@ -24,6 +36,8 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
+import warnings
 from typing import IO
 
 from ._program import make_schedule
@@ -31,20 +45,79 @@ from .deps import Topology
 from .generators import schedule_layout
 from .ir import Action, Schedule, parse_action
 
-__all__ = ["to_csv", "load_csv", "csv_text", "schedule_to_rows", "schedule_from_rows"]
+__all__ = [
+    "to_csv",
+    "load_csv",
+    "csv_text",
+    "schedule_to_rows",
+    "schedule_from_rows",
+    "torch_incompatibility",
+    "TorchCSVWarning",
+]
 
 PathOrFile = str | os.PathLike[str] | IO[str]
 
+# torch's per-stage actions without a micro-batch (FSDP and the gradient reduction): no-ops here.
+_TORCH_STAGE_ONLY = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD)$")
 
-def schedule_to_rows(schedule: Schedule, include_comms: bool = False) -> list[list[str]]:
+
+class TorchCSVWarning(UserWarning):
+    """A compute_comms CSV was written for a schedule torch.distributed.pipelining cannot run."""
+
+
+def torch_incompatibility(schedule: Schedule) -> str | None:
+    """Why torch.distributed.pipelining cannot run ``schedule`` (None when it can).
+
+    torch's stages form one chain: every micro-batch goes through stages
+    ``0..S-1`` in order, and each stage module exists once.
+    """
+    chain = tuple(range(schedule.num_stages))
+    bad = sorted({m for m in range(schedule.num_microbatches) if schedule.path(m) != chain})
+    if bad:
+        return (
+            f"schedule {schedule.name!r}: micro-batch {bad[0]} takes stages {list(schedule.path(bad[0]))}, but torch "
+            f"runs every micro-batch through stages 0..{schedule.num_stages - 1} in order (DualPipe's second "
+            "direction has no torch equivalent)"
+        )
+    if len(set(schedule.model_stage)) != schedule.num_stages:
+        return f"schedule {schedule.name!r} holds copies of a model stage; torch has one module per stage"
+    return None
+
+
+def _reduce_grad_rows(schedule: Schedule) -> list[list[str]]:
+    """Each rank's cells with ``{stage}REDUCE_GRAD`` after the action holding that stage's last B or W."""
     rows = []
+    n = schedule.num_microbatches
     for acts in schedule.actions:
-        rows.append([str(a) for a in acts if include_comms or a.is_compute])
+        done: dict[int, int] = {}
+        row = []
+        for a in acts:
+            row.append(str(a))
+            for c in a.computes():
+                if c.type.value in ("B", "W"):  # what torch counts (an I is followed by its W)
+                    done[c.stage] = done.get(c.stage, 0) + 1
+                    if done[c.stage] == n:
+                        row.append(f"{c.stage}REDUCE_GRAD")
+        rows.append(row)
     return rows
 
 
+def schedule_to_rows(schedule: Schedule, include_comms: bool = False) -> list[list[str]]:
+    """CSV cells per rank: compute actions, or (``include_comms``) the lowered list with REDUCE_GRAD."""
+    if not include_comms:
+        return [[str(a) for a in acts if a.is_compute] for acts in schedule.actions]
+    if not schedule.lowered:
+        raise ValueError(
+            f"include_comms needs a lowered schedule (schedules.lower_comms); {schedule.name!r} is compute-only"
+        )
+    reason = torch_incompatibility(schedule)
+    if reason is not None:
+        warnings.warn(f"torch's _PipelineScheduleRuntime cannot run this CSV: {reason}", TorchCSVWarning, stacklevel=3)
+    return _reduce_grad_rows(schedule)
+
+
 def to_csv(schedule: Schedule, path_or_file: PathOrFile, include_comms: bool = False) -> None:
-    """Write ``schedule`` as CSV (compute actions only unless ``include_comms``)."""
+    """Write ``schedule`` as CSV (compute actions only unless ``include_comms``; see the module docstring)."""
     rows = schedule_to_rows(schedule, include_comms)
     if isinstance(path_or_file, (str, os.PathLike)):
         with open(path_or_file, "w", newline="") as fh:
@@ -68,7 +141,8 @@ def load_csv(
 ) -> Schedule:
     """Read a CSV written by :func:`to_csv` (or by torch) back into a :class:`Schedule`.
 
-    Empty cells (torch writes its idle slots as empty) are skipped.  A file with
+    Empty cells (torch writes its idle slots as empty) and torch's UNSHARD,
+    RESHARD and REDUCE_GRAD cells are skipped.  A file with
     comm actions gives a schedule with ``lowered=True`` whose comm actions get
     their ``peer`` from the topology (the string form has no peer).
     """
@@ -85,7 +159,7 @@ def schedule_from_rows(
     for r, row in enumerate(rows):
         acts = []
         for c, cell in enumerate(row):
-            if not cell.strip():
+            if not cell.strip() or _TORCH_STAGE_ONLY.match(cell.strip()):
                 continue
             try:
                 acts.append(parse_action(cell))

@@ -1,0 +1,182 @@
+"""Pipeline conveniences: builders (from an ``nn.Sequential`` or a 2-D mesh), traces, checkpoints,
+gradient accumulation, wire counters and a description of what the pipeline chose.
+
+A mixin of :class:`~dualpipe_kernels.runtime.executor.Pipeline`, kept apart from the
+construction and the step so each file has one job; it reads the pipeline's attributes
+(``schedule``, ``stage_modules``, ``group``, ``_transport``...) and owns no state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dualpipe_kernels.schedules.ir import Schedule
+from dualpipe_kernels.transport import Transport
+
+if TYPE_CHECKING:
+    from dualpipe_kernels.runtime.executor import Pipeline, StepResult
+
+__all__ = ["PipelineConveniences"]
+
+
+class PipelineConveniences:
+    """Methods of :class:`Pipeline` beyond construction and the step (see the module docstring)."""
+
+    schedule: Schedule
+    stage_modules: dict[int, nn.Module]
+    group: Any
+    group_rank: int
+    rank: int
+    device: torch.device
+    record_timeline: bool
+    _transport: Transport
+    _dp: Any
+    _boundary: Any
+    _loop: Any
+
+    def _describe(self) -> str:
+        """One line: what this pipeline runs and what it chose (transport per peer, policies)."""
+        t = self._base_transport()
+        local = getattr(t, "local_peers", None)  # native: same-host peers; the others go through torch
+        single_of = getattr(t, "single_copy_peers", None)
+        single = set(single_of()) if callable(single_of) else set()
+        kinds = []
+        for p in sorted({a.peer for a in self._loop.actions if a.is_comm and a.peer is not None}):
+            g = self.to_group_rank[p]
+            kind = self.transport_name if local is None or g in local else "torch (other host)"
+            kinds.append(f"{p}: {kind}{' single-copy' if g in single else ''}")
+        return (
+            f"pipeline rank {self.rank} (group rank {self.group_rank}) of {self.schedule.name!r}: stages "
+            f"{list(self.stages)}, {len(self._loop.actions)} actions; transport per peer {{{', '.join(kinds)}}}; "
+            f"device {self.device}, zero_bubble={self.zero_bubble}, scale_grads={self.scale_grads}, "
+            f"recv_lookahead={self.recv_lookahead}, sync_mirror_grads={self.sync_mirror_grads}, "
+            f"overlap hook={'on' if self.overlap_hook else 'off'}"
+        )
+
+    def _base_transport(self) -> Transport:
+        inner = getattr(self._transport, "inner", None)  # a wrapper (the benchmarks' payload switch) names its inner
+        return inner if isinstance(inner, Transport) else self._transport
+
+    @property
+    def transport_name(self) -> str:
+        """The transport actually in use (``"native"``, ``"torch"``, ``"cuda_ipc"``...), never ``"auto"``."""
+        return str(self._base_transport().name)
+
+    @classmethod
+    def from_sequential(
+        cls,
+        schedule: Schedule,
+        model: nn.Sequential,
+        partition: Sequence[int] | None = None,
+        **kw: Any,
+    ) -> Pipeline:
+        """A pipeline running this rank's share of the full ``model`` (every rank builds the same model).
+
+        ``partition[m]``: number of layers of model stage ``m`` (default: as even
+        as possible, earlier stages one layer more).  ``kw``: ``Pipeline``'s
+        keywords.  The stage modules are :func:`build_stage_modules`'s
+        (``StageLayers`` sharing the model's layers; a second copy of a model
+        stage held by the same rank is a deep copy), so parameter names map back
+        to ``model``'s (``runtime.checkpoint``).  Example::
+
+            model = nn.Sequential(*layers)  # same seed on every rank
+            pipe = Pipeline.from_sequential(build_schedule("dualpipev", 2, 8), model)
+        """
+        from dualpipe_kernels.runtime.stages import build_stage_modules
+
+        mods = build_stage_modules(
+            schedule, model, partition=partition, group=kw.get("group"), rank_mapping=kw.get("rank_mapping")
+        )
+        return cls(schedule, mods, **kw)
+
+    def write_trace(self, path: str | os.PathLike[str], result: StepResult) -> str | None:
+        """Write the measured step ``result`` of every rank as one chrome-trace JSON (open in ui.perfetto.dev).
+
+        Collective over the pipeline group (every rank calls it with its own
+        result of the same step); group rank 0 writes ``path`` and returns it,
+        the others return None.  Needs ``Pipeline(record_timeline=True)``.
+        Each rank's times are relative to its own step start.
+        """
+        from dualpipe_kernels.schedules.trace import write_chrome_trace
+
+        if not self.record_timeline:
+            raise ValueError("write_trace needs a step recorded with Pipeline(record_timeline=True)")
+        timelines: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(timelines, list(result.timeline), group=self.group)
+        if self.group_rank != 0:
+            return None
+        merged = [e for t in timelines for e in t]
+        write_chrome_trace(path, merged, schedule=self.schedule.name, step_time_s=result.step_time_s)
+        return os.fspath(path)
+
+    def model_state_dict(self, full_name: Callable[[int, str], str] | None = None) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the full model's names (``runtime.checkpoint``)."""
+        from dualpipe_kernels.runtime.checkpoint import stage_state_dict
+
+        return stage_state_dict(self.schedule, self.stage_modules, full_name)
+
+    @classmethod
+    def from_mesh(
+        cls,
+        schedule: Schedule,
+        modules: Mapping[int, nn.Module] | Sequence[nn.Module] | nn.Sequential,
+        mesh: Any,
+        partition: Sequence[int] | None = None,
+        **kw: Any,
+    ) -> Pipeline:
+        """Build from a 2-D ``torch.distributed.DeviceMesh`` with dimensions named ``"pp"`` and ``"dp"``.
+
+        The pipeline group is the mesh's ``"pp"`` group and the data-parallel
+        group its ``"dp"`` group.  ``modules``: this rank's stage modules, or
+        the whole ``nn.Sequential`` (cut as by :meth:`from_sequential`).
+        """
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if "pp" not in names or "dp" not in names:
+            raise ValueError(f"from_mesh needs a DeviceMesh with dimensions 'pp' and 'dp', got names {names}")
+        if "group" in kw or "dp_group" in kw:
+            raise ValueError("from_mesh takes the groups from the mesh; do not pass group or dp_group")
+        kw["group"], kw["dp_group"] = mesh.get_group("pp"), mesh.get_group("dp")
+        if isinstance(modules, nn.Sequential):
+            return cls.from_sequential(schedule, modules, partition, **kw)
+        return cls(schedule, modules, **kw)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation with a ``dp_group``: steps inside neither reduce over DP nor fold the mirror sum.
+
+        Each reduction sums the whole ``.grad``, so accumulating over several
+        steps reduces only at the last one (as with DDP's ``no_sync``); without
+        a ``dp_group`` this changes nothing.
+        """
+        if self._dp is None:
+            yield
+            return
+        with self._dp.pause():
+            yield
+
+    def boundary_bytes(self) -> dict[str, tuple[int, int]]:
+        """``{"activations" | "gradients": (messages, data bytes)}`` this rank sent so far (metadata excluded)."""
+        b = self._boundary
+        return {name: (b.messages_sent[d], b.bytes_sent[d]) for d, name in enumerate(("activations", "gradients"))}
+
+    def _mean_loss(self, losses: Mapping[int, torch.Tensor], reduce: bool) -> torch.Tensor | None:
+        """Mean of ``losses`` (this rank's, or every rank's with ``reduce``) as a 0-d float32 tensor."""
+        # Summed in float64, this rank's and the reduced mean alike (adding the zeros of ranks
+        # without losses is exact), so the two agree bit for bit on a rank holding every loss.
+        total = torch.stack([v.detach().reshape(()).double() for v in losses.values()]).sum() if losses else None
+        if not reduce:
+            return None if total is None else (total / len(losses)).float()
+        acc = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if total is not None:
+            acc[0], acc[1] = total, len(losses)
+        dist.all_reduce(acc, group=self.group)
+        if acc[1].item() == 0:  # no rank had a loss (no criterion, or inference without one)
+            return None
+        return (acc[0] / acc[1]).float()

@@ -1,0 +1,101 @@
+"""Our compute_comms CSV run by torch's own ``_PipelineScheduleRuntime`` on 2 processes, and torch's dump read back.
+
+Each rank wraps the stage modules ``build_stage_modules`` gives in torch
+``PipelineStage``s, loads the CSV ``to_csv(lower_comms(s), include_comms=True)``
+wrote (``format="compute_comms"``: torch runs it as written) and takes one step.
+Its gradients equal the full batch's mean-loss gradients within a relative
+error of 1e-6 (the file's REDUCE_GRAD makes torch divide by N; without it they
+would be N x too large; not bit-exact: the full batch reduces over all rows at
+once).  Rank 0 also has torch lower our compute-only CSV and dump it with
+UNSHARD/RESHARD/REDUCE_GRAD; ``load_csv`` reads that dump.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dualpipe_kernels.runtime import build_stage_modules, spawn
+from dualpipe_kernels.schedules import build_schedule, load_csv, lower_comms, to_csv, validate
+
+LAYERS, DIM, ROWS, N = 4, 8, 16, 4
+NAMES = ("dualpipev", "zb1p")
+
+
+def _layer(i: int) -> nn.Module:
+    torch.manual_seed(50 + i)
+    return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)
+
+
+def _mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ((y - t) ** 2).mean()
+
+
+def _runtime(sched: Any, rank: int) -> tuple[Any, dict[int, Any]]:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    mods = build_stage_modules(sched, _layer, num_layers=LAYERS, rank=rank)
+    stages = [PipelineStage(mods[s], s, sched.num_stages, torch.device("cpu")) for s in sorted(mods)]
+    return _PipelineScheduleRuntime(stages, N, loss_fn=_mse, scale_grads=True), mods
+
+
+def _worker(rank: int, world: int, csv_dir: str) -> dict[str, Any]:
+    return {name: _run(rank, world, name, csv_dir) for name in NAMES}
+
+
+def _run(rank: int, world: int, name: str, csv_dir: str) -> dict[str, Any]:
+    sched = build_schedule(name, world, N)
+    rt, mods = _runtime(sched, rank)
+    rt._load_csv(f"{csv_dir}/{name}_comms.csv", format="compute_comms")
+    x, t = _batch()
+    first, last = 0 in mods, sched.num_stages - 1 in mods
+    losses: list[torch.Tensor] = []
+    rt.step(*((x,) if first else ()), target=t if last else None, losses=losses if last else None)
+    out: dict[str, Any] = {m.full_name(k): p.grad.clone() for m in mods.values() for k, p in m.named_parameters()}
+    if rank == 0:
+        dump, _ = _runtime(sched, rank)
+        dump._load_csv(f"{csv_dir}/{name}_compute.csv", format="compute_only")
+        dump._dump_csv(f"{csv_dir}/{name}_torch_dump.csv", format="compute_comms")
+    return out
+
+
+@pytest.fixture(scope="module")
+def csv_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """One spawn for every schedule: the CSVs written here, the ranks' gradients."""
+    path = tmp_path_factory.mktemp("csv")
+    for name in NAMES:
+        sched = build_schedule(name, 2, N)
+        to_csv(lower_comms(sched), path / f"{name}_comms.csv", include_comms=True)
+        to_csv(sched, path / f"{name}_compute.csv")
+    return path, spawn(_worker, 2, str(path), timeout_s=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_runtime_runs_our_compute_comms_csv(csv_dir: tuple[Path, list[dict[str, Any]]], name: str) -> None:
+    tmp_path, ranks = csv_dir
+    sched = build_schedule(name, 2, N)
+    got = {**ranks[0][name], **ranks[1][name]}
+    full = nn.Sequential(*[_layer(i) for i in range(LAYERS)])
+    x, t = _batch()
+    _mse(full(x), t).backward()
+    for k, p in full.named_parameters():
+        rel = float((got[k] - p.grad).norm() / p.grad.norm())
+        assert rel <= 1e-6, f"{name} {k}: torch's runtime on our CSV is off by {rel:.2e} (N x would be {N - 1})"
+    dumped = (tmp_path / f"{name}_torch_dump.csv").read_text()
+    assert "REDUCE_GRAD" in dumped  # torch's own dump, with its extra per-stage actions
+    loaded = load_csv(tmp_path / f"{name}_torch_dump.csv", name=name)
+    assert loaded.lowered and [[str(a) for a in r if a.is_compute] for r in loaded.actions] == [
+        [str(a) for a in r] for r in sched.actions
+    ]
+    validate(loaded)
