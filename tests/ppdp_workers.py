@@ -99,7 +99,14 @@ def ppdp_rank(
     dp_rank = mesh.get_local_rank("dp")
     schedule = build_schedule(schedule_name, pp, n)
     pipe = Pipeline.from_mesh(
-        schedule, make_model(), mesh, transport=transport, record_timeline=True, timeout_s=60, dp_op=dp_op
+        schedule,
+        make_model(),
+        mesh,
+        transport=transport,
+        record_timeline=True,
+        timeout_s=60,
+        dp_op=dp_op,
+        scale_grads=False,  # the references sum the micro-batch losses' gradients
     )
     try:
         x, y = global_batch(dp * n * ROWS_PER_MB)

@@ -6,8 +6,9 @@ sit on different nodes.  Each rank saves its gradients after step 1; they must
 equal a single-process reference on the full global batch:
 
 * bit-exact (``torch.equal``) against each replica's micro-batches run in
-  order on a fresh model, the two replicas' gradients then added (an all_reduce
-  of 2 ranks is one IEEE addition, which commutes);
+  order on a fresh model (each a mean over its micro-batches: scale_grads), the
+  two replicas' gradients then averaged (dp_op "mean": an all_reduce of 2 ranks
+  is one IEEE addition, which commutes, and halving is exact);
 * cosine distance <= 1e-12 against all 8 micro-batches accumulated in order in
   one process: that sums in another order ((m0+...+m3)+(m4+...+m7) against one
   running sum), so float32 rounding differs in the last bits.
@@ -104,7 +105,9 @@ def test_pp_dp_under_two_torchrun_nodes(tmp_path):
         # The pipeline peer is on the other node: no shared-memory peer, torch.distributed carries the activations.
         assert d["transport"] == "NativeTransport" and d["native_peers"] == [], d
     per_replica = [_reference([d]) for d in range(DP)]
-    exact = {s: [a + b for a, b in zip(*(r[s] for r in per_replica), strict=True)] for s in per_replica[0]}
+    # scale_grads=True (each replica: mean over its micro-batches) and dp_op "mean" (its default then):
+    # (a + b) / 2, exact in floating point, equals the global batch's mean-loss gradients up to summation order.
+    exact = {s: [(a + b) / DP for a, b in zip(*(r[s] for r in per_replica), strict=True)] for s in per_replica[0]}
     full = _reference(list(range(DP)))
     for d in dumps:
         for s, grads in d["grads"].items():

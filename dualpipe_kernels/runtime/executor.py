@@ -127,10 +127,11 @@ class Pipeline(PipelineConveniences, nn.Module):
     :meth:`from_mesh`.  Each stage's gradients are all-reduced over
     ``dp_group`` as soon as its last gradient action of the step is done and
     the step returns once all are complete (runtime/data_parallel.py).
-    ``dp_op="sum"`` (default) sums over replicas as the step sums over
-    micro-batches: the result equals one process running the whole global
-    batch (every replica's micro-batches, per-micro-batch losses summed);
-    ``"mean"`` divides by the DP size.  DualPipe's mirror copies: one
+    ``dp_op`` follows ``scale_grads`` by default, so the gradients are those of
+    one process running the whole global batch with the same loss reduction:
+    ``"mean"`` (with ``scale_grads=True``: the global batch's mean-loss
+    gradients) or ``"sum"`` (with ``scale_grads=False``: per-micro-batch losses
+    summed over every replica).  DualPipe's mirror copies: one
     all_reduce over every copy of every replica replaces the DP sum and the
     mirror exchange (copies on one rank: mirror sum after the DP sum).
 
@@ -161,7 +162,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         zero_bubble: str = "split",
         device: torch.device | str | None = None,
         dp_group: dist.ProcessGroup | None = None,
-        dp_op: str = "sum",
+        dp_op: str | None = None,
         boundary_format: str | tuple[str, str] | BoundaryFormat | None = "none",
         scale_grads: bool = True,
     ) -> None:
@@ -173,6 +174,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         timeout_s = check_timeout(timeout_s)
         if recv_lookahead < 1:
             raise ValueError(f"recv_lookahead must be >= 1, got {recv_lookahead}")
+        dp_op = dp_op if dp_op is not None else ("mean" if scale_grads else "sum")
         if dp_op not in DP_OPS:
             raise ValueError(f"dp_op must be one of {', '.join(DP_OPS)}, got {dp_op!r}")
         if zero_bubble not in ("split", "store"):
