@@ -39,6 +39,8 @@ from dualpipe_kernels.runtime.construction import (
     sequential_stages,
 )
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
+from dualpipe_kernels.runtime.memory import ActivationMemory
+from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, parse_memory_policy
 from dualpipe_kernels.runtime.microbatch import split_microbatches
 from dualpipe_kernels.runtime.mirror import MirrorSync
 from dualpipe_kernels.runtime.p2p import LayoutMemory, TagSpace
@@ -94,7 +96,13 @@ class Pipeline(nn.Module):
     ``"split"`` (I/W autograd-graph split, default) or ``"store"`` (the
     reference's behaviour: I runs the full backward with the WeightGradStore
     enabled, W only pops the store).  ``device``: where received tensors go
-    (default: the device of the modules' parameters).
+    (default: the device of the modules' parameters).  ``memory_policy``: what
+    happens to each stage's saved activations, one for all stages or
+    ``{stage: policy}``: ``"keep"`` (default), ``"recompute"``,
+    ``"compress"`` / ``"compress:fp8"`` (lossy), ``"offload"``, or a
+    :class:`MemoryPolicy` (see ``runtime/memory_plan.py``).  ``memory_policy``
+    (the attribute) is then ``{stage: policy name}``; ``activation_memory.peaks``
+    the peak device-resident saved bytes of every training step.
 
     The module is an ``nn.Module`` holding the stage modules (``parameters()``,
     ``zero_grad()`` work on it); ``stage_modules`` maps stage -> module.
@@ -114,6 +122,7 @@ class Pipeline(nn.Module):
         recv_lookahead: int = 2,
         zero_bubble: str = "split",
         device: torch.device | str | None = None,
+        memory_policy: str | MemoryPolicy | Mapping[int, str | MemoryPolicy] = "keep",
     ) -> None:
         super().__init__()
         if not isinstance(schedule, Schedule):
@@ -160,8 +169,13 @@ class Pipeline(nn.Module):
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
         self._broken: str | None = None
+        policies = parse_memory_policy(memory_policy, self.stages)
+        self.memory_policy = {s: p.name for s, p in policies.items()}
+        self.activation_memory = ActivationMemory(
+            self.rank, policies, schedule.actions[self.rank], self.stage_modules, self.device
+        )
         self._compute = StageCompute(
-            self.rank, self.program.topo, self.stage_modules, self.weight_grad_store, zero_bubble
+            self.rank, self.program.topo, self.stage_modules, self.weight_grad_store, zero_bubble, self.activation_memory
         )
         self.overlap_hook = self._compute.overlap_hook
         wire = Wire(
@@ -223,6 +237,7 @@ class Pipeline(nn.Module):
         rec = TimelineRecorder(self.rank, self.record_timeline)
         t0 = rec.t0
         run = StepRun(self._loop, self._compute, self._boundary, cst, BoundaryState(cst.forward_only), rec)
+        cst.mem = self.activation_memory.begin_step(training=not cst.forward_only)
         self.weight_grad_store.clear()
         try:
             with self.weight_grad_store.bind():
@@ -230,6 +245,7 @@ class Pipeline(nn.Module):
                 if not cst.forward_only and self.sync_mirror_grads and self._mirrors:
                     # Not a schedule action, so not in the timeline (entries must parse as actions).
                     self._mirrors.run()
+            self.activation_memory.end_step(cst.mem)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             raise
