@@ -73,7 +73,11 @@ def train(
 
     modules = _stages(schedule, rank)
     pipe = Pipeline(
-        schedule, modules, transport="torch", timeout_s=timeout_s, memory_policy=_policy(policy),
+        schedule,
+        modules,
+        transport="torch",
+        timeout_s=timeout_s,
+        memory_policy=_policy(policy),
         zero_bubble=zero_bubble,
     )
     losses, grads = [], []
@@ -101,9 +105,7 @@ def train(
     }
 
 
-def policy_runs(
-    rank: int, world_size: int, cases: Sequence[tuple[str, int, str, str]], steps: int
-) -> dict[str, Any]:
+def policy_runs(rank: int, world_size: int, cases: Sequence[tuple[str, int, str, str]], steps: int) -> dict[str, Any]:
     """Rank function: ``cases`` = (schedule, microbatches, policy, zero_bubble); results by ``schedule/policy/zb``."""
     torch.use_deterministic_algorithms(True)
     out: dict[str, Any] = {}
@@ -114,13 +116,13 @@ def policy_runs(
     return out
 
 
-def long_offload(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+def long_offload(rank: int, world_size: int, steps: int, policy: str = "offload") -> dict[str, Any]:
     """``steps`` DualPipeV steps with offload: arena allocations, live tensors and RSS every step."""
     from dualpipe_kernels.runtime.executor import Pipeline
 
     sched = _schedule("dualpipev", world_size, 8)
     modules = _stages(sched, rank)
-    pipe = Pipeline(sched, modules, transport="torch", timeout_s=30.0, memory_policy=_policy("offload"))
+    pipe = Pipeline(sched, modules, transport="torch", timeout_s=30.0, memory_policy=_policy(policy))
     tensors, rss = [], []
     try:
         for step in range(steps):
@@ -141,4 +143,48 @@ def long_offload(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         "peaks": list(mem.peaks),
         "tensors": tensors,
         "rss": rss,
+    }
+
+
+def gpt_losses(rank: int, world_size: int, policies: Sequence[str], steps: int) -> dict[str, list[float]]:
+    """The demo GPT (small) trained ``steps`` AdamW steps on DualPipeV under each policy; mean loss per step."""
+    from dualpipe_kernels.demo_data import SyntheticTokens
+    from dualpipe_kernels.models.gpt import GPTConfig, gpt_loss, stage_modules_for
+    from dualpipe_kernels.runtime.executor import Pipeline
+
+    n = 4
+    sched = _schedule("dualpipev", world_size, n)
+    gcfg = GPTConfig(seq_len=8, d_model=16, n_heads=2, n_layers=4)
+    out: dict[str, list[float]] = {}
+    for policy in policies:
+        modules = stage_modules_for(sched, gcfg, 0, rank)
+        opt = torch.optim.AdamW([p for m in modules.values() for p in m.parameters()], lr=3e-3, weight_decay=0.0)
+        data = SyntheticTokens(gcfg.vocab_size, gcfg.seq_len, 0)
+        pipe = Pipeline(sched, modules, transport="torch", timeout_s=30.0, memory_policy=policy)
+        losses = []
+        try:
+            for step in range(steps):
+                ids, tgt = data.batch(step, n * 2)
+                res = pipe.step(ids, labels=(tgt,), criterion=gpt_loss)
+                total = torch.zeros(())
+                for v in res.losses.values():
+                    total += v
+                dist.all_reduce(total)
+                losses.append(total.item() / n)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            pipe.close()
+        out[policy] = losses
+    return out
+
+
+def all_checks(
+    rank: int, world_size: int, cases: Sequence[tuple[str, int, str, str]], gpt_steps: int, long_steps: int
+) -> dict[str, Any]:
+    """Every check of tests/test_memory_policies.py in one spawned group (process start costs seconds)."""
+    return {
+        "policies": policy_runs(rank, world_size, cases, steps=2),
+        "gpt": gpt_losses(rank, world_size, ["keep", "compress:fp8"], gpt_steps),
+        "long": long_offload(rank, world_size, long_steps),
     }

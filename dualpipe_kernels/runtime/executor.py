@@ -175,7 +175,12 @@ class Pipeline(nn.Module):
             self.rank, policies, schedule.actions[self.rank], self.stage_modules, self.device
         )
         self._compute = StageCompute(
-            self.rank, self.program.topo, self.stage_modules, self.weight_grad_store, zero_bubble, self.activation_memory
+            self.rank,
+            self.program.topo,
+            self.stage_modules,
+            self.weight_grad_store,
+            zero_bubble,
+            self.activation_memory,
         )
         self.overlap_hook = self._compute.overlap_hook
         wire = Wire(

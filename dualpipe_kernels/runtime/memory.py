@@ -164,14 +164,16 @@ class ActivationMemory:
     def _packer(self, sm: StepMemory, rec: _Record) -> Callable[[torch.Tensor], Any]:
         kind = rec.policy.kind
 
+        # Tensors that stay are returned detached: returning a saved *output* itself would make a
+        # reference cycle through its own grad_fn that Python's gc cannot see (a leak per step).
         def pack(t: torch.Tensor) -> Any:
             index, rec.saves = rec.saves, rec.saves + 1
             ptr = storage_ptr(t)
             if ptr in sm.params:
-                return t
+                return t.detach()
             if ptr in rec.pinned:
                 self._count(sm, rec, ptr, storage_bytes(t))
-                return t
+                return t.detach()
             if kind == "recompute":
                 rec.dropped.append(index)
                 return _Dropped(rec, index)
@@ -180,7 +182,7 @@ class ActivationMemory:
             if rec.offload and storage_bytes(t) >= rec.policy.min_bytes:
                 return self._offload(sm, rec, t)
             self._count(sm, rec, ptr, storage_bytes(t))
-            return t
+            return t.detach()
 
         return pack
 

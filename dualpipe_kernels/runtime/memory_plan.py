@@ -85,7 +85,9 @@ def parse_memory_policy(
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(stages))
         if unknown:
-            raise ValueError(f"memory_policy names stage(s) {unknown} that this rank does not hold (it holds {list(stages)})")
+            raise ValueError(
+                f"memory_policy names stage(s) {unknown} that this rank does not hold (it holds {list(stages)})"
+            )
         return {s: MemoryPolicy.parse(value.get(s, "keep")) for s in stages}
     pol = MemoryPolicy.parse(value)
     return {s: pol for s in stages}
