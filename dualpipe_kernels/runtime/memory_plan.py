@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dualpipe_kernels.schedules.ir import T_B, T_F, T_I, Action
+from dualpipe_kernels.schedules.ir import Action
+from dualpipe_kernels.schedules.memory_model import reload_points
 
 __all__ = ["MemoryPolicy", "POLICY_KINDS", "parse_memory_policy", "ReloadPlan"]
 
@@ -94,35 +95,15 @@ def parse_memory_policy(
 
 
 class ReloadPlan:
-    """Where offloaded activations come back, from one rank's lowered ``actions``.
+    """Where offloaded activations come back on this rank: the rule of
+    :func:`~dualpipe_kernels.schedules.memory_model.reload_points` (shared with the
+    simulator), indexed by position in this rank's lowered ``actions``.
 
-    ``reload_at[i]``: keys whose reload starts before action ``i`` runs (the
-    ``lookahead``-th compute before their first backward: B, I, or a pair's
-    backward half).  ``resident``: keys consumed within ``max(2, lookahead)``
-    compute actions of their forward, which are never offloaded.
+    ``reload_at[i]``: keys whose reload starts before action ``i`` runs;
+    ``resident``: keys consumed so soon after their forward that they never move.
     """
 
     def __init__(self, actions: Sequence[Action], lookahead: Mapping[int, int]) -> None:
-        fwd: dict[Key, int] = {}
-        bwd: dict[Key, int] = {}
-        compute_index: list[int] = []
-        for i, a in enumerate(actions):
-            if not a.is_compute:
-                continue
-            p = len(compute_index)
-            compute_index.append(i)
-            for sub in a.computes():
-                key = (sub.stage, sub.microbatch)
-                if sub.type is T_F:
-                    fwd[key] = p
-                elif sub.type in (T_B, T_I):
-                    bwd.setdefault(key, p)
-        self.reload_at: dict[int, list[Key]] = {}
-        self.resident: set[Key] = set()
-        for key, q in bwd.items():
-            ahead = lookahead.get(key[0], 2)
-            p = fwd.get(key, -1)
-            if q - p <= max(2, ahead):
-                self.resident.add(key)
-                continue
-            self.reload_at.setdefault(compute_index[q - ahead], []).append(key)
+        at_compute, self.resident = reload_points(actions, lookahead)
+        compute_index = [i for i, a in enumerate(actions) if a.is_compute]
+        self.reload_at: dict[int, list[Key]] = {compute_index[p]: keys for p, keys in at_compute.items()}
