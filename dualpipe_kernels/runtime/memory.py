@@ -11,8 +11,9 @@ tensors (after B, or after the W of an I/W split); the action loop calls
 the plan puts there.
 
 Accounting: every saved tensor's *storage* is counted once per (stage, mb) while
-it is device-resident (parameters never count: they are not activations); the
-step's peak of the sum over this rank is :attr:`StepMemory.peak`.
+it is device-resident (parameters never count: they are not activations; a
+stage input or label counts its own bytes, as it may be a slice of the caller's
+batch); the step's peak of the sum over this rank is :attr:`StepMemory.peak`.
 """
 
 from __future__ import annotations
@@ -111,11 +112,16 @@ class ActivationMemory:
         self.arena = HostArena(pin=device.type == "cuda")
         self.side = SideStream(device)
         self.peaks: list[int] = []
+        # Per stage: the largest resident bytes one micro-batch's record held at the end of its
+        # forward in the last training step (what a policy keeps per chunk; benchmarks feed it to the model).
+        self.forward_bytes: dict[int, int] = {}
 
     # ---- step ---------------------------------------------------------------
     def begin_step(self, training: bool) -> StepMemory:
         """A fresh step: reset the arena (sized from the previous steps) and note the parameters' storages."""
         self.arena.reset()
+        if training:
+            self.forward_bytes = {}
         params = {storage_ptr(p) for m in self.modules.values() for p in m.parameters()} if training else set()
         return StepMemory(training=training, params=params)
 
@@ -172,7 +178,8 @@ class ActivationMemory:
             if ptr in sm.params:
                 return t.detach()
             if ptr in rec.pinned:
-                self._count(sm, rec, ptr, storage_bytes(t))
+                # A stage input may be a slice of the caller's whole batch: count the slice, not its storage.
+                self._count(sm, rec, ptr, t.numel() * t.element_size())
                 return t.detach()
             if kind == "recompute":
                 rec.dropped.append(index)
@@ -220,6 +227,8 @@ class ActivationMemory:
             if entry.release_source(self.side):
                 sm.add(rec, -entry.nbytes)
         rec.seen.clear()
+        s = rec.key[0]
+        self.forward_bytes[s] = max(self.forward_bytes.get(s, 0), rec.nbytes)
 
     # ---- reload, recompute, release ---------------------------------------------
     def at_action(self, sm: StepMemory, i: int) -> None:
