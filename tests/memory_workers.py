@@ -80,6 +80,7 @@ def train(
         memory_policy=_policy(policy),
         zero_bubble=zero_bubble,
     )
+    pipe.activation_memory.track = True  # keep's peak too
     losses, grads = [], []
     try:
         for step in range(steps):
@@ -123,6 +124,7 @@ def long_offload(rank: int, world_size: int, steps: int, policy: str = "offload"
     sched = _schedule("dualpipev", world_size, 8)
     modules = _stages(sched, rank)
     pipe = Pipeline(sched, modules, transport="torch", timeout_s=30.0, memory_policy=_policy(policy))
+    pipe.activation_memory.track = True
     tensors, rss = [], []
     try:
         for step in range(steps):

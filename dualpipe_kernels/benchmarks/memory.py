@@ -102,6 +102,7 @@ def _rank(rank: int, world: int, cfg: MemoryConfig) -> dict[str, Any]:
         for policy in POLICIES:
             modules = {s: MemStage(cfg.f_s, cfg.depth) for s in sched.stages_of_rank(rank)}
             pipe = Pipeline(sched, modules, transport="torch", memory_policy=policy, timeout_s=120.0)
+            pipe.activation_memory.track = True  # keep's peak is the reference
             x = torch.randn(
                 sleep_batch(cfg.microbatches, cfg.activation_bytes).shape, generator=torch.Generator().manual_seed(0)
             )

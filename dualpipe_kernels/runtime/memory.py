@@ -93,7 +93,13 @@ class ActivationMemory:
     """The memory policies of one pipeline rank (``policies``: stage -> policy) over its lowered ``actions``.
 
     Counters: ``peaks`` (peak resident saved bytes of every training step, in
-    order), ``arena.allocations`` (host arena allocations, 1 once sized).
+    order; keep stages count only with ``track = True``), ``forward_bytes``
+    (per stage, what one micro-batch held after its forward), ``arena.allocations``
+    (host arena allocations, 1 once sized).
+
+    Under recompute, compress and offload a custom autograd Function gets an
+    alias of a saved parameter back, not the parameter itself (torch does this
+    under any saved-tensor hook): its ``.grad`` is not the parameter's.
     """
 
     def __init__(
@@ -112,6 +118,11 @@ class ActivationMemory:
         self.arena = HostArena(pin=device.type == "cuda")
         self.side = SideStream(device)
         self.peaks: list[int] = []
+        # Keep stages run without hooks unless accounting is asked for: under any saved-tensor hook
+        # autograd hands a custom Function back an alias of a saved parameter, not the parameter, so
+        # code that accumulates into ``saved_weight.grad`` (the reference's zero-bubble linears) would
+        # write to the alias.  Benchmarks set ``track = True`` to measure keep's peak.
+        self.track = False
         # Per stage: the largest resident bytes one micro-batch's record held at the end of its
         # forward in the last training step (what a policy keeps per chunk; benchmarks feed it to the model).
         self.forward_bytes: dict[int, int] = {}
@@ -146,12 +157,12 @@ class ActivationMemory:
         ``replay``: re-runs the block's computation (recompute).
         """
         key = (s, mb)
-        if not sm.training or not torch.is_grad_enabled():
+        pol = self.policies.get(s, MemoryPolicy())
+        if not sm.training or not torch.is_grad_enabled() or (pol.kind == "keep" and not self.track):
             yield
             return
         rec = sm.records.get(key)
         if rec is None:
-            pol = self.policies.get(s, MemoryPolicy())
             pins = set(sm.params) | {storage_ptr(t) for t in pinned if isinstance(t, torch.Tensor)}
             rec = _Record(key, pol, pins, offload=pol.kind == "offload" and key not in self.plan.resident)
             sm.records[key] = rec
@@ -170,17 +181,21 @@ class ActivationMemory:
     def _packer(self, sm: StepMemory, rec: _Record) -> Callable[[torch.Tensor], Any]:
         kind = rec.policy.kind
 
-        # Tensors that stay are returned detached: returning a saved *output* itself would make a
+        # Tensors that stay go back as they came when they are leaves (a custom function may use a
+        # saved parameter's ``.grad``), detached otherwise: a saved *output* returned as itself makes a
         # reference cycle through its own grad_fn that Python's gc cannot see (a leak per step).
+        def same(t: torch.Tensor) -> torch.Tensor:
+            return t if t.grad_fn is None else t.detach()
+
         def pack(t: torch.Tensor) -> Any:
             index, rec.saves = rec.saves, rec.saves + 1
             ptr = storage_ptr(t)
             if ptr in sm.params:
-                return t.detach()
+                return same(t)
             if ptr in rec.pinned:
                 # A stage input may be a slice of the caller's whole batch: count the slice, not its storage.
                 self._count(sm, rec, ptr, t.numel() * t.element_size())
-                return t.detach()
+                return same(t)
             if kind == "recompute":
                 rec.dropped.append(index)
                 return _Dropped(rec, index)
@@ -189,7 +204,7 @@ class ActivationMemory:
             if rec.offload and storage_bytes(t) >= rec.policy.min_bytes:
                 return self._offload(sm, rec, t)
             self._count(sm, rec, ptr, storage_bytes(t))
-            return t.detach()
+            return same(t)
 
         return pack
 
