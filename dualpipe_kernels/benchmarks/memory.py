@@ -3,7 +3,9 @@
 DualPipeV and 1F1B on 4 CPU ranks x 16 micro-batches (quick: 8).  Each stage
 chunk sleeps F / I / W (:mod:`.sleep_stages`, so time is predictable) and saves
 real activations: ``depth`` tanh layers of one ``[rows, cols]`` float32 block
-(``--activation-bytes``), whose scale parameter gets a real gradient.
+(``--activation-bytes``), whose scale parameter gets a real gradient.  The
+default depth 16 saves 17 blocks per chunk (16 plus the stage input), about
+what one transformer layer saves per boundary activation.
 
 Per (schedule, policy): the peak device-resident saved bytes of the busiest
 rank (``peak_saved_bytes``, the runtime's own accounting; on CPU the offload
@@ -11,7 +13,8 @@ arena is host memory, so "device" means "not in the arena"), the median step
 time (slowest rank), and the simulator's prediction of both
 (``schedules.memory_model.predict``, fed the per-chunk sizes the runtime
 measured in one forward: saved under keep, kept under recompute, packed under
-compress).  ``bit_exact``: every gradient equals keep's.
+compress; and the chunk's F and B timed alone in this process, W its sleep,
+compress's pack + unpack time per byte).  ``bit_exact``: every gradient equals keep's.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=None, help="default 16; quick 8")
     p.add_argument("--activation-bytes", type=int, default=None, help="one activation block (default 256 KiB)")
-    p.add_argument("--depth", type=int, default=8, help="saved tanh layers per chunk (default 8)")
+    p.add_argument("--depth", type=int, default=16, help="saved tanh layers per chunk (default 16)")
     p.add_argument("--f-ms", type=float, default=None, help="forward sleep (default 10; quick 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps after one warm-up (default 4; quick 2)")
 
@@ -58,7 +61,7 @@ class MemoryConfig:
             ranks=int(getattr(args, "ranks", 4) or 4),
             microbatches=int(option(args, "microbatches", 16, 8)),
             activation_bytes=int(option(args, "activation_bytes", 256 << 10, 32 << 10)),
-            depth=int(getattr(args, "depth", 8) or 8),
+            depth=int(getattr(args, "depth", 16) or 16),
             f_s=float(option(args, "f_ms", 10.0, 2.0)) / 1000,
             steps=int(option(args, "steps", 4, 2)),
         )
@@ -128,8 +131,9 @@ def _rank(rank: int, world: int, cfg: MemoryConfig) -> dict[str, Any]:
     return out
 
 
-def _predict(cfg: MemoryConfig, name: str, policy: str, by_policy: dict[str, list[dict[str, Any]]]) -> Any:
-    from dualpipe_kernels.benchmarks.sleep_stages import ChunkCosts, sleep_overshoot
+def _predict(
+    cfg: MemoryConfig, name: str, policy: str, by_policy: dict[str, list[dict[str, Any]]], measured: Any
+) -> Any:
     from dualpipe_kernels.schedules.generators import build_schedule
     from dualpipe_kernels.schedules.memory_model import ChunkBytes, predict
 
@@ -144,14 +148,58 @@ def _predict(cfg: MemoryConfig, name: str, policy: str, by_policy: dict[str, lis
     saved, kept = per_stage("keep"), per_stage("recompute")
     packed = per_stage(policy) if policy.startswith("compress") else {}
     sizes = [ChunkBytes(saved[s], min(kept[s], saved[s]), packed.get(s)) for s in range(sched.num_stages)]
-    costs = ChunkCosts.nominal(cfg.f_s, 2 * cfg.f_s, cfg.f_s, sleep_overshoot(cfg.f_s, 5)).cost_model()
-    return predict(sched, policy, sizes, costs)
+    costs, per_byte = measured
+    return predict(sched, policy, sizes, costs, compress_s_per_byte=per_byte.get(policy, 0.0))
+
+
+def _measured_costs(cfg: MemoryConfig) -> tuple[Any, dict[str, float]]:
+    """One chunk alone in this process: (CostModel of its F, B and W sleep, compress seconds per byte)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in each rank process
+    try:
+        return _time_chunk(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_chunk(cfg: MemoryConfig) -> tuple[Any, dict[str, float]]:
+    import time
+
+    from dualpipe_kernels.benchmarks.common import median
+    from dualpipe_kernels.benchmarks.sleep_stages import actual_sleep, sleep_batch, sleep_overshoot
+    from dualpipe_kernels.kernels import pack, unpack
+    from dualpipe_kernels.schedules.costs import CostModel
+
+    stage = MemStage(cfg.f_s, cfg.depth)
+    x = torch.randn(sleep_batch(1, cfg.activation_bytes).shape)
+    fs, bs, cs = [], [], {}
+    for k in range(4):  # the first round warms up
+        t0 = time.perf_counter()
+        y = stage(x)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        t2 = time.perf_counter()
+        if k:
+            fs.append(t1 - t0)
+            bs.append(t2 - t1)
+    for policy, dtype in (("compress:bf16", torch.bfloat16), ("compress:fp8", torch.float8_e4m3fn)):
+        ts = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            buf, layout = pack([x], dtype=dtype)
+            unpack(buf, layout)
+            ts.append(time.perf_counter() - t0)
+        cs[policy] = median(ts[1:]) / (x.numel() * x.element_size())
+    f, b = median(fs), median(bs)
+    w = min(actual_sleep(cfg.f_s, sleep_overshoot(cfg.f_s, 5)), b / 2)
+    return CostModel(f=f, b=b, w=w), cs
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualpipe_kernels.runtime.launch import spawn
 
     cfg = MemoryConfig.from_args(args)
+    measured = _measured_costs(cfg)
     per_rank = spawn(_rank, cfg.ranks, cfg, timeout_s=1800.0)
     rows = []
     for name in SCHEDULES:
@@ -161,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         keep_step = statistics.median(max(ts) for ts in zip(*(r["times"] for r in keep), strict=True))
         for policy in POLICIES:
             got = by_policy[policy]
-            pred = _predict(cfg, name, policy, by_policy)
+            pred = _predict(cfg, name, policy, by_policy, measured)
             step = statistics.median(max(ts) for ts in zip(*(r["times"] for r in got), strict=True))
             peak = max(r["peak"] for r in got)
             exact = all(
@@ -189,7 +237,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "measured_over_predicted_step": step / float(pred.makespan),
                 }
             )
-    return {"rows": rows, "config": asdict(cfg)}
+    costs, per_byte = measured
+    chunk = {"f_s": float(costs.f), "b_s": float(costs.b), "w_s": float(costs.w), "compress_s_per_byte": per_byte}
+    return {"rows": rows, "config": asdict(cfg), "chunk_costs": chunk}
 
 
 def to_markdown(result: dict[str, Any]) -> str:
