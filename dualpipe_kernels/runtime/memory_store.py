@@ -2,8 +2,10 @@
 
 On a GPU the arena is pinned and copies run on a side stream ordered by
 events (the compute stream never waits on the host).  On CPU the same code
-runs host to host with synchronous copies, so the offload/reload scheduling
-and the resident-byte accounting are tested without a GPU.
+runs with an accounting arena: the offload copies into it synchronously, a
+reload only marks the bytes resident again and the backward reads the arena
+(valid until the next step's reset), so the offload/reload scheduling and the
+resident-byte accounting are tested without a GPU.
 """
 
 from __future__ import annotations
@@ -132,7 +134,9 @@ class Offloaded:
                 self.event.record(s)
             buf.record_stream(s)
         else:
-            buf = self.host.clone()  # the CPU stand-in for a device copy
+            # CPU: the arena is already in the memory the tensors are read from, so the "reload" is
+            # the accounting alone (the bytes count as resident again), not a second host copy.
+            buf = self.host
         self.device = buf
         return True
 
@@ -143,4 +147,6 @@ class Offloaded:
             raise RuntimeError("offloaded activation read before its reload was started (or after its release)")
         if self.source is None and self.event is not None:
             torch.cuda.current_stream(flat.device).wait_event(self.event)
-        return torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, size, stride)
+        # ``flat`` may be a slice of the arena: its start (in bytes, 64-aligned) shifts the view's offset.
+        start = flat.storage_offset() // dtype.itemsize + offset
+        return torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), start, size, stride)
