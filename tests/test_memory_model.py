@@ -107,3 +107,22 @@ def test_bench_memory_json_contract(tmp_path: Path, capsys):
         assert row["bit_exact"] is (not row["policy"].startswith("compress"))
         assert 0 < row["peak_saved_bytes"] <= row["peak_saved_bytes_keep"]
     assert (tmp_path / "memory.md").stat().st_size > 0
+
+
+def test_policy_arguments_are_checked_and_named():
+    from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, parse_memory_policy
+
+    assert {s: p.name for s, p in parse_memory_policy("compress:fp8", [0, 3]).items()} == {
+        0: "compress:fp8",
+        3: "compress:fp8",
+    }
+    got = parse_memory_policy({3: "offload"}, [0, 3])
+    assert (got[0].kind, got[3].kind) == ("keep", "offload")
+    with pytest.raises(ValueError, match="stage\\(s\\) \\[5\\]"):
+        parse_memory_policy({5: "offload"}, [0, 3])
+    with pytest.raises(ValueError, match="'swap' is unknown"):
+        MemoryPolicy.parse("swap")
+    with pytest.raises(ValueError, match="only compress takes a format"):
+        MemoryPolicy.parse("offload:fp8")
+    with pytest.raises(ValueError, match="lookahead >= 1"):
+        MemoryPolicy("offload", lookahead=0)
