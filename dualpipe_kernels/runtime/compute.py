@@ -78,7 +78,7 @@ class StageCompute:
     ``zero_bubble``: ``"split"`` (I/W autograd-graph split) or ``"store"``
     (I runs the full backward with the WeightGradStore enabled, W pops it).
     ``overlap_hook``: the stage modules' class defines ``overlapped_forward_backward``.
-    ``memory``: the stages' memory policies (default: keep everything, accounting only).
+    ``memory``: the stages' memory policies (default: keep everything, no saved-tensor hooks).
     """
 
     rank: int
