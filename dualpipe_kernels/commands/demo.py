@@ -78,6 +78,9 @@ def add_parser(subparsers: Any) -> None:
         default="auto",
         help="auto: CUDA when a GPU is visible, else CPU processes; on CUDA ranks share the GPUs round-robin",
     )
+    p.add_argument(
+        "--compare", choices=_SCHEDULES, default=None, help="also run this schedule on the same model and data"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress stays on stderr)")
     p.set_defaults(func=run)
 
@@ -448,6 +451,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
+        if getattr(args, "compare", None):
+            from dualpipe_kernels.commands.demo_compare import run_compare
+
+            return run_compare(cfg, args.compare, args.json)
         res = run_demo(cfg)
     except RanksFailed as e:
         sys.stderr.write(f"dualpipe-kernels demo: failed: {e}\n")

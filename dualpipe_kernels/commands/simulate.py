@@ -7,7 +7,11 @@ Contract (DESIGN.md)::
         [--json] [--trace FILE.json] [--png FILE.png] [--csv FILE.csv]
 
 Extras: ``--ranks-per-node``, ``--inter-latency``, ``--inter-bandwidth``,
-``--blocking-comm``, ``--ascii`` (force the grid), ``--events`` (events in JSON).
+``--blocking-comm``, ``--ascii`` (force the grid), ``--events`` (events in JSON),
+``--memory-policy P`` (with ``--activation-bytes``/``--saved-bytes``, ``--kept-bytes``,
+``--host-bandwidth``, ``--compress-cost``, ``--reload-lookahead``): peak saved bytes per
+rank under P, and P's time cost in the makespan (JSON: ``memory_policy``,
+``peak_saved_bytes_per_rank``, ``peak_saved_bytes``).
 Costs are in seconds when combined with comm settings (latency in s,
 bandwidth in bytes/s); otherwise in any unit.
 """
@@ -22,6 +26,7 @@ from typing import Any
 
 from ..schedules.costs import CommModel, CostModel, Num
 from ..schedules.generators import SCHEDULE_NAMES, build_schedule
+from ..schedules.memory_model import MEMORY_POLICIES, ChunkBytes, peak_saved_bytes, policy_costs
 from ..schedules.simulator import SimResult, reference_bubble, simulate
 from ..schedules.validate import validate
 from .outputs import check_output_file
@@ -73,6 +78,15 @@ def add_parser(subparsers: Any) -> None:
     comm.add_argument("--inter-latency", type=_number, default=None, help="seconds (default: --comm-latency)")
     comm.add_argument("--inter-bandwidth", type=_bandwidth, default=None, help="bytes/s (default: --comm-bandwidth)")
     comm.add_argument("--blocking-comm", action="store_true", help="a send blocks its rank until it arrives")
+    mem = p.add_argument_group("activation memory (schedules/memory_model.py)")
+    mem.add_argument("--memory-policy", choices=MEMORY_POLICIES, default=None, help="print peak saved bytes per rank")
+    mem.add_argument(
+        "--saved-bytes", type=_number, default=None, help="saved bytes of a chunk per micro-batch (default: activation)"
+    )
+    mem.add_argument("--kept-bytes", type=_number, default=0, help="of those, bytes that never move (stage inputs)")
+    mem.add_argument("--host-bandwidth", type=_number, default=math.inf, help="offload host link, bytes/s")
+    mem.add_argument("--compress-cost", type=_number, default=0, help="compress: seconds per saved byte")
+    mem.add_argument("--reload-lookahead", type=int, default=2, help="offload: computes a reload runs ahead")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--events", action="store_true", help="with --json: include every event")
@@ -154,6 +168,16 @@ def run(args: argparse.Namespace) -> int:
         inter_bandwidth=args.inter_bandwidth,
         blocking=args.blocking_comm,
     )
+    memory = None
+    if args.memory_policy is not None:
+        saved = args.activation_bytes if args.saved_bytes is None else args.saved_bytes
+        sizes = ChunkBytes(saved, args.kept_bytes)
+        cost = policy_costs(
+            schedule, cost, args.memory_policy, sizes, args.host_bandwidth, args.compress_cost, args.reload_lookahead
+        )
+        peaks = peak_saved_bytes(schedule, args.memory_policy, sizes, args.reload_lookahead)
+        memory = {"memory_policy": args.memory_policy, "peak_saved_bytes_per_rank": peaks}
+        memory["peak_saved_bytes"] = max(peaks)
     res = simulate(schedule, cost, comm, program=program)
     ref = reference_bubble(schedule.name, schedule.num_ranks, cost)
 
@@ -177,10 +201,15 @@ def run(args: argparse.Namespace) -> int:
             "ranks_per_node": args.ranks_per_node,
             "blocking": args.blocking_comm,
         }
+        if memory is not None:
+            d.update(memory)
         sys.stdout.write(json.dumps(d, allow_nan=False) + "\n")  # strict JSON: no NaN/Infinity
         return 0
 
     print(_summary(res, ref))
+    if memory is not None:
+        peaks = ", ".join(f"{float(x):g}" for x in memory["peak_saved_bytes_per_rank"])
+        print(f"  memory policy {args.memory_policy}: peak saved bytes per rank [{peaks}] (makespan includes its cost)")
     longest = max(len(list(schedule.compute_actions(r))) for r in range(schedule.num_ranks))
     if args.ascii or longest <= _ASCII_MAX_STEPS:
         from ..schedules.ascii import to_ascii

@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from dualpipe_kernels.runtime.checks import call_criterion
+from dualpipe_kernels.runtime.memory import ActivationMemory, StepMemory
 from dualpipe_kernels.runtime.zero_bubble import DeferredWeightGrad, WeightGradStore, backward_full, backward_input
 from dualpipe_kernels.schedules.deps import DepKind, Topology
 from dualpipe_kernels.schedules.ir import T_I, T_RECV_B, T_RECV_F, Action, ActionType
@@ -61,6 +62,8 @@ class ComputeState:
     outbox_b: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # Saved activations under the stages' memory policies (memory.py); set by the pipeline per step.
+    mem: StepMemory = field(default_factory=StepMemory)
 
 
 def _as_tuple(out: Any, stage: int) -> tuple[Any, ...]:
@@ -78,6 +81,7 @@ class StageCompute:
     ``zero_bubble``: ``"split"`` (I/W autograd-graph split) or ``"store"``
     (I runs the full backward with the WeightGradStore enabled, W pops it).
     ``overlap_hook``: the stage modules' class defines ``overlapped_forward_backward``.
+    ``memory``: the stages' memory policies (default: keep everything, no saved-tensor hooks).
     """
 
     rank: int
@@ -85,11 +89,20 @@ class StageCompute:
     modules: Mapping[int, nn.Module]
     store: WeightGradStore
     zero_bubble: str
+    memory: ActivationMemory | None = None
     overlap_hook: bool = field(init=False)
 
     def __post_init__(self) -> None:
         types = {type(m) for m in self.modules.values()}
         self.overlap_hook = len(types) == 1 and hasattr(next(iter(types)), "overlapped_forward_backward")
+        if self.memory is None:
+            self.memory = ActivationMemory(self.rank, {}, (), self.modules, torch.device("cpu"))
+        recompute = [s for s, p in self.memory.policies.items() if p.kind == "recompute"]
+        if self.overlap_hook and recompute:
+            raise ValueError(
+                f"pipeline rank {self.rank}: memory policy 'recompute' (stages {recompute}) cannot replay a forward "
+                "run inside overlapped_forward_backward; use keep, compress or offload for these stages"
+            )
 
     # ---- forward ------------------------------------------------------------
     def _stage_inputs(self, st: ComputeState, s: int, mb: int) -> list[Any]:
@@ -108,13 +121,18 @@ class StageCompute:
         topo = self.topo
         key = (s, mb)
         ins = self._stage_inputs(st, s, mb)
-        if module_out is None:
-            module_out = self.modules[s](*ins)
-        outs = _as_tuple(module_out, s)
+        is_loss = topo.is_loss_stage(s, mb)
+        labels = st.mb_labels.get(mb, ()) if is_loss else ()
+        replay = None if module_out is not None else self._replay(st, s, ins, labels, is_loss)
+        with self.memory.saving(st.mem, s, mb, (*ins, *labels), replay):  # type: ignore[union-attr]
+            if module_out is None:
+                module_out = self.modules[s](*ins)
+            outs = _as_tuple(module_out, s)
+            if is_loss:
+                self._loss(st, s, mb, outs, loss)
         if st.forward_only:
             del st.inputs[key]
-        if topo.is_loss_stage(s, mb):
-            self._loss(st, s, mb, outs, loss)
+        if is_loss:
             return
         for i, o in enumerate(outs):
             if not isinstance(o, torch.Tensor):
@@ -135,6 +153,19 @@ class StageCompute:
                     "a stage must return fresh tensors (use .clone() or .contiguous())"
                 )
         st.outbox_f[key] = outs
+
+    def _replay(
+        self, st: ComputeState, s: int, ins: list[Any], labels: tuple[Any, ...], is_loss: bool
+    ) -> Callable[[], None]:
+        """The stage's forward (and criterion) again, for a recompute: same ops, same saved tensors."""
+        module, criterion = self.modules[s], st.criterion
+
+        def replay() -> None:
+            outs = _as_tuple(module(*ins), s)
+            if is_loss and criterion is not None:
+                criterion(*outs, *labels)
+
+        return replay
 
     def _loss(self, st: ComputeState, s: int, mb: int, outs: tuple[Any, ...], loss: Any) -> None:
         key = (s, mb)
@@ -181,10 +212,13 @@ class StageCompute:
         """B (``split=False``) or I of stage ``s`` for ``mb``."""
         st.hook_outputs.pop((s, mb), None)
         roots = self._grad_roots(st, s, mb)
+        mem = self.memory
+        mem.before_backward(st.mem, s, mb)  # type: ignore[union-attr]
         store = self.store
         if not split:
             with store.enabled_for(False):
                 backward_full(roots)
+            mem.release(st.mem, s, mb)  # type: ignore[union-attr]
         elif self.zero_bubble == "store":
             with store.enabled_for(True):
                 backward_full(roots)
@@ -204,6 +238,7 @@ class StageCompute:
         if deferred is not None:
             deferred.run()
         self.store.pop((s, mb))
+        self.memory.release(st.mem, s, mb)  # type: ignore[union-attr]  # the I kept the graph for this W
 
     # ---- the F&B pair ---------------------------------------------------------
     def pair(self, st: ComputeState, a: Action) -> None:
@@ -239,11 +274,14 @@ class StageCompute:
             st.roots.pop(kb, None)
             pairs = [(o, gi) for o, gi in zip(outs, g, strict=False) if gi is not None]
             outputs1, grads1 = [o for o, _ in pairs], [gi for _, gi in pairs]
-        store = self.store
-        with store.enabled_for(b.type is T_I):
+        store, mem = self.store, self.memory
+        mem.before_backward(st.mem, *kb)  # type: ignore[union-attr]
+        with store.enabled_for(b.type is T_I), mem.saving(st.mem, f.stage, f.microbatch, (*ins0, *labels0), None):  # type: ignore[union-attr]
             hook = type(mf).overlapped_forward_backward  # type: ignore[attr-defined]
             out0, loss0 = hook(mf, ins0, crit0, labels0, mb_, loss1, outputs1, grads1)
         if b.type is T_I:
             store.flush(kb)
+        else:
+            mem.release(st.mem, *kb)  # type: ignore[union-attr]
         self.forward(st, f.stage, f.microbatch, module_out=out0, loss=loss0)
         self._after_backward(st, b.stage, b.microbatch)

@@ -46,6 +46,8 @@ from dualpipe_kernels.runtime.conveniences import PipelineConveniences
 from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan, mirror_dp_groups
 from dualpipe_kernels.runtime.fingerprint import agree, fingerprint, resolved_transport
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
+from dualpipe_kernels.runtime.memory import ActivationMemory
+from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, parse_memory_policy
 from dualpipe_kernels.runtime.microbatch import split_microbatches
 from dualpipe_kernels.runtime.mirror import MirrorSync, mirrors
 from dualpipe_kernels.runtime.p2p import LayoutMemory, TagSpace
@@ -143,6 +145,14 @@ class Pipeline(PipelineConveniences, nn.Module):
     ``compat``'s semantics).  Only this step's contribution is scaled:
     gradients already in ``.grad`` (accumulation over steps) are left alone.
 
+    ``memory_policy``: what
+    happens to each stage's saved activations, one for all stages or
+    ``{stage: policy}``: ``"keep"`` (default), ``"recompute"``,
+    ``"compress"`` / ``"compress:fp8"`` (lossy), ``"offload"``, or a
+    :class:`MemoryPolicy` (see ``runtime/memory_plan.py``).  ``memory_policy``
+    (the attribute) is then ``{stage: policy name}``; ``activation_memory.peaks``
+    the peak device-resident saved bytes of every training step.
+
     The module is an ``nn.Module`` holding the stage modules (``parameters()``,
     ``zero_grad()`` work on it); ``stage_modules`` maps stage -> module.
     """
@@ -165,6 +175,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         dp_op: str | None = None,
         boundary_format: str | tuple[str, str] | BoundaryFormat | None = "none",
         scale_grads: bool = True,
+        memory_policy: str | MemoryPolicy | Mapping[int, str | MemoryPolicy] = "keep",
     ) -> None:
         """Check the arguments, lower the schedule and set up the transport (collective: every rank builds it)."""
         super().__init__()
@@ -222,14 +233,29 @@ class Pipeline(PipelineConveniences, nn.Module):
             self.rank,
             self.rank_mapping,
             resolved_transport(transport, self.device),
-            extra={"sync_mirror_grads": str(bool(sync_mirror_grads and self._mirrors_of)), "boundary_format": str(fmt)},
+            extra={
+                "sync_mirror_grads": str(bool(sync_mirror_grads and self._mirrors_of)),
+                "boundary_format": str(fmt),
+                # one policy for every stage must be the same everywhere; per-stage mappings may list only a rank's own
+                "memory_policy": memory_policy if isinstance(memory_policy, str) else "per-stage",
+            },
         )
         agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
         self._broken: str | None = None
+        policies = parse_memory_policy(memory_policy, self.stages)
+        self.memory_policy = {s: p.name for s, p in policies.items()}
+        self.activation_memory = ActivationMemory(
+            self.rank, policies, schedule.actions[self.rank], self.stage_modules, self.device
+        )
         self._compute = StageCompute(
-            self.rank, self.program.topo, self.stage_modules, self.weight_grad_store, zero_bubble
+            self.rank,
+            self.program.topo,
+            self.stage_modules,
+            self.weight_grad_store,
+            zero_bubble,
+            self.activation_memory,
         )
         self.overlap_hook = self._compute.overlap_hook
         wire = Wire(
@@ -295,6 +321,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         run = StepRun(self._loop, self._compute, self._boundary, cst, BoundaryState(cst.forward_only), rec)
         if red is not None:
             run.done_hooks = red.hooks()
+        cst.mem = self.activation_memory.begin_step(training=not cst.forward_only)
         self.weight_grad_store.clear()
         try:
             with self.weight_grad_store.bind():
@@ -305,6 +332,7 @@ class Pipeline(PipelineConveniences, nn.Module):
                 if not cst.forward_only and self.sync_mirror_grads and self._mirrors and not folded:
                     # Not a schedule action, so not in the timeline (entries must parse as actions).
                     self._mirrors.run()
+            self.activation_memory.end_step(cst.mem)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             raise

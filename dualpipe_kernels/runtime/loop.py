@@ -185,6 +185,7 @@ class ActionLoop:
                 boundary.post_recv(bst, i, skip_grads=False)
                 bst.reached[(t, a.stage, a.microbatch)] = i
                 continue
+            run.compute.memory.at_action(run.cst.mem, i)  # type: ignore[union-attr]  # reloads the plan starts here
             handler = HANDLERS.get(t)
             if handler is None:
                 raise ValueError(f"pipeline rank {boundary.rank}: no runtime handler for action kind {t} ({a})")

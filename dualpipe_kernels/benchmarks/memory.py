@@ -1,0 +1,260 @@
+"""memory: peak saved-activation bytes and step time of every memory policy, measured vs the simulator.
+
+DualPipeV and 1F1B on 4 CPU ranks x 16 micro-batches (quick: 8).  Each stage
+chunk sleeps F / I / W (:mod:`.sleep_stages`, so time is predictable) and saves
+real activations: ``depth`` tanh layers of one ``[rows, cols]`` float32 block
+(``--activation-bytes``), whose scale parameter gets a real gradient.  The
+default depth 16 saves 17 blocks per chunk (16 plus the stage input), about
+what one transformer layer saves per boundary activation.
+
+Per (schedule, policy): the peak device-resident saved bytes of the busiest
+rank (``peak_saved_bytes``, the runtime's own accounting; on CPU the offload
+arena is host memory, so "device" means "not in the arena"), the median step
+time (slowest rank), and the simulator's prediction of both
+(``schedules.memory_model.predict``, fed the per-chunk sizes the runtime
+measured in one forward: saved under keep, kept under recompute, packed under
+compress; and the chunk's F and B timed alone in this process, W its sleep,
+compress's pack + unpack time per byte).  ``bit_exact``: every gradient equals keep's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+NAME = "memory"
+POLICIES = ("keep", "recompute", "compress:bf16", "compress:fp8", "offload")
+SCHEDULES = ("dualpipev", "1f1b")
+TARGETS = {"recompute": 0.40, "offload": 0.50, "compress:fp8": 0.30}  # of keep's peak (reported, not asserted)
+
+__all__ = ["NAME", "MemoryConfig", "add_arguments", "run", "to_markdown"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=None, help="default 16; quick 8")
+    p.add_argument("--activation-bytes", type=int, default=None, help="one activation block (default 256 KiB)")
+    p.add_argument("--depth", type=int, default=16, help="saved tanh layers per chunk (default 16)")
+    p.add_argument("--f-ms", type=float, default=None, help="forward sleep (default 10; quick 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps after one warm-up (default 4; quick 2)")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    ranks: int
+    microbatches: int
+    activation_bytes: int
+    depth: int
+    f_s: float
+    steps: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MemoryConfig:
+        from dualpipe_kernels.benchmarks.common import option
+
+        cfg = cls(
+            ranks=int(getattr(args, "ranks", 4) or 4),
+            microbatches=int(option(args, "microbatches", 16, 8)),
+            activation_bytes=int(option(args, "activation_bytes", 256 << 10, 32 << 10)),
+            depth=int(getattr(args, "depth", 16) or 16),
+            f_s=float(option(args, "f_ms", 10.0, 2.0)) / 1000,
+            steps=int(option(args, "steps", 4, 2)),
+        )
+        if cfg.ranks < 2 or cfg.ranks % 2 or cfg.microbatches < 2 * cfg.ranks or cfg.steps < 1 or cfg.depth < 1:
+            raise ValueError(
+                f"memory bench needs even ranks >= 2, microbatches >= 2 x ranks, steps >= 1, depth >= 1; got {cfg}"
+            )
+        return cfg
+
+
+class MemStage(nn.Module):
+    """A sleep-timed chunk (F, B = 2F, W = F) that also saves ``depth`` activations the size of its input."""
+
+    def __init__(self, f_s: float, depth: int) -> None:
+        super().__init__()
+        from dualpipe_kernels.benchmarks.sleep_stages import SleepStage
+
+        self.sleep = SleepStage(f_s, 2 * f_s, f_s)
+        self.scale = nn.Parameter(torch.full((1,), 0.5))
+        self.depth = depth
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(self.depth):
+            h = torch.tanh(h * self.scale)
+        return self.sleep(x) + h
+
+
+def _rank(rank: int, world: int, cfg: MemoryConfig) -> dict[str, Any]:
+    import time
+
+    import torch.distributed as dist
+
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_batch, sleep_criterion
+    from dualpipe_kernels.runtime.executor import Pipeline
+    from dualpipe_kernels.schedules.generators import build_schedule
+
+    out: dict[str, Any] = {}
+    for name in SCHEDULES:
+        sched = build_schedule(name, world, cfg.microbatches)
+        for policy in POLICIES:
+            modules = {s: MemStage(cfg.f_s, cfg.depth) for s in sched.stages_of_rank(rank)}
+            pipe = Pipeline(sched, modules, transport="torch", memory_policy=policy, timeout_s=120.0)
+            pipe.activation_memory.track = True  # keep's peak is the reference
+            x = torch.randn(
+                sleep_batch(cfg.microbatches, cfg.activation_bytes).shape, generator=torch.Generator().manual_seed(0)
+            )
+            times = []
+            try:
+                for step in range(cfg.steps + 1):
+                    for m in modules.values():
+                        m.zero_grad(set_to_none=True)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    pipe.step(x, criterion=sleep_criterion)
+                    if step:
+                        times.append(time.perf_counter() - t0)
+            finally:
+                pipe.close()
+            mem = pipe.activation_memory
+            out[f"{name}/{policy}"] = {
+                "peak": mem.last_peak_bytes,
+                "forward_bytes": dict(mem.forward_bytes),
+                "times": times,
+                "grads": {s: m.scale.grad.clone() for s, m in modules.items()},
+            }
+    return out
+
+
+def _predict(
+    cfg: MemoryConfig, name: str, policy: str, by_policy: dict[str, list[dict[str, Any]]], measured: Any
+) -> Any:
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.memory_model import ChunkBytes, predict
+
+    sched = build_schedule(name, cfg.ranks, cfg.microbatches)
+
+    def per_stage(pol: str) -> dict[int, int]:
+        merged: dict[int, int] = {}
+        for r in by_policy[pol]:
+            merged.update({int(s): b for s, b in r["forward_bytes"].items()})
+        return merged
+
+    saved, kept = per_stage("keep"), per_stage("recompute")
+    packed = per_stage(policy) if policy.startswith("compress") else {}
+    sizes = [ChunkBytes(saved[s], min(kept[s], saved[s]), packed.get(s)) for s in range(sched.num_stages)]
+    costs, per_byte = measured
+    return predict(sched, policy, sizes, costs, compress_s_per_byte=per_byte.get(policy, 0.0))
+
+
+def _measured_costs(cfg: MemoryConfig) -> tuple[Any, dict[str, float]]:
+    """One chunk alone in this process: (CostModel of its F, B and W sleep, compress seconds per byte)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in each rank process
+    try:
+        return _time_chunk(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_chunk(cfg: MemoryConfig) -> tuple[Any, dict[str, float]]:
+    import time
+
+    from dualpipe_kernels.benchmarks.common import median
+    from dualpipe_kernels.benchmarks.sleep_stages import actual_sleep, sleep_batch, sleep_overshoot
+    from dualpipe_kernels.kernels import pack, unpack
+    from dualpipe_kernels.schedules.costs import CostModel
+
+    stage = MemStage(cfg.f_s, cfg.depth)
+    x = torch.randn(sleep_batch(1, cfg.activation_bytes).shape)
+    fs, bs, cs = [], [], {}
+    for k in range(4):  # the first round warms up
+        t0 = time.perf_counter()
+        y = stage(x)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        t2 = time.perf_counter()
+        if k:
+            fs.append(t1 - t0)
+            bs.append(t2 - t1)
+    for policy, dtype in (("compress:bf16", torch.bfloat16), ("compress:fp8", torch.float8_e4m3fn)):
+        ts = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            buf, layout = pack([x], dtype=dtype)
+            unpack(buf, layout)
+            ts.append(time.perf_counter() - t0)
+        cs[policy] = median(ts[1:]) / (x.numel() * x.element_size())
+    f, b = median(fs), median(bs)
+    w = min(actual_sleep(cfg.f_s, sleep_overshoot(cfg.f_s, 5)), b / 2)
+    return CostModel(f=f, b=b, w=w), cs
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from dualpipe_kernels.runtime.launch import spawn
+
+    cfg = MemoryConfig.from_args(args)
+    measured = _measured_costs(cfg)
+    per_rank = spawn(_rank, cfg.ranks, cfg, timeout_s=1800.0)
+    rows = []
+    for name in SCHEDULES:
+        by_policy = {p: [r[f"{name}/{p}"] for r in per_rank] for p in POLICIES}
+        keep = by_policy["keep"]
+        keep_peak = max(r["peak"] for r in keep)
+        keep_step = statistics.median(max(ts) for ts in zip(*(r["times"] for r in keep), strict=True))
+        for policy in POLICIES:
+            got = by_policy[policy]
+            pred = _predict(cfg, name, policy, by_policy, measured)
+            step = statistics.median(max(ts) for ts in zip(*(r["times"] for r in got), strict=True))
+            peak = max(r["peak"] for r in got)
+            exact = all(
+                torch.equal(g["grads"][s], k["grads"][s]) for g, k in zip(got, keep, strict=True) for s in k["grads"]
+            )
+            pred_peak = float(max(pred.peak_saved_bytes))
+            rows.append(
+                {
+                    "schedule": name,
+                    "ranks": cfg.ranks,
+                    "microbatches": cfg.microbatches,
+                    "policy": policy,
+                    "peak_saved_bytes": peak,
+                    "peak_saved_bytes_keep": keep_peak,
+                    "predicted_peak_saved_bytes": pred_peak,
+                    "step_s": step,
+                    "step_s_keep": keep_step,
+                    "predicted_step_s": float(pred.makespan),
+                    "bit_exact": exact,
+                    "peak_saved_bytes_per_rank": [r["peak"] for r in got],
+                    "predicted_peak_saved_bytes_per_rank": [float(x) for x in pred.peak_saved_bytes],
+                    "share_of_keep": peak / keep_peak if keep_peak else None,
+                    "target_share_of_keep": TARGETS.get(policy),
+                    "measured_over_predicted_peak": peak / pred_peak if pred_peak else None,
+                    "measured_over_predicted_step": step / float(pred.makespan),
+                }
+            )
+    costs, per_byte = measured
+    chunk = {"f_s": float(costs.f), "b_s": float(costs.b), "w_s": float(costs.w), "compress_s_per_byte": per_byte}
+    return {"rows": rows, "config": asdict(cfg), "chunk_costs": chunk}
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    from dualpipe_kernels.benchmarks.common import markdown_table
+
+    cols = ["schedule", "policy", "peak_saved_bytes", "share_of_keep", "target_share_of_keep"]
+    cols += ["predicted_peak_saved_bytes", "measured_over_predicted_peak", "step_s", "predicted_step_s"]
+    cols += ["measured_over_predicted_step", "bit_exact"]
+    heads = ["schedule", "policy", "peak saved B", "/ keep", "target", "predicted B", "meas/pred"]
+    heads += ["step (s)", "predicted (s)", "meas/pred", "bit-exact"]
+    cfg = result["config"]
+    lines = [
+        f"{cfg['ranks']} CPU ranks x {cfg['microbatches']} micro-batches; peak over ranks of device-resident "
+        "saved bytes (runtime accounting), step time median of the slowest rank.",
+        "",
+        markdown_table(result["rows"], cols, heads),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,334 @@
+"""Saved activations under a memory policy (see :mod:`.memory_plan`): hooks, arena, reloads, accounting.
+
+:class:`ActivationMemory` belongs to one pipeline (its policies, reload plan,
+host arena and side stream); :class:`StepMemory` is one step's records, dropped
+with the step.  The stage compute opens :meth:`ActivationMemory.saving` around a
+stage's forward (``torch.autograd.graph.saved_tensors_hooks``), calls
+:meth:`~ActivationMemory.before_backward` at the start of that micro-batch's
+backward and :meth:`~ActivationMemory.release` when autograd no longer needs the
+tensors (after B, or after the W of an I/W split); the action loop calls
+:meth:`~ActivationMemory.at_action` before each action, which starts the reloads
+the plan puts there.
+
+Accounting: every saved tensor's *storage* is counted once per (stage, mb) while
+it is device-resident (parameters never count: they are not activations; a
+stage input or label counts its own bytes, as it may be a slice of the caller's
+batch); the step's peak of the sum over this rank is :attr:`StepMemory.peak`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from dualpipe_kernels.runtime.memory_plan import Key, MemoryPolicy, ReloadPlan
+from dualpipe_kernels.runtime.memory_store import HostArena, Offloaded, SideStream, storage_bytes, storage_ptr
+
+__all__ = ["ActivationMemory", "StepMemory"]
+
+
+@dataclass
+class _Dropped:
+    """Placeholder saved by a recompute forward: index of the tensor in the replay's save order."""
+
+    rec: _Record
+    index: int
+
+
+@dataclass
+class _View:
+    """Placeholder saved by offload: a view of an offloaded storage."""
+
+    rec: _Record
+    entry: Offloaded
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass
+class _Record:
+    """The saved activations of one (stage, micro-batch) on this rank."""
+
+    key: Key
+    policy: MemoryPolicy
+    pinned: set[int]  # storages that never move: parameters, stage inputs, labels
+    offload: bool
+    open: bool = True
+    counted: set[Any] = field(default_factory=set)  # storages (or compressed tensors) already counted
+    nbytes: int = 0  # device-resident bytes of this key now
+    seen: dict[Any, Any] = field(default_factory=dict)  # dedupe during the forward (holds sources alive)
+    entries: list[Offloaded] = field(default_factory=list)
+    saves: int = 0  # pack calls of the forward (recompute checks the replay against it)
+    dropped: list[int] = field(default_factory=list)
+    replay: Callable[[], None] | None = None
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    recomputed: list[torch.Tensor] | None = None
+
+
+@dataclass
+class StepMemory:
+    """One step's saved-activation records on this rank (``peak``: the step's peak resident bytes)."""
+
+    training: bool = False
+    params: set[int] = field(default_factory=set)
+    records: dict[Key, _Record] = field(default_factory=dict)
+    resident: int = 0
+    peak: int = 0
+
+    def add(self, rec: _Record, n: int) -> None:
+        rec.nbytes += n
+        self.resident += n
+        self.peak = max(self.peak, self.resident)
+
+
+class ActivationMemory:
+    """The memory policies of one pipeline rank (``policies``: stage -> policy) over its lowered ``actions``.
+
+    Counters: ``peaks`` (peak resident saved bytes of every training step, in
+    order; keep stages count only with ``track = True``), ``forward_bytes``
+    (per stage, what one micro-batch held after its forward), ``arena.allocations``
+    (host arena allocations, 1 once sized).
+
+    Under recompute, compress and offload a custom autograd Function gets an
+    alias of a saved parameter back, not the parameter itself (torch does this
+    under any saved-tensor hook): its ``.grad`` is not the parameter's.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        policies: Mapping[int, MemoryPolicy],
+        actions: Sequence[Any],
+        modules: Mapping[int, nn.Module],
+        device: torch.device,
+    ) -> None:
+        self.rank = rank
+        self.policies = dict(policies)
+        self.modules = modules
+        self.device = device
+        self.plan = ReloadPlan(actions, {s: p.lookahead for s, p in self.policies.items()})
+        self.arena = HostArena(pin=device.type == "cuda")
+        self.side = SideStream(device)
+        self.peaks: list[int] = []
+        # Keep stages run without hooks unless accounting is asked for: under any saved-tensor hook
+        # autograd hands a custom Function back an alias of a saved parameter, not the parameter, so
+        # code that accumulates into ``saved_weight.grad`` (the reference's zero-bubble linears) would
+        # write to the alias.  Benchmarks set ``track = True`` to measure keep's peak.
+        self.track = False
+        # Per stage: the largest resident bytes one micro-batch's record held at the end of its
+        # forward in the last training step (what a policy keeps per chunk; benchmarks feed it to the model).
+        self.forward_bytes: dict[int, int] = {}
+
+    # ---- step ---------------------------------------------------------------
+    def begin_step(self, training: bool) -> StepMemory:
+        """A fresh step: reset the arena (sized from the previous steps) and note the parameters' storages."""
+        self.arena.reset()
+        if training:
+            self.forward_bytes = {}
+        params = {storage_ptr(p) for m in self.modules.values() for p in m.parameters()} if training else set()
+        return StepMemory(training=training, params=params)
+
+    def end_step(self, sm: StepMemory) -> None:
+        if sm.training:
+            self.peaks.append(sm.peak)
+        sm.records.clear()
+
+    @property
+    def last_peak_bytes(self) -> int:
+        """Peak device-resident saved bytes of the last training step (0 before the first)."""
+        return self.peaks[-1] if self.peaks else 0
+
+    # ---- forward --------------------------------------------------------------
+    @contextlib.contextmanager
+    def saving(
+        self, sm: StepMemory, s: int, mb: int, pinned: Sequence[Any], replay: Callable[[], None] | None
+    ) -> Iterator[None]:
+        """Apply stage ``s``'s policy to what autograd saves inside the block (the forward of ``mb``).
+
+        ``pinned``: tensors held anyway (stage inputs, labels) that never move.
+        ``replay``: re-runs the block's computation (recompute).
+        """
+        key = (s, mb)
+        pol = self.policies.get(s, MemoryPolicy())
+        if not sm.training or not torch.is_grad_enabled() or (pol.kind == "keep" and not self.track):
+            yield
+            return
+        rec = sm.records.get(key)
+        if rec is None:
+            pins = set(sm.params) | {storage_ptr(t) for t in pinned if isinstance(t, torch.Tensor)}
+            rec = _Record(key, pol, pins, offload=pol.kind == "offload" and key not in self.plan.resident)
+            sm.records[key] = rec
+            if pol.kind == "recompute":
+                rec.replay = replay
+                cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+                rec.rng = (torch.get_rng_state(), cuda)
+        rec.open = True
+        pack = self._packer(sm, rec)
+        try:
+            with saved_tensors_hooks(pack, _unpack):
+                yield
+        finally:
+            self._close(sm, rec)
+
+    def _packer(self, sm: StepMemory, rec: _Record) -> Callable[[torch.Tensor], Any]:
+        kind = rec.policy.kind
+
+        # Tensors that stay go back as they came when they are leaves (a custom function may use a
+        # saved parameter's ``.grad``), detached otherwise: a saved *output* returned as itself makes a
+        # reference cycle through its own grad_fn that Python's gc cannot see (a leak per step).
+        def same(t: torch.Tensor) -> torch.Tensor:
+            return t if t.grad_fn is None else t.detach()
+
+        def pack(t: torch.Tensor) -> Any:
+            index, rec.saves = rec.saves, rec.saves + 1
+            ptr = storage_ptr(t)
+            if ptr in sm.params:
+                return same(t)
+            if ptr in rec.pinned:
+                # A stage input may be a slice of the caller's whole batch: count the slice, not its storage.
+                self._count(sm, rec, ptr, t.numel() * t.element_size())
+                return same(t)
+            if kind == "recompute":
+                rec.dropped.append(index)
+                return _Dropped(rec, index)
+            if kind == "compress" and t.is_floating_point() and t.numel() * t.element_size() >= rec.policy.min_bytes:
+                return self._compress(sm, rec, t)
+            if rec.offload and storage_bytes(t) >= rec.policy.min_bytes:
+                return self._offload(sm, rec, t)
+            self._count(sm, rec, ptr, storage_bytes(t))
+            return same(t)
+
+        return pack
+
+    def _count(self, sm: StepMemory, rec: _Record, ident: Any, n: int) -> None:
+        if ident not in rec.counted:
+            rec.counted.add(ident)
+            sm.add(rec, n)
+
+    def _compress(self, sm: StepMemory, rec: _Record, t: torch.Tensor) -> Any:
+        from dualpipe_kernels.kernels import pack
+
+        ident = (storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        got = rec.seen.get(ident)
+        if got is None:
+            buf, layout = pack([t.detach()], dtype=rec.policy.dtype)
+            got = rec.seen[ident] = (buf, layout, t)
+            sm.add(rec, buf.numel())
+        return _Compressed(got[0], got[1], t.requires_grad)
+
+    def _offload(self, sm: StepMemory, rec: _Record, t: torch.Tensor) -> _View:
+        ptr = storage_ptr(t)
+        entry = rec.seen.get(ptr)
+        if entry is None:
+            # Until the forward ends the source stays (dedupe by address needs it alive).
+            entry = Offloaded.start(t, self.arena, self.side)
+            rec.seen[ptr] = entry
+            rec.entries.append(entry)
+            sm.add(rec, entry.nbytes)
+        return _View(rec, entry, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def _close(self, sm: StepMemory, rec: _Record) -> None:
+        """End of the forward: offloaded sources leave the device (the copy keeps what it reads)."""
+        rec.open = False
+        for entry in rec.entries:
+            if entry.release_source(self.side):
+                sm.add(rec, -entry.nbytes)
+        rec.seen.clear()
+        s = rec.key[0]
+        self.forward_bytes[s] = max(self.forward_bytes.get(s, 0), rec.nbytes)
+
+    # ---- reload, recompute, release ---------------------------------------------
+    def at_action(self, sm: StepMemory, i: int) -> None:
+        """Start the reloads the plan puts before action ``i``."""
+        if not sm.training:
+            return
+        for key in self.plan.reload_at.get(i, ()):
+            rec = sm.records.get(key)
+            if rec is not None:
+                self._reload(sm, rec)
+
+    def _reload(self, sm: StepMemory, rec: _Record) -> None:
+        for entry in rec.entries:
+            if entry.start_reload(self.side, self.device):
+                sm.add(rec, entry.nbytes)
+
+    def before_backward(self, sm: StepMemory, s: int, mb: int) -> None:
+        """Right before the backward of (s, mb): its offloaded tensors are (being) reloaded, or it is recomputed."""
+        rec = sm.records.get((s, mb))
+        if rec is None:
+            return
+        if rec.entries:
+            self._reload(sm, rec)  # no-op when the plan already started it
+        if rec.replay is not None and rec.recomputed is None:
+            self._recompute(sm, rec)
+
+    def _recompute(self, sm: StepMemory, rec: _Record) -> None:
+        captured: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> None:
+            captured.append(t.detach())
+
+        def unpack(_: Any) -> torch.Tensor:
+            raise RuntimeError("recompute: the replayed forward's graph is not for backward")
+
+        cpu_state, cuda_state = rec.rng  # type: ignore[misc]
+        devices = [self.device] if cuda_state is not None else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), saved_tensors_hooks(pack, unpack):
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, self.device)
+            rec.replay()  # type: ignore[misc]
+        s, mb = rec.key
+        if len(captured) != rec.saves:
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: recompute of stage {s} micro-batch {mb} saved {len(captured)} tensors, "
+                f"its forward saved {rec.saves}; a recomputed stage must save the same tensors every time"
+            )
+        rec.recomputed = captured
+        for i in rec.dropped:
+            t = captured[i]
+            self._count(sm, rec, storage_ptr(t), storage_bytes(t))
+
+    def release(self, sm: StepMemory, s: int, mb: int) -> None:
+        """Autograd is done with (s, mb): its records (and accounting) go."""
+        rec = sm.records.pop((s, mb), None)
+        if rec is not None:
+            sm.add(rec, -rec.nbytes)
+            rec.recomputed = None
+            rec.entries.clear()
+
+
+@dataclass
+class _Compressed:
+    buffer: torch.Tensor
+    layout: Any
+    requires_grad: bool
+
+
+def _unpack(x: Any) -> torch.Tensor:
+    """The saved tensor behind what a pack hook returned (recomputing or reloading if needed)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, _Dropped):
+        rec = x.rec
+        if rec.recomputed is None:
+            raise RuntimeError(
+                f"stage {rec.key[0]} micro-batch {rec.key[1]}: a recomputed activation was read before its "
+                "recompute (or after its release)"
+            )
+        return rec.recomputed[x.index]
+    if isinstance(x, _View):
+        return x.entry.view(x.dtype, x.size, x.stride, x.offset)
+    if isinstance(x, _Compressed):
+        from dualpipe_kernels.kernels import unpack
+
+        return unpack(x.buffer, x.layout)[0]
+    raise TypeError(f"saved-tensor hook got an unknown placeholder {type(x).__name__}")

@@ -1,0 +1,152 @@
+"""Where offloaded activations live: a host arena, a side stream, and one entry per offloaded storage.
+
+On a GPU the arena is pinned and copies run on a side stream ordered by
+events (the compute stream never waits on the host).  On CPU the same code
+runs with an accounting arena: the offload copies into it synchronously, a
+reload only marks the bytes resident again and the backward reads the arena
+(valid until the next step's reset), so the offload/reload scheduling and the
+resident-byte accounting are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["HostArena", "SideStream", "Offloaded", "storage_ptr", "storage_bytes"]
+
+_ALIGN = 64
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over all of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+class HostArena:
+    """One host buffer for a step's offloaded bytes: a bump allocator, reset per step.
+
+    The first step (size unknown) uses one-off buffers and measures what it
+    needed; the next reset allocates the arena once with that size.  A later
+    step that needs more grows it (``allocations`` counts every allocation).
+    The arena owns its buffer; slices handed out are valid until the next reset.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.buffer: torch.Tensor | None = None
+        self.offset = 0
+        self.needed = 0
+        self.allocations = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def reset(self) -> None:
+        if self.needed > self.capacity:
+            self.buffer = torch.empty(self.needed, dtype=torch.uint8, pin_memory=self.pin)
+            self.allocations += 1
+        self.offset = 0
+        self.needed = 0
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        start = -(-self.offset // _ALIGN) * _ALIGN
+        end = start + nbytes
+        self.offset = self.needed = end
+        if end <= self.capacity:
+            return self.buffer[start:end]  # type: ignore[index]
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+
+class SideStream:
+    """The copy stream of a CUDA device (created on first use); None-like on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+
+@dataclass
+class Offloaded:
+    """One offloaded storage: ``host`` (arena slice), ``source`` (device storage, until the
+    forward ends), ``device`` (reloaded bytes, from the reload until the record's release)."""
+
+    nbytes: int
+    host: torch.Tensor
+    source: torch.Tensor | None
+    device: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+
+    @classmethod
+    def start(cls, t: torch.Tensor, arena: HostArena, side: SideStream) -> Offloaded:
+        """Start the device->host copy of ``t``'s whole storage (views of it share the entry)."""
+        src = _bytes_of(t.untyped_storage(), t.device)
+        host = arena.alloc(src.numel())
+        event = None
+        if side.cuda and t.device.type == "cuda":
+            s = side.stream()
+            s.wait_stream(torch.cuda.current_stream(t.device))  # the forward made t on the compute stream
+            with torch.cuda.stream(s):
+                host.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(s)
+            src.record_stream(s)  # the allocator keeps the source until the copy is done
+        else:
+            host.copy_(src)
+        return cls(src.numel(), host, src, event=event)
+
+    def release_source(self, side: SideStream) -> bool:
+        """Drop the device source (end of the forward); True if it was held."""
+        held = self.source is not None
+        self.source = None
+        return held
+
+    def start_reload(self, side: SideStream, device: torch.device) -> bool:
+        """Start the host->device copy; True if it started now (False: already reloaded or never left)."""
+        if self.device is not None or self.source is not None:
+            return False
+        if side.cuda:
+            buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            s = side.stream()
+            s.wait_stream(torch.cuda.current_stream(device))  # buf's memory may still be in use there
+            with torch.cuda.stream(s):
+                buf.copy_(self.host, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(s)
+            buf.record_stream(s)
+        else:
+            # CPU: the arena is already in the memory the tensors are read from, so the "reload" is
+            # the accounting alone (the bytes count as resident again), not a second host copy.
+            buf = self.host
+        self.device = buf
+        return True
+
+    def view(self, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> torch.Tensor:
+        """The saved tensor, as a view of the resident bytes (the source, or the reloaded copy)."""
+        flat = self.source if self.source is not None else self.device
+        if flat is None:
+            raise RuntimeError("offloaded activation read before its reload was started (or after its release)")
+        if self.source is None and self.event is not None:
+            torch.cuda.current_stream(flat.device).wait_event(self.event)
+        # ``flat`` may be a slice of the arena: its start (in bytes, 64-aligned) shifts the view's offset.
+        start = flat.storage_offset() // dtype.itemsize + offset
+        return torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), start, size, stride)

@@ -1,0 +1,238 @@
+"""What a memory policy costs: peak saved-activation bytes per rank, and time.
+
+Pure Python over the schedule's per-rank action order (the same lists the
+runtime runs; a lowered list has the same compute order).  The runtime's
+reload points come from :func:`reload_points` here, so the runtime and this
+model share one rule.
+
+Lifetimes of one (stage, micro-batch)'s saved activations on its rank, by policy
+(``saved``: all of them under keep; ``kept``: what never moves, such as the
+stage's inputs and labels; ``compressed``: their packed size):
+
+* keep: ``saved`` from its F until its B (or until its W after an I);
+* compress: ``compressed`` over the same span;
+* recompute: ``kept`` from the F; from the B/I (which recomputes) ``saved``;
+* offload: ``saved`` during the F, then ``kept``; from the reload (``lookahead``
+  compute actions before its B/I) ``saved`` again.  Keys consumed within
+  ``max(2, lookahead)`` compute actions of their F are never offloaded.
+
+Time: recompute adds an F to each B and I (and to a pair's backward half);
+compress adds ``compress_s_per_byte`` per saved byte to F and to the backward;
+offload delays a backward only by what its reload (moved bytes over the host
+link) cannot hide behind the ``lookahead`` compute actions before it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .costs import CommModel, CostModel, Num, StageCosts
+from .ir import T_B, T_F, T_I, T_W, Action, Schedule
+
+__all__ = [
+    "MEMORY_POLICIES",
+    "ChunkBytes",
+    "MemoryPrediction",
+    "reload_points",
+    "peak_saved_bytes",
+    "policy_costs",
+    "predict",
+]
+
+MEMORY_POLICIES = ("keep", "recompute", "compress:bf16", "compress:fp8", "offload")
+#: packed size / fp32 size (fp8 carries one fp32 scale per 128 elements)
+COMPRESS_RATIO = {"compress:bf16": 0.5, "compress:fp8": 0.25 + 4 / 128}
+
+Key = tuple[int, int]  # (stage, micro-batch)
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """Saved activations of one stage chunk for one micro-batch (bytes).  ``compressed=None``:
+    ``kept`` plus the policy's ratio of the rest (fp32 activations)."""
+
+    saved: Num
+    kept: Num = 0
+    compressed: Num | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kept <= self.saved:
+            raise ValueError(f"need 0 <= kept bytes <= saved bytes, got kept={self.kept} saved={self.saved}")
+
+    def under(self, policy: str) -> Num:
+        """Bytes held from the F on (before any reload or recompute) under ``policy``."""
+        if policy == "keep":
+            return self.saved
+        if policy.startswith("compress"):
+            if self.compressed is not None:
+                return self.compressed
+            return self.kept + COMPRESS_RATIO[policy] * (self.saved - self.kept)
+        return self.kept
+
+
+def _check_policy(policy: str) -> None:
+    if policy not in MEMORY_POLICIES:
+        raise ValueError(f"memory policy {policy!r} is unknown; choose one of {', '.join(MEMORY_POLICIES)}")
+
+
+def _computes(actions: Sequence[Action]) -> list[Action]:
+    return [a for a in actions if a.is_compute]
+
+
+def reload_points(
+    actions: Sequence[Action], lookahead: Mapping[int, int] | int = 2
+) -> tuple[dict[int, list[Key]], set[Key]]:
+    """``(reload_at, resident)`` for one rank's list: ``reload_at[p]`` the keys whose reload starts
+    before the ``p``-th compute action (counting computes only), ``resident`` the keys never offloaded."""
+    fwd: dict[Key, int] = {}
+    bwd: dict[Key, int] = {}
+    for p, a in enumerate(_computes(actions)):
+        for sub in a.computes():
+            key = (sub.stage, sub.microbatch)
+            if sub.type is T_F:
+                fwd[key] = p
+            elif sub.type is T_B or sub.type is T_I:
+                bwd.setdefault(key, p)
+    reload_at: dict[int, list[Key]] = {}
+    resident: set[Key] = set()
+    for key, q in bwd.items():
+        ahead = lookahead if isinstance(lookahead, int) else lookahead.get(key[0], 2)
+        if q - fwd.get(key, -1) <= max(2, ahead):
+            resident.add(key)
+        else:
+            reload_at.setdefault(q - ahead, []).append(key)
+    return reload_at, resident
+
+
+def _bytes_of(sizes: ChunkBytes | Sequence[ChunkBytes], stage: int) -> ChunkBytes:
+    return sizes if isinstance(sizes, ChunkBytes) else sizes[stage]
+
+
+def peak_saved_bytes(
+    schedule: Schedule, policy: str, sizes: ChunkBytes | Sequence[ChunkBytes], lookahead: int = 2
+) -> list[Num]:
+    """Peak device-resident saved-activation bytes of every rank (``sizes``: one, or one per stage)."""
+    _check_policy(policy)
+    peaks: list[Num] = []
+    for actions in schedule.actions:
+        held: dict[Key, Num] = {}
+        now: list[Num] = [0, 0]  # resident, peak
+
+        def add(key: Key, n: Num, held: dict[Key, Num] = held, now: list[Num] = now) -> None:
+            held[key] = held.get(key, 0) + n
+            now[0] += n
+            now[1] = max(now[1], now[0])
+
+        def release(key: Key, held: dict[Key, Num] = held, now: list[Num] = now) -> None:
+            now[0] -= held.pop(key, 0)
+
+        reload_at, resident = reload_points(actions, lookahead) if policy == "offload" else ({}, set())
+        reloaded: set[Key] = set()
+        for p, a in enumerate(_computes(actions)):
+            for key in reload_at.get(p, ()):
+                c = _bytes_of(sizes, key[0])
+                add(key, c.saved - c.kept)
+                reloaded.add(key)
+            for sub in a.computes():
+                key = (sub.stage, sub.microbatch)
+                c = _bytes_of(sizes, sub.stage)
+                if sub.type is T_F:
+                    offloaded = policy == "offload" and key not in resident
+                    add(key, c.saved if policy == "keep" or offloaded or key in resident else c.under(policy))
+                    if offloaded:
+                        add(key, -(c.saved - c.kept))
+                elif sub.type is T_B or sub.type is T_I:
+                    if policy == "recompute" or (policy == "offload" and key not in resident and key not in reloaded):
+                        add(key, c.saved - c.kept)
+                        reloaded.add(key)
+                    if sub.type is T_B:
+                        release(key)
+                elif sub.type is T_W:
+                    release(key)
+        peaks.append(now[1])
+    return peaks
+
+
+def _windows(schedule: Schedule, sc: StageCosts, lookahead: int) -> dict[int, Num]:
+    """Per stage: the shortest compute time a reload of that stage has to hide behind."""
+    out: dict[int, Num] = {}
+    for actions in schedule.actions:
+        comps = _computes(actions)
+        reload_at, _ = reload_points(actions, lookahead)
+        for p, keys in reload_at.items():
+            window = sum(_nominal(sc, a) for a in comps[p : p + lookahead])
+            for s, _mb in keys:
+                out[s] = min(out.get(s, window), window)
+    return out
+
+
+def _nominal(sc: StageCosts, a: Action) -> Num:
+    f, b = a.computes()[0], a.computes()[-1]
+    if len(a.computes()) == 2:
+        return sc.pair(f.stage, b.stage, b.type is T_B)
+    table = {T_F: sc.f, T_B: sc.b, T_I: sc.i, T_W: sc.w}.get(a.type)
+    return table[a.stage] if table is not None else 0
+
+
+def policy_costs(
+    schedule: Schedule,
+    costs: CostModel,
+    policy: str,
+    sizes: ChunkBytes | Sequence[ChunkBytes],
+    host_bandwidth: Num = math.inf,
+    compress_s_per_byte: Num = 0,
+    lookahead: int = 2,
+) -> CostModel:
+    """``costs`` with the policy's extra time folded into each stage's F, B and W (see the module docstring)."""
+    _check_policy(policy)
+    sc = costs.resolve(schedule)
+    n = schedule.num_stages
+    extra_f: list[Num] = [0] * n
+    extra_b: list[Num] = [0] * n
+    if policy == "recompute":
+        extra_b = list(sc.f)
+    elif policy.startswith("compress"):
+        extra_f = [_bytes_of(sizes, s).saved * compress_s_per_byte for s in range(n)]
+        extra_b = list(extra_f)
+    elif policy == "offload" and host_bandwidth != math.inf:
+        windows = _windows(schedule, sc, lookahead)
+        for s, window in windows.items():
+            c = _bytes_of(sizes, s)
+            extra_b[s] = max(0, (c.saved - c.kept) / host_bandwidth - window)
+    fb = None if sc.fb is None else [sc.fb[s] + extra_f[s] + extra_b[s] for s in range(n)]
+    return CostModel(
+        f=[sc.f[s] + extra_f[s] for s in range(n)],
+        b=[sc.b[s] + extra_b[s] for s in range(n)],
+        w=list(sc.w),
+        fb=fb,
+    )
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """The simulator's view of one policy: ``peak_saved_bytes`` per rank and the step's ``makespan``."""
+
+    policy: str
+    peak_saved_bytes: list[Num]
+    makespan: Num
+    extra: dict[str, Num] = field(default_factory=dict)
+
+
+def predict(
+    schedule: Schedule,
+    policy: str,
+    sizes: ChunkBytes | Sequence[ChunkBytes],
+    costs: CostModel | None = None,
+    comm: CommModel | None = None,
+    host_bandwidth: Num = math.inf,
+    compress_s_per_byte: Num = 0,
+    lookahead: int = 2,
+) -> MemoryPrediction:
+    """Peak saved bytes per rank and the simulated step time of ``schedule`` under ``policy``."""
+    from .simulator import simulate
+
+    pc = policy_costs(schedule, costs or CostModel(), policy, sizes, host_bandwidth, compress_s_per_byte, lookahead)
+    res = simulate(schedule, pc, comm)
+    return MemoryPrediction(policy, peak_saved_bytes(schedule, policy, sizes, lookahead), res.makespan)

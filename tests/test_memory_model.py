@@ -1,0 +1,128 @@
+"""The simulator's memory model (schedules/memory_model.py), `simulate --memory-policy` and `bench memory --json`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dualpipe_kernels.cli import main
+from dualpipe_kernels.schedules.costs import CostModel
+from dualpipe_kernels.schedules.generators import build_schedule
+from dualpipe_kernels.schedules.memory_model import (
+    MEMORY_POLICIES,
+    ChunkBytes,
+    peak_saved_bytes,
+    predict,
+    reload_points,
+)
+from dualpipe_kernels.schedules.simulator import simulate
+
+NAMES = ["dualpipe", "dualpipev", "1f1b", "gpipe", "interleaved1f1b", "zb1p", "zbv"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_keep_peak_is_peak_activations_times_chunk_bytes(name):
+    sched = build_schedule(name, 4, 8)
+    res = simulate(sched, CostModel())
+    got = peak_saved_bytes(sched, "keep", ChunkBytes(1000))
+    want = [1000 * p for p in res.peak_activations_per_rank]
+    if name in ("zb1p", "zbv"):
+        # After an I the runtime's graph (and what it saved) lives until the W; the DESIGN count frees at the I.
+        assert all(g >= w for g, w in zip(got, want, strict=True))
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_policy_holds_at_most_keep(name):
+    sched = build_schedule(name, 4, 8)
+    sizes = ChunkBytes(900, 100)
+    keep = peak_saved_bytes(sched, "keep", sizes)
+    for policy in MEMORY_POLICIES:
+        got = peak_saved_bytes(sched, policy, sizes)
+        assert all(g <= k for g, k in zip(got, keep, strict=True)), policy
+    # recompute without I/W splits: the inputs of the live chunks (one more inside an F&B pair) plus one
+    # chunk's recomputed activations
+    if name not in ("zb1p", "zbv", "dualpipe", "dualpipev"):
+        rec = peak_saved_bytes(sched, "recompute", sizes)
+        acts = simulate(sched, CostModel()).peak_activations_per_rank
+        assert all(r <= 100 * (a + 1) + 800 for r, a in zip(rec, acts, strict=True))
+
+
+def test_reload_points_skip_what_the_next_actions_consume():
+    sched = build_schedule("1f1b", 4, 8)
+    reload_at, resident = reload_points(sched.actions[3], 2)
+    assert not reload_at and len(resident) == 8  # the last stage runs each B right after its F
+    reload_at, resident = reload_points(sched.actions[0], 2)
+    comps = [a for a in sched.actions[0] if a.is_compute]
+    for p, keys in reload_at.items():
+        for key in keys:
+            q = next(i for i, a in enumerate(comps) if a.type.value in "BI" and (a.stage, a.microbatch) == key)
+            assert q - p == 2
+
+
+def test_recompute_costs_an_f_per_backward_and_offload_hides_behind_work():
+    sched = build_schedule("1f1b", 2, 4)
+    sizes = ChunkBytes(100, 10)
+    keep = predict(sched, "keep", sizes, CostModel(f=1, b=2, w=1))
+    rec = predict(sched, "recompute", sizes, CostModel(f=1, b=2, w=1))
+    assert rec.makespan == simulate(sched, CostModel(f=1, b=3, w=1)).makespan > keep.makespan
+    fast = predict(sched, "offload", sizes, CostModel(f=1, b=2, w=1), host_bandwidth=1000)
+    slow = predict(sched, "offload", sizes, CostModel(f=1, b=2, w=1), host_bandwidth=1)
+    assert fast.makespan == keep.makespan <= slow.makespan
+
+
+def test_bad_sizes_and_policies_are_named():
+    with pytest.raises(ValueError, match="kept bytes"):
+        ChunkBytes(10, 20)
+    with pytest.raises(ValueError, match="memory policy 'swap'"):
+        peak_saved_bytes(build_schedule("1f1b", 2, 4), "swap", ChunkBytes(1))
+
+
+def test_simulate_cli_prints_peak_saved_bytes_per_rank(capsys):
+    argv = ["simulate", "--schedule", "dualpipev", "--ranks", "4", "--microbatches", "16", "--json"]
+    assert main([*argv, "--memory-policy", "recompute", "--activation-bytes", "1000", "--kept-bytes", "100"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    sched = build_schedule("dualpipev", 4, 16)
+    assert d["peak_saved_bytes_per_rank"] == peak_saved_bytes(sched, "recompute", ChunkBytes(1000, 100))
+    assert d["peak_saved_bytes"] == max(d["peak_saved_bytes_per_rank"]) and d["memory_policy"] == "recompute"
+    assert main(argv[:-1] + ["--memory-policy", "offload", "--activation-bytes", "10"]) == 0
+    assert "peak saved bytes per rank" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_bench_memory_json_contract(tmp_path: Path, capsys):
+    argv = ["bench", "memory", "--ranks", "2", "--microbatches", "4", "--steps", "1", "--f-ms", "1"]
+    argv += ["--activation-bytes", "4096", "--depth", "2", "--json", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    keys = {"schedule", "ranks", "microbatches", "policy", "peak_saved_bytes", "peak_saved_bytes_keep"}
+    keys |= {"predicted_peak_saved_bytes", "step_s", "step_s_keep", "predicted_step_s", "bit_exact"}
+    assert len(res["rows"]) == 10
+    for row in res["rows"]:
+        assert keys <= set(row)
+        assert row["peak_saved_bytes"] == pytest.approx(row["predicted_peak_saved_bytes"], rel=0.1)
+        assert row["bit_exact"] is (not row["policy"].startswith("compress"))
+        assert 0 < row["peak_saved_bytes"] <= row["peak_saved_bytes_keep"]
+    assert (tmp_path / "memory.md").stat().st_size > 0
+
+
+def test_policy_arguments_are_checked_and_named():
+    from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, parse_memory_policy
+
+    assert {s: p.name for s, p in parse_memory_policy("compress:fp8", [0, 3]).items()} == {
+        0: "compress:fp8",
+        3: "compress:fp8",
+    }
+    got = parse_memory_policy({3: "offload"}, [0, 3])
+    assert (got[0].kind, got[3].kind) == ("keep", "offload")
+    with pytest.raises(ValueError, match="stage\\(s\\) \\[5\\]"):
+        parse_memory_policy({5: "offload"}, [0, 3])
+    with pytest.raises(ValueError, match="'swap' is unknown"):
+        MemoryPolicy.parse("swap")
+    with pytest.raises(ValueError, match="only compress takes a format"):
+        MemoryPolicy.parse("offload:fp8")
+    with pytest.raises(ValueError, match="lookahead >= 1"):
+        MemoryPolicy("offload", lookahead=0)
