@@ -9,7 +9,7 @@
 #                                            # wait that never fires; the step must still end in time
 #
 # Steps, in order, each with its own timeout (capped by what is left of DEVICE_CHECK_BUDGET_S, default
-# 465 s); a failing step is recorded and the script goes on.  DEVICE_CHECK_STEPS picks a subset.
+# 475 s); a failing step is recorded and the script goes on.  DEVICE_CHECK_STEPS picks a subset.
 #   smoke      GPU, compute mode, PYTORCH_CUDA_ALLOC_CONF; then two processes pass a CUDA tensor and an
 #              interprocess event through torch.multiprocessing (does CUDA IPC work in this sandbox?)
 #   build      python setup.py build_ext --inplace, unless the extension already imports with CUDA and is
@@ -17,11 +17,13 @@
 #   transport  pytest tests/test_cuda_ipc.py (per-test timeouts below the step's; JUnit XML)
 #   runtime    the demo on the GPU: two processes on GPU 0, --device cuda, transport auto
 #   compat     pytest -m gpu tests/test_compat.py (the reference's API on CUDA; JUnit XML)
+#   gpu        pytest -m gpu on the other GPU tests: the Triton pack kernels against the CPU fallback, and
+#              the CUDA IPC engine's zero-copy views, small rings and teardown order (JUnit XML)
 #   bench      dualpipe-kernels bench cuda_ipc --quick (IPC at >= 64 MiB vs a same-GPU copy, us per
 #              message, compute and transfer together); the kernels and memory suites where they exist
 #
 # Output: at most 6 files in the output folder: report.md, report.json, logs.tar.gz (every step's log,
-# steps.tsv, benchmark and demo JSON), junit-transport.xml, junit-compat.xml.  Every step also streams
+# steps.tsv, benchmark and demo JSON), junit-transport.xml, junit-compat.xml, junit-gpu.xml.  Every step also streams
 # its output to stdout as it runs.  Nothing is downloaded.
 set -u -o pipefail
 
@@ -34,18 +36,19 @@ LOGDIR="$WORK/logs"
 mkdir -p "$LOGDIR"
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
-BUDGET_S="${DEVICE_CHECK_BUDGET_S:-465}"
-ALL_STEPS="smoke build transport runtime compat bench"
+BUDGET_S="${DEVICE_CHECK_BUDGET_S:-475}"
+ALL_STEPS="smoke build transport runtime compat gpu bench"
 WANTED=" ${DEVICE_CHECK_STEPS:-$ALL_STEPS} "
 DRY="${DEVICE_CHECK_DRY:-0}"
 T_START=$(date +%s)
 
 # step limits (seconds); their sum stays within the budget, so the last steps are never starved
 LIMIT_SMOKE=25
-LIMIT_BUILD=100
+LIMIT_BUILD=70
 LIMIT_TRANSPORT=185
 LIMIT_RUNTIME=50
 LIMIT_COMPAT=55
+LIMIT_GPU=40
 LIMIT_BENCH=50
 
 if [[ -n "${PYTHON:-}" ]]; then
@@ -183,6 +186,8 @@ run_step runtime "$LIMIT_RUNTIME" bash -c "set -o pipefail; '$PY' -m dualpipe_ke
   | tee '$WORK/demo.json'"
 run_step compat "$LIMIT_COMPAT" "$PY" -m pytest -m gpu tests/test_compat.py -v -rA -p no:cacheprovider \
   --timeout 40 --junitxml="$OUTDIR/junit-compat.xml"
+run_step gpu "$LIMIT_GPU" "$PY" -m pytest -m gpu tests/test_kernels_pack.py tests/test_cuda_ipc_engine.py -v -rA \
+  -p no:cacheprovider --timeout 30 --junitxml="$OUTDIR/junit-gpu.xml"
 run_step bench "$LIMIT_BENCH" bash -c "$(declare -f bench); PY='$PY' WORK='$WORK' bench"
 
 # ---------------------------------------------------------------------------
@@ -237,7 +242,7 @@ report = {
     "total_s": total_s,
     "steps": steps,
     "all_steps_ok": all(s["status"] == "ok" for s in steps),
-    "tests": {k: junit(out / f"junit-{k}.xml") for k in ("transport", "compat")},
+    "tests": {k: junit(out / f"junit-{k}.xml") for k in ("transport", "compat", "gpu")},
     "demo": load(work / "demo.json"),
     "bench": {k.removesuffix(".stdout"): v for k, v in bench.items()},
 }

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["smoke", "build", "transport", "runtime", "compat", "bench"]
+STEPS = ["smoke", "build", "transport", "runtime", "compat", "gpu", "bench"]
 
 
 @pytest.mark.timeout(480)
