@@ -89,6 +89,12 @@ class MemStage(nn.Module):
             h = torch.tanh(h * self.scale)
         return self.sleep(x) + h
 
+    def scale_grad(self) -> torch.Tensor:
+        """A copy of the scale's gradient (after a step)."""
+        if self.scale.grad is None:
+            raise RuntimeError("memory bench: the stage's scale has no gradient after the step")
+        return self.scale.grad.clone()
+
 
 def _rank(rank: int, world: int, cfg: MemoryConfig) -> dict[str, Any]:
     import time
@@ -126,7 +132,7 @@ def _rank(rank: int, world: int, cfg: MemoryConfig) -> dict[str, Any]:
                 "peak": mem.last_peak_bytes,
                 "forward_bytes": dict(mem.forward_bytes),
                 "times": times,
-                "grads": {s: m.scale.grad.clone() for s, m in modules.items()},
+                "grads": {s: m.scale_grad() for s, m in modules.items()},
             }
     return out
 

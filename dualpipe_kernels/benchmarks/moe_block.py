@@ -147,13 +147,13 @@ class _Compute(torch.autograd.Function):
     """Identity in value; forward sleeps ``f_s``, backward sleeps ``i_s`` (the phase's input-gradient work)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, f_s: float, i_s: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, f_s: float, i_s: float) -> torch.Tensor:
         _sleep(f_s)
         ctx.i_s = i_s
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         _sleep(ctx.i_s)
         return g, None, None
 
@@ -168,12 +168,12 @@ class _WeightSleep(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, like: torch.Tensor, w_s: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, weight: torch.Tensor, like: torch.Tensor, w_s: float) -> torch.Tensor:
         ctx.w_s = w_s
         return weight.detach().expand_as(like).clone()
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         from dualpipe_kernels.runtime import current_store
 
         w_s = ctx.w_s
@@ -194,14 +194,14 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ExpertGroup, received: list[torch.Tensor], tape: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: ExpertGroup, received: list[torch.Tensor], tape: Any) -> torch.Tensor:
         ctx.group = group
         if tape is not None:
             ctx.moe_tape = tape
         return received[0]
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return ctx.group.exchange(g.contiguous(), backward=True), None, None, None
 
 

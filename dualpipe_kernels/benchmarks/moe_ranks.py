@@ -26,6 +26,7 @@ import itertools
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +88,7 @@ def _groups(pp: int, ep: int) -> tuple[Any, Any, Any]:
     return mine["pp"], mine["f"], mine["b"]
 
 
-def _chunks(cls: type[MoEChunk], run: MoeRun, group: ExpertGroup, stages: list[int], e_rank: int) -> dict[int, Any]:
+def _chunks(cls: type[MoEChunk], run: MoeRun, group: ExpertGroup, stages: Sequence[int], e_rank: int) -> dict[int, Any]:
     """This rank's stage chunks, weights from (stage, expert rank): identical for every contender."""
     return {s: init_chunk(cls(run.cols, group, run.f_s, run.b_s, run.w_s), 1000 * s + e_rank) for s in stages}
 
@@ -275,7 +276,7 @@ def rank_main(rank: int, world: int, run: MoeRun) -> dict[str, Any]:
     p_rank, e_rank = rank // run.ep, rank % run.ep
     pp_group, g_f, g_b = _groups(run.pp, run.ep)
     group = ExpertGroup(g_f, g_b, run.ep)
-    contenders = {
+    contenders: dict[str, _Ours | _Torch] = {
         "ours": _Ours(run, True, group, pp_group, p_rank, e_rank),
         "ours-hook-off": _Ours(run, False, group, pp_group, p_rank, e_rank),
         "torch.ScheduleDualPipeV": _Torch(run, group, pp_group, p_rank, e_rank),

@@ -111,7 +111,7 @@ class RankMeasurement:
     compute_times: list[float] = field(default_factory=list)
     compute_timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
     received_bytes: list[int] = field(default_factory=list)
-    link: dict[str, float] | None = None
+    link: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -54,12 +54,12 @@ class _InputPart(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, i_s: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, i_s: float) -> torch.Tensor:
         ctx.i_s = i_s
         return torch.zeros_like(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         _sleep(ctx.i_s)
         gx = torch.zeros_like(grad) if ctx.needs_input_grad[0] else None
         gw = torch.zeros(1, dtype=grad.dtype, device=grad.device) if ctx.needs_input_grad[1] else None
@@ -77,12 +77,12 @@ class _WeightPart(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, like: torch.Tensor, w_s: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, weight: torch.Tensor, like: torch.Tensor, w_s: float) -> torch.Tensor:
         ctx.w_s = w_s
         return weight.detach().expand_as(like).clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         from dualpipe_kernels.runtime.zero_bubble import current_store
 
         w_s = ctx.w_s

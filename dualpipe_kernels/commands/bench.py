@@ -90,7 +90,7 @@ def _lazy_parser_class(base: type[argparse.ArgumentParser]) -> type[argparse.Arg
                 mod.add_arguments(self)
             self.set_defaults(suite_error=err)
 
-        def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
             self._load()
             return super().parse_known_args(args, namespace)
 

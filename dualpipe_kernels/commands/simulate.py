@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         inter_bandwidth=args.inter_bandwidth,
         blocking=args.blocking_comm,
     )
-    memory = None
+    memory: dict[str, Any] | None = None
     if args.memory_policy is not None:
         saved = args.activation_bytes if args.saved_bytes is None else args.saved_bytes
         sizes = ChunkBytes(saved, args.kept_bytes)
@@ -208,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(_summary(res, ref))
     if memory is not None:
-        peaks = ", ".join(f"{float(x):g}" for x in memory["peak_saved_bytes_per_rank"])
-        print(f"  memory policy {args.memory_policy}: peak saved bytes per rank [{peaks}] (makespan includes its cost)")
+        shown = ", ".join(f"{float(x):g}" for x in memory["peak_saved_bytes_per_rank"])
+        print(f"  memory policy {args.memory_policy}: peak saved bytes per rank [{shown}] (makespan includes its cost)")
     longest = max(len(list(schedule.compute_actions(r))) for r in range(schedule.num_ranks))
     if args.ascii or longest <= _ASCII_MAX_STEPS:
         from ..schedules.ascii import to_ascii

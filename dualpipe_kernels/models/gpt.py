@@ -55,6 +55,8 @@ class GPTConfig:
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``; ``[B, T, D] -> [B, T, D]``."""
 
+    causal_mask: torch.Tensor  # a buffer (register_buffer), typed for the checker
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         d = cfg.d_model

@@ -88,7 +88,7 @@ def activation_profile(schedule: Schedule) -> ActivationProfile:
 
 def _pareto(vecs: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
     """Drop vectors dominated componentwise by another (they can never be the maximum)."""
-    keep = []
+    keep: list[tuple[int, ...]] = []
     for v in sorted(vecs, reverse=True):
         if not any(all(a >= b for a, b in zip(k, v, strict=True)) for k in keep):
             keep.append(v)

@@ -267,7 +267,7 @@ class _Evaluator:
                 else CommModel()
             )
             sched = build_schedule(c.schedule, c.pp, c.microbatches)
-            self.sims[key] = float(simulate(sched, CostModel(f=f, b=b, w=w), comm).makespan)  # type: ignore[arg-type]
+            self.sims[key] = float(simulate(sched, CostModel(f=f, b=b, w=w), comm).makespan)
         c.pipeline_s = self.sims[key]
         c.simulated_step_s = c.pipeline_s + c.allreduce_s
 
@@ -370,7 +370,7 @@ def plan(
 
 def _faster_rejected(rejected: list[Candidate], best: Candidate, ev: _Evaluator, top: int) -> list[Candidate]:
     """Over-budget plans that would beat ``best`` (simulated only when their bound says they might)."""
-    out = []
+    out: list[Candidate] = []
     for c in rejected:  # in lower-bound order
         if c.lower_bound_s >= best.simulated_step_s or len(out) >= top:  # type: ignore[operator]
             break

@@ -37,7 +37,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+def _timed(fn: Callable[..., Any], device: torch.device) -> tuple[float, Any]:
     _sync(device)
     t0 = time.perf_counter()
     out = fn()
@@ -72,8 +72,8 @@ def _grad_input(x: torch.Tensor) -> torch.Tensor:
 
 def _profile_one(layer: nn.Module, x: torch.Tensor, repeats: int, name: str) -> tuple[LayerCost, torch.Tensor]:
     device = x.device
-    params = [p for p in layer.parameters() if p.requires_grad]
-    inputs = [x] if x.requires_grad else []
+    params: list[torch.Tensor] = [p for p in layer.parameters() if p.requires_grad]
+    inputs: list[torch.Tensor] = [x] if x.requires_grad else []
     act, out = saved_activation_bytes(layer, x)
     if not out.requires_grad:
         raise ValueError(f"layer {name!r}: its output does not require grad; nothing to profile for the backward")

@@ -132,6 +132,7 @@ class MessageCodec:
         out = []
         for t, e in zip(tensors, layout, strict=True):
             if t is not None:
+                assert e is not None, "a tensor's layout entry is never None"
                 t = t.detach().to(device)
                 out.append(t.view(_exact_view(t.dtype)) if e[2] else t)
         return out
@@ -160,6 +161,10 @@ class MessageCodec:
         if self.packed and buffers:
             pl = self.pack_layout(layout)
             assert pl is not None
-            targets = [t.view(_exact_view(t.dtype)) if e[2] else t for t, e in zip(tensors, layout, strict=True) if e]
+            targets: list[torch.Tensor] = []
+            for t, e in zip(tensors, layout, strict=True):
+                if e is not None:
+                    assert t is not None, "alloc made a tensor for every layout entry"
+                    targets.append(t.view(_exact_view(t.dtype)) if e[2] else t)
             unpack(buffers[0][1], pl, out=targets)
         return tensors

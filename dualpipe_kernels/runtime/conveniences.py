@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,9 +21,11 @@ from dualpipe_kernels.schedules.ir import Schedule
 from dualpipe_kernels.transport import Transport
 
 if TYPE_CHECKING:
-    from dualpipe_kernels.runtime.executor import Pipeline, StepResult
+    from dualpipe_kernels.runtime.executor import StepResult
 
 __all__ = ["PipelineConveniences"]
+
+_P = TypeVar("_P", bound="PipelineConveniences")
 
 
 class PipelineConveniences:
@@ -33,13 +35,24 @@ class PipelineConveniences:
     stage_modules: dict[int, nn.Module]
     group: Any
     group_rank: int
+    to_group_rank: list[int]
     rank: int
+    stages: tuple[int, ...]
+    zero_bubble: str
+    scale_grads: bool
+    recv_lookahead: int
+    sync_mirror_grads: bool
+    overlap_hook: bool
     device: torch.device
     record_timeline: bool
     _transport: Transport
     _dp: Any
     _boundary: Any
     _loop: Any
+
+    if TYPE_CHECKING:  # the builders below call ``cls(...)``: Pipeline's constructor (nn.Module's at runtime)
+
+        def __init__(self, *args: Any, **kw: Any) -> None: ...
 
     def _describe(self) -> str:
         """One line: what this pipeline runs and what it chose (transport per peer, policies)."""
@@ -71,12 +84,12 @@ class PipelineConveniences:
 
     @classmethod
     def from_sequential(
-        cls,
+        cls: type[_P],
         schedule: Schedule,
         model: nn.Sequential,
         partition: Sequence[int] | None = None,
         **kw: Any,
-    ) -> Pipeline:
+    ) -> _P:
         """A pipeline running this rank's share of the full ``model`` (every rank builds the same model).
 
         ``partition[m]``: number of layers of model stage ``m`` (default: as even
@@ -124,13 +137,13 @@ class PipelineConveniences:
 
     @classmethod
     def from_mesh(
-        cls,
+        cls: type[_P],
         schedule: Schedule,
         modules: Mapping[int, nn.Module] | Sequence[nn.Module] | nn.Sequential,
         mesh: Any,
         partition: Sequence[int] | None = None,
         **kw: Any,
-    ) -> Pipeline:
+    ) -> _P:
         """Build from a 2-D ``torch.distributed.DeviceMesh`` with dimensions named ``"pp"`` and ``"dp"``.
 
         The pipeline group is the mesh's ``"pp"`` group and the data-parallel

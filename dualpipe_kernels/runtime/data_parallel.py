@@ -101,6 +101,8 @@ def mirror_dp_groups(
             continue
         members = sorted({row[r] for row in table for r in holders})
         group = dist.new_group(members, backend=backend, use_local_synchronization=True)
+        if not isinstance(group, dist.ProcessGroup):  # new_group's answer to a non-member
+            raise RuntimeError(f"rank {rank}: not a member of its own mirror group {members}")
         out[s if holders[0] == rank else t] = group
     return out
 
@@ -144,7 +146,7 @@ class StepReduction:
         works: list[Any] = []
         group = r.groups.get(stage, r.group)
         for dtype in sorted({p.dtype for p in params}, key=str):
-            flat = torch.cat([p.grad.reshape(-1) for p in params if p.dtype == dtype])
+            flat = torch.cat([g.reshape(-1) for p in params if p.dtype == dtype and (g := p.grad) is not None])
             flats.append(flat)
             works.append(dist.all_reduce(flat, group=group, async_op=True))
         self.buckets.append(_Bucket(stage, params, flats, works, time.perf_counter()))

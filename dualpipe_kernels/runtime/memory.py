@@ -233,7 +233,7 @@ class ActivationMemory:
             rec.seen[ptr] = entry
             rec.entries.append(entry)
             sm.add(rec, entry.nbytes)
-        return _View(rec, entry, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return _View(rec, entry, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def _close(self, sm: StepMemory, rec: _Record) -> None:
         """End of the forward: offloaded sources leave the device (the copy keeps what it reads)."""

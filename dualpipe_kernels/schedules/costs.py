@@ -67,7 +67,7 @@ def _per_stage(name: str, value: Cost, schedule: Schedule) -> list[Num]:
     """
     n_stages = schedule.num_stages
     if isinstance(value, (int, float, Fraction, Real)):
-        return [value] * n_stages  # type: ignore[list-item]  # any Real works; Num is what mypy can check
+        return [value] * n_stages
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"cost {name} must be a number or a sequence of numbers, got {value!r}")
     vals = list(value)

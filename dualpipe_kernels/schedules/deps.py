@@ -352,7 +352,10 @@ class Program:
         return p
 
     def _build_rank(self, r: int, dest: list[int]) -> None:
-        role, local, remote, makes = bytearray(), [], [], []
+        role = bytearray()
+        local: list[tuple[int, ...]] = []
+        remote: list[tuple[int, ...]] = []
+        makes: list[tuple[int, ...]] = []
         cache = self._cache
         topo = self.topo
         S, N, mbp, on_path, s2r = topo.num_stages, topo.num_microbatches, topo.mb_path, topo.on_path, topo.stage_to_rank
@@ -368,7 +371,9 @@ class Program:
                 continue
             # Hot path (10^5-10^6 actions, most of DualPipe's are pairs): placement checked inline,
             # rules looked up per (kind, path, stage), keys = the cached bases + the micro-batch.
-            lo = re = mk = ()
+            lo: tuple[int, ...] = ()
+            re: tuple[int, ...] = ()
+            mk: tuple[int, ...] = ()
             for c in a.sub_actions or (a,):
                 s, m = c.stage, c.microbatch
                 if not (0 <= m < N and 0 <= s < S and on_path[mbp[m]][s] and s2r[s] == r):

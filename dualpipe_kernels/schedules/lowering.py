@@ -59,7 +59,11 @@ def lower_rank(
         prog.sends[rank],
     )
     acts: list[Action] = []
-    o_role, o_local, o_remote, o_makes, o_sends = bytearray(), [], [], [], []
+    o_role = bytearray()
+    o_local: list[tuple[int, ...]] = []
+    o_remote: list[tuple[int, ...]] = []
+    o_makes: list[tuple[int, ...]] = []
+    o_sends: list[tuple[tuple[int, int], ...]] = []
     received: set[int] = set()
     none: tuple = ()
     for i, a in enumerate(prog.schedule.actions[rank]):

@@ -97,8 +97,10 @@ def load_engine_module() -> Any:
     return _C.shm
 
 
-def _group_store(group: dist.ProcessGroup) -> dist.Store:
-    """The store the group was created with (a PrefixStore for subgroups)."""
+def _group_store(group: dist.ProcessGroup | None) -> dist.Store:
+    """The store the group was created with (a PrefixStore for subgroups; the default store for WORLD)."""
+    if group is None:
+        return dist.distributed_c10d._get_default_store()
     try:
         return dist.distributed_c10d._get_process_group_store(group)
     except (AttributeError, KeyError):

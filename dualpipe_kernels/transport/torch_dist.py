@@ -356,7 +356,8 @@ class TorchDistTransport(Transport):
         peer = (self._rank + 1) % self._size
         try:
             work = dist.irecv(torch.empty(1), group=self.group, group_src=peer, tag=_CANCEL_TAG)
-            work.wait(timedelta(milliseconds=1))
+            if work is not None:  # None only when this rank is not in the group
+                work.wait(timedelta(milliseconds=1))
         except RuntimeError:
             pass
 
