@@ -42,7 +42,7 @@ def test_simulate_unwritable_output_is_one_line(capsys: pytest.CaptureFixture[st
     args = ["simulate", "--schedule", "dualpipev", "--ranks", "2", "--microbatches", "4"]
     assert main([*args, "--png", "/nonexistent/dir/t.png"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "cannot write '/nonexistent/dir/t.png'" in err
+    assert err.count("\n") == 1 and "/nonexistent/dir/t.png" in err and "cannot write" in err
 
 
 def test_simulate_says_what_it_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
