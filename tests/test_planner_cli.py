@@ -52,6 +52,13 @@ def test_json_contract(costs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert {c["pp"] for c in only8["candidates"]} == {8}
 
 
+def test_recompute_fits_where_keep_cannot(costs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 10 GB: keep needs 12 GB (see the bad-input case below); the default policy search finds recompute.
+    args = ["--layers", str(costs), *BASE[:4], "--memory-gb", "10", "--global-batch", "1024"]
+    best = _plan_json(capsys, *args)["best"]
+    assert best["memory_policy"] == "recompute" and best["feasible"] and best["peak_memory_bytes"] <= 10e9
+
+
 def test_table_output(costs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--layers", str(costs), *BASE, "--top", "3"]) == 0
     out = capsys.readouterr().out
@@ -92,7 +99,8 @@ def _error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 @pytest.mark.parametrize(
     "override,message",
     [
-        (["--memory-gb", "10"], "no plan fits 10 GB per device: the least memory any plan needs is"),
+        (["--memory-gb", "9"], "no plan fits 9 GB per device: the least memory any plan needs is 9.003 GB"),
+        (["--memory-gb", "10", "--memory-policy", "keep"], "no plan fits 10 GB per device: the least memory any plan"),
         (["--memory-gb", "5"], "layer 'embedding' fits on no device"),
         (["--devices", "12"], r"devices \(12\) must be a multiple of devices per node \(8\)"),
         (["--memory-gb", "nan"], "--memory-gb must be a finite number > 0"),

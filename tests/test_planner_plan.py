@@ -4,6 +4,8 @@ The brute force evaluates every structurally valid configuration on its own:
 per-stage costs summed from the layer table, the schedule built and simulated
 through the public schedules API, a ring all-reduce added, and the memory
 (parameter state + saved activations) counted by walking each rank's actions.
+The brute force covers the keep policy; with every policy searched ("auto"), the
+choice is the best of the per-policy choices, and recompute wins where keep cannot fit.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import random
 import pytest
 
 from dualpipe_kernels.planner import Cluster, LayerCost, LayerTable, PlanError, plan
+from dualpipe_kernels.planner.memory import PLAN_MEMORY_POLICIES
 from dualpipe_kernels.planner.plan import enumerate_candidates
 from dualpipe_kernels.schedules import ActionType, CommModel, CostModel, build_schedule, simulate
 
@@ -101,9 +104,9 @@ def test_choice_is_the_best_feasible_by_brute_force(table, cluster, batch):
     feasible = [(step, mem, c) for step, mem, c in every if mem <= cluster.memory_bytes]
     if not feasible:
         with pytest.raises(PlanError, match="raise the memory budget by at least"):
-            plan(table, cluster, batch, state_multiplier=MULT)
+            plan(table, cluster, batch, state_multiplier=MULT, memory_policy="keep")
         return
-    result = plan(table, cluster, batch, state_multiplier=MULT, top=3)
+    result = plan(table, cluster, batch, state_multiplier=MULT, top=3, memory_policy="keep")
     best_step = min(step for step, _, _ in feasible)
     assert result.best.simulated_step_s == pytest.approx(best_step, rel=1e-9)
     assert result.best.feasible and result.best.peak_memory_bytes <= cluster.memory_bytes
@@ -136,3 +139,38 @@ def test_parameter_count_table_plans_compute_only():
     assert result.unit == "params" and all(c.allreduce_s == 0 for c in result.candidates)
     # No link costs in a unitless table, so pure data parallelism has no bubble and wins.
     assert (result.best.pp, result.best.dp, result.best.bubble_s) == (1, 4, 0)
+
+
+@pytest.mark.parametrize("table,cluster,batch", list(_problems())[:20])
+def test_auto_policy_is_the_best_per_policy_choice(table, cluster, batch):
+    best = {}
+    for policy in PLAN_MEMORY_POLICIES:
+        try:
+            best[policy] = plan(table, cluster, batch, state_multiplier=MULT, memory_policy=policy, top=1).best
+        except PlanError:
+            pass
+    if not best:
+        with pytest.raises(PlanError, match="raise the memory budget by at least"):
+            plan(table, cluster, batch, state_multiplier=MULT)
+        return
+    got = plan(table, cluster, batch, state_multiplier=MULT, top=3).best
+    want = min(best.values(), key=lambda c: (c.simulated_step_s, PLAN_MEMORY_POLICIES.index(c.memory_policy)))
+    assert got.simulated_step_s == pytest.approx(want.simulated_step_s, rel=1e-12)
+    assert got.memory_policy == want.memory_policy and got.peak_memory_bytes <= cluster.memory_bytes
+
+
+def test_recompute_is_chosen_when_keep_cannot_fit():
+    # Big activations, small stage inputs: keep needs ~pp micro-batches of activations in flight, recompute
+    # only their inputs plus one chunk.  Offload is ruled out by a slow host link (it would be slower).
+    rows = tuple(LayerCost(f"l{i}", 1.0, 2.0, 1.0, 50e6, 1e6, 1e5) for i in range(8))
+    table = LayerTable(rows)
+    cluster = Cluster(4, 4, 160e6, host_bandwidth=1e3)
+    with pytest.raises(PlanError, match="no plan fits"):
+        plan(table, cluster, 16, memory_policy="keep")
+    result = plan(table, cluster, 16)
+    best = result.best
+    assert best.memory_policy == "recompute" and best.feasible and best.peak_memory_bytes <= 160e6
+    # recompute costs an F per backward: slower than keep would be with enough memory
+    roomy = plan(table, Cluster(4, 4, 10e9, host_bandwidth=1e3), 16, memory_policy="keep").best
+    assert best.simulated_step_s > roomy.simulated_step_s
+    assert {c.memory_policy for c in result.candidates} <= set(PLAN_MEMORY_POLICIES)

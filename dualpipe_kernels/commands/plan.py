@@ -79,7 +79,13 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--schedules", default=",".join(PLAN_SCHEDULES), help="comma-separated subset to search")
     p.add_argument("--pp", default=None, help="comma-separated PP degrees to search (default: every divisor)")
-    p.add_argument("--memory-policy", default="keep", choices=("keep",))
+    p.add_argument(
+        "--memory-policy",
+        default="auto",
+        choices=("auto", "keep", "recompute", "offload"),
+        help="activation memory policy of every stage; auto searches keep, recompute and offload",
+    )
+    p.add_argument("--host-bandwidth-gbps", type=_finite("bandwidth", 0, True), default=25.0, help="offload link, GB/s")
     p.add_argument("--top", type=_positive_int, default=10, help="candidates to list")
     p.add_argument("--out", default=None, help="also write the JSON result here")
     p.add_argument("--json", action="store_true")
@@ -124,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         intra_latency=args.intra_latency_us * 1e-6,
         inter_bandwidth=args.inter_bandwidth_gbps * _GB,
         inter_latency=args.inter_latency_us * 1e-6,
+        host_bandwidth=args.host_bandwidth_gbps * _GB,
     )
     schedules = tuple(s.strip() for s in args.schedules.split(",") if s.strip())
     pp_degrees = _pp_list(args.pp) if args.pp is not None else None
@@ -161,14 +168,15 @@ def _print_table(result: Any, layers_file: str | None) -> None:
     unit = result.unit
     head = (
         f"{'schedule':<16}{'pp':>4}{'dp':>6}{'mb x size':>12}{'step ' + unit:>14}"
-        f"{'bubble':>11}{'allreduce':>11}{'mem GB':>9}  fits"
+        f"{'bubble':>11}{'allreduce':>11}{'mem GB':>9}  fits  policy"
     )
     lines = [head, "-" * len(head)]
     for c in result.candidates:
         mb = f"{c.microbatches}x{c.microbatch_size}"
         lines.append(
             f"{c.schedule:<16}{c.pp:>4}{c.dp:>6}{mb:>12}{c.simulated_step_s:>14.5g}{c.bubble_s:>11.4g}"
-            f"{c.allreduce_s:>11.4g}{c.peak_memory_bytes / _GB:>9.3g}  {'yes' if c.feasible else 'NO'}"
+            f"{c.allreduce_s:>11.4g}{c.peak_memory_bytes / _GB:>9.3g}  {'yes' if c.feasible else 'NO ':<4}"
+            f"  {c.memory_policy}"
         )
     lines.append(f"partition (layers per model stage): {list(result.best.partition)}")
     lines.extend(result.explanation)

@@ -1,98 +1,49 @@
 """Per-rank memory of a planned pipeline: parameter state plus peak saved activations.
 
-Model (memory policy ``keep``: every saved activation stays in memory until its backward frees it):
-
 * parameter state: each IR stage a rank holds costs its model stage's
   ``param_bytes x state_multiplier`` (default 4: parameters, gradients and the
   two Adam moments, all in the parameters' dtype).  DualPipe's second copy of a
   model stage is a real copy and counts again.
-* activations: walking the rank's action list in order, an F of stage ``s``
-  adds stage ``s``'s activation bytes for one micro-batch; a full B frees them;
-  when the backward is split, the I keeps them (the deferred W still reads
-  the layer inputs) and the W frees them.  An F&B pair adds its F before its
-  backward half frees.  The peak of that running sum is the prediction; it
-  depends only on the order, so it is computed once per (schedule, ranks,
-  micro-batches) as the set of count vectors that can be a maximum.  For the
-  planned schedules these vectors stop changing once ``N >= 2 x ranks`` (the
-  warm-up depth bounds what is in flight; tests/test_planner_memory.py checks
-  it), which lets the planner profile a long step on a shorter one.
+* activations: :func:`dualpipe_kernels.schedules.memory_model.peak_saved_bytes`,
+  the one lifetime rule the runtime is measured against (keep: an F's saved
+  tensors live until its B, or until its W after an I; recompute and offload
+  as documented there).  The planner only adapts its per-stage sums to that
+  model's :class:`ChunkBytes`: ``saved`` = the stage's activation bytes,
+  ``kept`` (what recompute/offload never drop) = the stage input, i.e. the
+  boundary bytes of the layer before the stage (the first stage: its first
+  layer's output, the table has no input size), capped at ``saved``.
+
+Peaks are linear in the chunk sizes, so the planner computes them once per
+(schedule, ranks, micro-batches, policy) at the profiled micro-batch size and
+scales.  For the planned schedules they stop changing once ``N >= 2 x ranks``
+(the warm-up depth bounds what is in flight; tests/test_planner_memory.py
+checks it), which lets the planner profile a long step on a shorter one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..schedules import ActionType, Schedule
+from ..schedules import Schedule
+from ..schedules.memory_model import ChunkBytes, peak_saved_bytes
 
-__all__ = ["ActivationProfile", "activation_profile", "param_state_bytes"]
+__all__ = ["PLAN_MEMORY_POLICIES", "chunk_bytes", "activation_peaks", "param_state_bytes"]
 
-_F, _B, _I, _W, _FB = ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_F_B
-
-
-class ActivationProfile:
-    """Candidate peaks of one schedule: per rank, the stage-count vectors at each local maximum.
-
-    ``peak_bytes(per_stage)`` returns, per rank, ``max over vectors of sum(count[s] x bytes[s])``;
-    ``per_stage`` is indexed by IR stage.
-    """
-
-    def __init__(self, stages_of_rank: list[tuple[int, ...]], vectors: list[list[tuple[int, ...]]]) -> None:
-        self.stages_of_rank = stages_of_rank
-        self.vectors = vectors
-
-    def peak_bytes(self, per_stage: Sequence[float]) -> list[float]:
-        out = []
-        for stages, vecs in zip(self.stages_of_rank, self.vectors, strict=True):
-            w = [per_stage[s] for s in stages]
-            out.append(max((sum(c * x for c, x in zip(v, w, strict=True)) for v in vecs), default=0.0))
-        return out
+#: Activation memory policies the planner searches (compress changes numerics, so it is never chosen for you).
+PLAN_MEMORY_POLICIES = ("keep", "recompute", "offload")
 
 
-def _events(action: object) -> list[tuple[int, int]]:
-    """(stage, +1/-1/0) steps of one compute action on the live-activation count."""
-    t = action.type  # type: ignore[attr-defined]
-    if t is _FB:
-        return [e for sub in action.sub_actions for e in _events(sub)]  # type: ignore[attr-defined]
-    if t is _F:
-        return [(action.stage, 1)]  # type: ignore[attr-defined]
-    if t is _B or t is _W:
-        return [(action.stage, -1)]  # type: ignore[attr-defined]
-    return []
+def chunk_bytes(saved: Sequence[float], stage_input: Sequence[float]) -> list[ChunkBytes]:
+    """Per model stage: the memory model's sizes from the planner's sums (``kept`` = the input, <= saved)."""
+    return [ChunkBytes(s, min(k, s)) for s, k in zip(saved, stage_input, strict=True)]
 
 
-def activation_profile(schedule: Schedule) -> ActivationProfile:
-    """Walk each rank's compute actions once; keep the count vectors that are Pareto-maximal."""
-    stages_of_rank, vectors = [], []
-    for r in range(schedule.num_ranks):
-        stages = schedule.stages_of_rank(r)
-        pos = {s: k for k, s in enumerate(stages)}
-        count = [0] * len(stages)
-        peaks: set[tuple[int, ...]] = set()
-        rising = False
-        for a in schedule.compute_actions(r):
-            for stage, step in _events(a):
-                if step > 0:
-                    count[pos[stage]] += 1
-                    rising = True
-                elif step < 0:
-                    if rising:
-                        peaks.add(tuple(count))
-                    rising = False
-                    count[pos[stage]] -= 1
-        if rising:
-            peaks.add(tuple(count))
-        stages_of_rank.append(stages)
-        vectors.append(_pareto(peaks))
-    return ActivationProfile(stages_of_rank, vectors)
-
-
-def _pareto(vecs: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """Drop vectors dominated componentwise by another (they can never be the maximum)."""
-    keep: list[tuple[int, ...]] = []
-    for v in sorted(vecs, reverse=True):
-        if not any(all(a >= b for a, b in zip(k, v, strict=True)) for k in keep):
-            keep.append(v)
-    return keep
+def activation_peaks(
+    schedule: Schedule, policy: str, per_model_stage: Sequence[ChunkBytes], model_stage: Sequence[int]
+) -> list[float]:
+    """Peak saved-activation bytes of every rank of ``schedule`` under ``policy`` (sizes per model stage)."""
+    sizes = [per_model_stage[m] for m in model_stage]
+    return [float(x) for x in peak_saved_bytes(schedule, policy, sizes)]
 
 
 def param_state_bytes(

@@ -15,6 +15,13 @@ activation and boundary byte count is multiplied by ``b / b0``; parameters do
 not change.  Device layout: a pipeline's ranks are consecutive devices, so
 PP traffic stays inside a node when ``pp <= devices_per_node``.
 
+Memory (planner/memory.py over ``schedules.memory_model``): parameter state +
+the predicted peak of saved activations under the candidate's memory policy.
+With ``memory_policy="auto"`` every layout is tried under keep, recompute and
+offload; a policy's extra time (recompute: an F per backward; offload: reloads
+the host link cannot hide) comes from ``memory_model.policy_costs``.  Those
+only add time, so a layout where keep fits is never tried under another policy.
+
 Search: candidates sorted by a lower bound (per rank: the forward time before
 its first input can arrive + its compute; + the all-reduce); a candidate is
 simulated only while its bound beats the ``top``-th best simulated step, so the
@@ -24,18 +31,20 @@ call (no module state).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 
 from ..schedules import CommModel, CostModel, build_schedule, schedule_layout, simulate
+from ..schedules.memory_model import ChunkBytes, policy_costs
 from .layers import LayerTable
-from .memory import ActivationProfile, activation_profile
+from .memory import PLAN_MEMORY_POLICIES, activation_peaks, chunk_bytes
 from .stages import PLAN_SCHEDULES, StagePlan, stage_plan, stages_per_rank
 
 __all__ = ["Cluster", "Candidate", "PlanError", "PlanResult", "plan", "enumerate_candidates", "MEMORY_POLICIES"]
 
-MEMORY_POLICIES = ("keep",)
+MEMORY_POLICIES = ("auto", *PLAN_MEMORY_POLICIES)  # "auto": search all of PLAN_MEMORY_POLICIES
 _GB = 1e9
 
 
@@ -54,6 +63,7 @@ class Cluster:
     intra_latency: float = 5e-6
     inter_bandwidth: float = 25e9
     inter_latency: float = 10e-6
+    host_bandwidth: float = 25e9  # device <-> host, for the offload policy's reloads
 
     def __post_init__(self) -> None:
         for name in ("devices", "devices_per_node"):
@@ -64,7 +74,7 @@ class Cluster:
             raise ValueError(
                 f"devices ({self.devices}) must be a multiple of devices per node ({self.devices_per_node})"
             )
-        for name in ("memory_bytes", "intra_bandwidth", "inter_bandwidth"):
+        for name in ("memory_bytes", "intra_bandwidth", "inter_bandwidth", "host_bandwidth"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
@@ -107,7 +117,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"{self.schedule} pp={self.pp} dp={self.dp} mb={self.microbatches}x{self.microbatch_size}"
+        policy = "" if self.memory_policy == "keep" else f" {self.memory_policy}"
+        return f"{self.schedule} pp={self.pp} dp={self.dp} mb={self.microbatches}x{self.microbatch_size}{policy}"
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -207,13 +218,13 @@ def enumerate_candidates(
 
 
 class _Evaluator:
-    """Per-call caches of schedules, activation profiles and simulations."""
+    """Per-call caches of activation peaks (at the profiled size) and simulations."""
 
     def __init__(
         self, table: LayerTable, cluster: Cluster, plans: dict[tuple[str, int], StagePlan], state_multiplier: float
     ) -> None:
         self.table, self.cluster, self.plans, self.mult = table, cluster, plans, state_multiplier
-        self.profiles: dict[tuple[str, int, int], ActivationProfile] = {}
+        self.peaks: dict[tuple[str, int, int, str], list[float]] = {}
         self.sims: dict[tuple[object, ...], float] = {}
 
     def bound(self, c: Candidate) -> None:
@@ -229,12 +240,12 @@ class _Evaluator:
 
     def memory(self, c: Candidate) -> None:
         sp = self.plans[(c.schedule, c.pp)]
-        key = (c.schedule, c.pp, _profile_microbatches(c.schedule, c.pp, c.microbatches))
-        if key not in self.profiles:
-            self.profiles[key] = activation_profile(build_schedule(*key))
+        key = (c.schedule, c.pp, _profile_microbatches(c.schedule, c.pp, c.microbatches), c.memory_policy)
+        if key not in self.peaks:
+            sizes = chunk_bytes(sp.activation, sp.inputs)
+            self.peaks[key] = activation_peaks(build_schedule(*key[:3]), c.memory_policy, sizes, sp.model_stage)
         scale = c.microbatch_size / self.table.microbatch_size
-        per_ir = [sp.activation[m] * scale for m in sp.model_stage]
-        act = self.profiles[key].peak_bytes(per_ir)
+        act = [x * scale for x in self.peaks[key]]  # the peaks are linear in the chunk sizes
         state = sp.param_state(self.mult)
         total = [a + p for a, p in zip(act, state, strict=True)]
         worst = max(range(len(total)), key=total.__getitem__)
@@ -251,7 +262,7 @@ class _Evaluator:
         b = tuple(max(x * scale, 2 * eps) for x in sp.b)
         w = tuple(min(max(x * scale, eps * 0.5), bb * (1 - 1e-9)) for x, bb in zip(sp.w, b, strict=True))
         act = sp.boundary * scale
-        key = (c.schedule, c.pp, c.microbatches, f, b, w, act)
+        key = (c.schedule, c.pp, c.microbatches, c.memory_policy, f, b, w, act)
         if key not in self.sims:
             cl = self.cluster
             comm = (
@@ -267,9 +278,21 @@ class _Evaluator:
                 else CommModel()
             )
             sched = build_schedule(c.schedule, c.pp, c.microbatches)
-            self.sims[key] = float(simulate(sched, CostModel(f=f, b=b, w=w), comm).makespan)
+            costs = self._policy_costs(c, sched, CostModel(f=f, b=b, w=w), scale)
+            self.sims[key] = float(simulate(sched, costs, comm).makespan)
         c.pipeline_s = self.sims[key]
         c.simulated_step_s = c.pipeline_s + c.allreduce_s
+
+    def _policy_costs(self, c: Candidate, sched: object, costs: CostModel, scale: float) -> CostModel:
+        """The memory model's time for the policy (recompute: an F more per backward; offload: unhidden reloads)."""
+        if c.memory_policy == "keep":
+            return costs
+        sp = self.plans[(c.schedule, c.pp)]
+        sizes = [ChunkBytes(x.saved * scale, x.kept * scale) for x in chunk_bytes(sp.activation, sp.inputs)]
+        # A parameter-count table has no seconds for a host link: offload is then free, as links are.
+        host = self.cluster.host_bandwidth if self.table.unit == "s" else math.inf
+        per_ir = [sizes[m] for m in sp.model_stage]
+        return policy_costs(sched, costs, c.memory_policy, per_ir, host_bandwidth=host)  # type: ignore[arg-type]
 
 
 def _profile_microbatches(schedule: str, pp: int, microbatches: int) -> int:
@@ -308,17 +331,20 @@ def plan(
     *,
     schedules: tuple[str, ...] = PLAN_SCHEDULES,
     state_multiplier: float = 4.0,
-    memory_policy: str = "keep",
+    memory_policy: str = "auto",
     top: int = 10,
     pp_degrees: tuple[int, ...] | None = None,
 ) -> PlanResult:
     """The fastest feasible plan and the ``top`` runners-up (PlanError when none fits).
 
+    ``memory_policy``: one of PLAN_MEMORY_POLICIES for every stage, or ``"auto"`` to search them all
+    (a tie in step time goes to the earlier policy: keep, then recompute, then offload).
     ``pp_degrees`` restricts the pipeline degrees searched (default: all divisors of the device count).
     """
     t0 = time.perf_counter()
     if memory_policy not in MEMORY_POLICIES:
-        raise ValueError(f"memory policy {memory_policy!r} is not supported yet; choose {', '.join(MEMORY_POLICIES)}")
+        raise ValueError(f"memory policy {memory_policy!r} is not supported; choose {', '.join(MEMORY_POLICIES)}")
+    policies = PLAN_MEMORY_POLICIES if memory_policy == "auto" else (memory_policy,)
     unknown = [s for s in schedules if s not in PLAN_SCHEDULES]
     if unknown or not schedules:
         raise ValueError(f"schedules must be among {', '.join(PLAN_SCHEDULES)}, got {', '.join(schedules) or 'none'}")
@@ -327,25 +353,32 @@ def plan(
     _check_inputs(table, cluster, global_batch, state_multiplier)
     if pp_degrees is not None and not any(cluster.devices % p == 0 for p in pp_degrees):
         raise ValueError(f"no PP degree in {list(pp_degrees)} divides {cluster.devices} devices")
-    cands, plans = enumerate_candidates(table, cluster, global_batch, schedules, pp_degrees)
-    if not cands:
+    layouts, plans = enumerate_candidates(table, cluster, global_batch, schedules, pp_degrees)
+    if not layouts:
         raise PlanError(_no_layout_message(table, cluster, global_batch))
+    cands = [dataclasses.replace(c, memory_policy=p) for c in layouts for p in policies]
     ev = _Evaluator(table, cluster, plans, state_multiplier)
     for c in cands:
-        c.memory_policy = memory_policy
         ev.bound(c)
-    cands.sort(key=lambda c: (c.lower_bound_s, c.pp, c.schedule, c.microbatch_size))
+    cands.sort(key=lambda c: (c.lower_bound_s, c.pp, c.schedule, c.microbatch_size, _policy_rank(c)))
     feasible: list[Candidate] = []
     rejected: list[Candidate] = []
-    for c in cands:
+    keep_fits: dict[tuple[str, int, int], bool] = {}  # per layout, when keep is searched: does keep fit?
+    for c in cands:  # a layout's keep comes before its other policies (same bound, policy last in the sort)
         cutoff = feasible[top - 1].simulated_step_s if len(feasible) >= top else math.inf
         if c.lower_bound_s >= cutoff:  # type: ignore[operator]
             break
         if c.param_state_bytes > cluster.memory_bytes:
             continue
+        layout = (c.schedule, c.pp, c.microbatches)
+        if c.memory_policy != "keep" and keep_fits.get(layout) is True:
+            continue  # recompute and offload only add time: where keep fits they cannot win
         ev.memory(c)
+        if c.memory_policy == "keep":
+            keep_fits[layout] = c.feasible
         if not c.feasible:
-            rejected.append(c)
+            if layout not in keep_fits or c.memory_policy == "keep":
+                rejected.append(c)  # "faster but over budget" lists a layout once, as keep
             continue
         ev.simulate(c)
         feasible.append(c)
@@ -380,8 +413,12 @@ def _faster_rejected(rejected: list[Candidate], best: Candidate, ev: _Evaluator,
     return sorted(out, key=_rank_key)
 
 
+def _policy_rank(c: Candidate) -> int:
+    return PLAN_MEMORY_POLICIES.index(c.memory_policy)
+
+
 def _rank_key(c: Candidate) -> tuple[object, ...]:
-    return (c.simulated_step_s, c.peak_memory_bytes, c.pp, c.schedule, c.microbatch_size)
+    return (c.simulated_step_s, _policy_rank(c), c.peak_memory_bytes, c.pp, c.schedule, c.microbatch_size)
 
 
 def _no_layout_message(table: LayerTable, cluster: Cluster, global_batch: int) -> str:
@@ -405,9 +442,9 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 
 def _memory_message(cands: list[Candidate], ev: _Evaluator, cluster: Cluster) -> str:
     """Least memory any candidate needs (smallest micro-batch of each layout: activations grow with it)."""
-    smallest: dict[tuple[str, int], Candidate] = {}
+    smallest: dict[tuple[str, int, str], Candidate] = {}
     for c in cands:
-        k = (c.schedule, c.pp)
+        k = (c.schedule, c.pp, c.memory_policy)
         if k not in smallest or c.microbatch_size < smallest[k].microbatch_size:
             smallest[k] = c
     for c in smallest.values():

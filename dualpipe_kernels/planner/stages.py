@@ -34,7 +34,8 @@ class StagePlan:
 
     ``stage_to_rank``/``model_stage``/``share`` are per IR stage (``share``: the
     fraction of micro-batches that pass through it).  ``head_f`` per rank: the
-    least forward time (profiled size) before any input can reach it.
+    least forward time (profiled size) before any input can reach it.  ``inputs`` per model
+    stage: its input's bytes (the previous layer's output; the first stage: its first layer's).
     """
 
     schedule: str
@@ -46,6 +47,7 @@ class StagePlan:
     activation: tuple[float, ...]
     params: tuple[float, ...]
     boundary: float
+    inputs: tuple[float, ...]
     stage_to_rank: tuple[int, ...]
     model_stage: tuple[int, ...]
     share: tuple[float, ...]
@@ -98,6 +100,7 @@ def stage_plan(table: LayerTable, schedule: str, pp: int) -> StagePlan:
             acc += f[model_stage[s]]
     ends = [e for _, e in part.bounds[:-1]]
     boundary = max((table.layers[e - 1].boundary_bytes for e in ends), default=0.0)
+    inputs = tuple(float(table.layers[max(b - 1, 0)].boundary_bytes) for b, _ in part.bounds)
     return StagePlan(
         schedule=schedule,
         pp=pp,
@@ -108,6 +111,7 @@ def stage_plan(table: LayerTable, schedule: str, pp: int) -> StagePlan:
         activation=_sums(table, part.sizes, "activation_bytes"),
         params=_sums(table, part.sizes, "param_bytes"),
         boundary=float(boundary),
+        inputs=inputs,
         stage_to_rank=tuple(layout.stage_to_rank),
         model_stage=tuple(model_stage),
         share=tuple(share),
