@@ -526,7 +526,9 @@ def test_pair_harness_bounds_a_stuck_scenario_and_runs_the_rest_on_a_fresh_pair(
     assert "this scenario fails on purpose" in r["fails"][0] and r["fails"][1] == "ok"
     assert r["hangs"][0] == "ok" and r["hangs"][1].startswith("no outcome within 6 s"), r["hangs"]
     assert r["after"] == {0: "ok", 1: "ok"}, "the scenario after a hang must run on a fresh pair"
-    assert run.restarts == 1 and time.monotonic() - t0 < 90.0, (run.restarts, r)
+    # One restart for the hang; a loaded machine may cost one more (a slow fresh pair is restarted too): the
+    # outcomes above and the time bound are what matter.
+    assert 1 <= run.restarts <= 2 and time.monotonic() - t0 < 90.0, (run.restarts, r)
 
 
 # ---------------------------------------------------------------------------
