@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dualpipe_kernels.runtime import Pipeline, run_backward
+from dualpipe_kernels.runtime import Pipeline, pipeline_expert_groups, run_backward
 from dualpipe_kernels.schedules import build_schedule
 
 
@@ -174,28 +174,12 @@ def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def _groups(pp: int, ep: int) -> tuple[Any, Any, Any]:
-    """(this process's pipeline group, forward expert group, backward expert group); every process creates all."""
-    me = dist.get_rank()
-    mine: dict[str, Any] = {}
-    for e in range(ep):
-        g = dist.new_group([p * ep + e for p in range(pp)])
-        if me % ep == e:
-            mine["pp"] = g
-    for kind in ("ep_f", "ep_b"):
-        for p in range(pp):
-            g = dist.new_group([p * ep + e for e in range(ep)])
-            if me // ep == p:
-                mine[kind] = g
-    return mine["pp"], mine["ep_f"], mine["ep_b"]
-
-
 def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.steps`` steps with and without the hook from the same weights; compare bit for bit."""
     ep = args.ep
     pp = world // ep
     p_rank, e_rank = rank // ep, rank % ep
-    pp_group, ep_f, ep_b = _groups(pp, ep)
+    pp_group, ep_f, ep_b = pipeline_expert_groups(pp, ep)
     n = args.microbatches or 4 * pp
     sched = build_schedule("dualpipev", pp, n)
     results: dict[str, Any] = {}
