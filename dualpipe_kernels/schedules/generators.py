@@ -36,7 +36,7 @@ from .baselines import (
 from .dualpipe import check_dualpipe, check_dualpipev, dualpipe, dualpipe_layout, dualpipev, dualpipev_layout
 from .ir import Schedule
 
-__all__ = ["SCHEDULE_NAMES", "build_schedule", "schedule_layout", "stages_per_rank_of"]
+__all__ = ["SCHEDULE_NAMES", "build_schedule", "schedule_fits", "schedule_layout", "stages_per_rank_of"]
 
 SCHEDULE_NAMES = ("dualpipe", "dualpipev", "1f1b", "gpipe", "interleaved1f1b", "zb1p", "zbv")
 
@@ -115,6 +115,15 @@ def schedule_layout(name: str, ranks: int, microbatches: int, stages_per_rank: i
     if name == "interleaved1f1b":
         return interleaved_layout(ranks, microbatches, v)
     return _LAYOUTS.get(name, linear_layout)(ranks, microbatches)
+
+
+def schedule_fits(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> bool:
+    """Whether ``build_schedule`` accepts these arguments (the generators own the constraints)."""
+    try:
+        schedule_layout(name, ranks, microbatches, stages_per_rank)
+    except ValueError:
+        return False
+    return True
 
 
 def build_schedule(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Schedule:
