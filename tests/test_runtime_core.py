@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
+from toy_models import forward_then_backward
 
 from dualpipe_kernels.runtime import Pipeline, run_backward, run_reference, spawn, spawn_outcomes
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore, backward_full, backward_input, current_store
@@ -88,15 +89,9 @@ class _HookStage(nn.Module):
         cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
     ) -> tuple[Any, Any]:
         module0.hook_calls += 1
-        outputs0 = module0(*inputs0)
-        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
-        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        if loss1 is not None:
-            loss1.backward()
-            loss1.detach_()
-        else:
-            run_backward(outputs1, output_grads1)
-        return outputs0, loss0
+        return forward_then_backward(
+            module0, inputs0, criterion0, labels0, loss1, outputs1, output_grads1, run_backward
+        )
 
 
 def _cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -150,15 +150,32 @@ class ExampleStage(nn.Module):
         from dualpipe_kernels.compat import run_backward
 
         module0.fb_calls += 1
-        outputs0 = module0(*inputs0)
-        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
-        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        if loss1 is not None:
-            loss1.backward()
-            loss1.detach_()
-        else:
-            run_backward(outputs1, output_grads1)
-        return outputs0, loss0
+        return forward_then_backward(
+            module0, inputs0, criterion0, labels0, loss1, outputs1, output_grads1, run_backward
+        )
+
+
+def forward_then_backward(
+    module0: nn.Module,
+    inputs0: Sequence[torch.Tensor],
+    criterion0: Callable[..., torch.Tensor] | None,
+    labels0: Sequence[torch.Tensor],
+    loss1: torch.Tensor | None,
+    outputs1: Sequence[torch.Tensor],
+    output_grads1: Sequence[torch.Tensor],
+    run_backward: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None],
+) -> tuple[Sequence[torch.Tensor], torch.Tensor | None]:
+    """An ``overlapped_forward_backward`` hook's work done one after the other, as the reference example's hook:
+    chunk 0's forward (and loss), then chunk 1's backward through ``run_backward`` (the API under test's)."""
+    outputs0 = module0(*inputs0)
+    outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
+    loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+    if loss1 is not None:
+        loss1.backward()
+        loss1.detach_()
+    else:
+        run_backward(outputs1, output_grads1)
+    return outputs0, loss0
 
 
 # --------------------------------------------------------------------------------------------
