@@ -42,6 +42,12 @@ class ToyStage(nn.Module):
         return torch.tanh(self.linear(x))
 
 
+def seeded_layer(seed: int, dim: int = DIM) -> nn.Module:
+    """``Sequential(Linear, Tanh)`` drawn after ``torch.manual_seed(seed)``: every rank builds the same layer."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+
+
 class RichStage(nn.Module):
     """Several tensors per boundary, an integer side input and an unused output.
 
