@@ -93,36 +93,52 @@ class ExitStage(nn.Module):
 
 
 # ---- the reference's example model (examples/example_dualpipe.py), written for the compat API ----
-class _ExampleLinearFunc(torch.autograd.Function):
-    """y = x @ W^T whose weight gradient goes through ``WeightGradStore`` when it is enabled."""
+Defer = Callable[[torch.Tensor, Callable[[], None]], bool]
+"""``defer(weight, fn)``: take ``weight``'s gradient work ``fn`` to run later (True), or leave it to run now."""
+
+
+def accumulate_weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, defer: Defer) -> None:
+    """``weight.grad += grad^T x`` of ``y = x @ weight^T``: now, or later when ``defer`` takes the work."""
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+
+    def weight_grad() -> None:
+        weight.grad += grad.flatten(0, -2).T @ x.flatten(0, -2)
+
+    if not defer(weight, weight_grad):
+        weight_grad()
+
+
+class DeferredLinearFunc(torch.autograd.Function):
+    """y = x @ W^T whose weight gradient ``defer`` may postpone (see :func:`accumulate_weight_grad`)."""
 
     @staticmethod
-    def forward(ctx: Any, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inp, weight)
-        return F.linear(inp, weight)
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, defer: Defer) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.defer = defer
+        return F.linear(x, weight)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        from dualpipe_kernels.compat import WeightGradStore
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        x, weight = ctx.saved_tensors
+        accumulate_weight_grad(weight, grad, x, ctx.defer)
+        return grad @ weight, None, None
 
-        inp, weight = ctx.saved_tensors
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
 
-        def grad_weight_fn() -> None:
-            weight.grad += grad_output.flatten(0, -2).T @ inp.flatten(0, -2)
+def _defer_to_compat_store(weight: torch.Tensor, fn: Callable[[], None]) -> bool:
+    """The reference example's choice: ``WeightGradStore`` takes the work when it is enabled."""
+    from dualpipe_kernels.compat import WeightGradStore
 
-        if WeightGradStore.enabled:
-            weight.deferred_w = getattr(weight, "deferred_w", 0) + 1  # counted so tests see the store was used
-            WeightGradStore.put(grad_weight_fn)
-        else:
-            grad_weight_fn()
-        return grad_output @ weight, None
+    if not WeightGradStore.enabled:
+        return False
+    weight.deferred_w = getattr(weight, "deferred_w", 0) + 1  # counted so tests see the store was used
+    WeightGradStore.put(fn)
+    return True
 
 
 class _ExampleLinear(nn.Linear):
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        return _ExampleLinearFunc.apply(inp, self.weight)
+        return DeferredLinearFunc.apply(inp, self.weight, _defer_to_compat_store)
 
 
 class ExampleStage(nn.Module):
