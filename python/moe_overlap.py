@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from dualpipe_kernels.runtime import Pipeline, run_backward
+from dualpipe_kernels.runtime import Pipeline, pipeline_expert_groups, run_backward
 from dualpipe_kernels.schedules import build_schedule
 
 
@@ -174,28 +174,12 @@ def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def _groups(pp: int, ep: int) -> tuple[Any, Any, Any]:
-    """(this process's pipeline group, forward expert group, backward expert group); every process creates all."""
-    me = dist.get_rank()
-    mine: dict[str, Any] = {}
-    for e in range(ep):
-        g = dist.new_group([p * ep + e for p in range(pp)])
-        if me % ep == e:
-            mine["pp"] = g
-    for kind in ("ep_f", "ep_b"):
-        for p in range(pp):
-            g = dist.new_group([p * ep + e for e in range(ep)])
-            if me // ep == p:
-                mine[kind] = g
-    return mine["pp"], mine["ep_f"], mine["ep_b"]
-
-
 def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.steps`` steps with and without the hook from the same weights; compare bit for bit."""
     ep = args.ep
     pp = world // ep
     p_rank, e_rank = rank // ep, rank % ep
-    pp_group, ep_f, ep_b = _groups(pp, ep)
+    pp_group, ep_f, ep_b = pipeline_expert_groups(pp, ep)
     n = args.microbatches or 4 * pp
     sched = build_schedule("dualpipev", pp, n)
     results: dict[str, Any] = {}
@@ -248,18 +232,18 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def _first_mismatch(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     """None when every loss and gradient of run ``a`` equals run ``b``'s bit for bit, else where they first differ."""
-    for step, (la, lb) in enumerate(zip(a["losses"], b["losses"], strict=False)):
-        if la.keys() != lb.keys():
-            return f"step {step + 1}: different loss micro-batches"
-        for m in la:
-            if not torch.equal(la[m], lb[m]):
-                return f"step {step + 1}: loss of micro-batch {m}: {float(la[m])!r} vs {float(lb[m])!r}"
-    for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"], strict=False)):
-        if ga.keys() != gb.keys():
-            return f"step {step + 1}: gradients present for {sorted(ga.keys() ^ gb.keys())[:3]} in one run only"
-        for k in ga:
-            if not torch.equal(ga[k], gb[k]):
-                return f"step {step + 1}: gradient of {k} differs by up to {float((ga[k] - gb[k]).abs().max()):.3g}"
+    losses = _first_difference(a["losses"], b["losses"], "loss of micro-batch")
+    return losses or _first_difference(a["grads"], b["grads"], "gradient of")
+
+
+def _first_difference(xs: list[dict[Any, torch.Tensor]], ys: list[dict[Any, torch.Tensor]], what: str) -> str | None:
+    """Where two runs' per-step tensors first differ (which are there, then their bits); None: nowhere."""
+    for step, (x, y) in enumerate(zip(xs, ys, strict=False)):
+        if x.keys() != y.keys():
+            return f"step {step + 1}: {what} {sorted(x.keys() ^ y.keys())[:3]} in one run only"
+        for k in x:
+            if not torch.equal(x[k], y[k]):
+                return f"step {step + 1}: {what} {k} differs by up to {float((x[k] - y[k]).abs().max()):.3g}"
     return None
 
 

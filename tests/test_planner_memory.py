@@ -12,17 +12,8 @@ import pytest
 
 from dualpipe_kernels.planner.memory import PLAN_MEMORY_POLICIES, activation_peaks, chunk_bytes
 from dualpipe_kernels.planner.stages import PLAN_SCHEDULES
-from dualpipe_kernels.schedules import build_schedule, schedule_layout
+from dualpipe_kernels.schedules import build_schedule, schedule_fits
 from dualpipe_kernels.schedules.memory_model import ChunkBytes, peak_saved_bytes
-
-
-def _valid(name: str, pp: int, n: int) -> bool:
-    try:
-        schedule_layout(name, pp, n)
-    except ValueError:
-        return False
-    return True
-
 
 _LAYOUTS = [(n, pp) for n in PLAN_SCHEDULES for pp in (1, 2, 3, 4, 6) if n != "dualpipe" or pp % 2 == 0]
 
@@ -37,7 +28,7 @@ def _peaks(name: str, pp: int, n: int, policy: str) -> list[int]:
 @pytest.mark.parametrize("name,pp", _LAYOUTS)
 @pytest.mark.parametrize("policy", PLAN_MEMORY_POLICIES)
 def test_peaks_saturate_from_2pp(name: str, pp: int, policy: str) -> None:
-    counts = [n for n in range(2 * pp, 10 * pp + 1) if _valid(name, pp, n)]
+    counts = [n for n in range(2 * pp, 10 * pp + 1) if schedule_fits(name, pp, n)]
     first = _peaks(name, pp, counts[0], policy)
     for n in counts[1:]:
         assert _peaks(name, pp, n, policy) == first, (name, pp, n)

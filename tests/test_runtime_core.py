@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
+from toy_models import DeferredLinearFunc, accumulate_weight_grad, forward_then_backward
 
 from dualpipe_kernels.runtime import Pipeline, run_backward, run_reference, spawn, spawn_outcomes
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore, backward_full, backward_input, current_store
@@ -41,34 +42,13 @@ def _deep() -> nn.Module:
     return nn.Sequential(*[nn.Linear(HIDDEN, HIDDEN) for _ in range(40)])
 
 
-def _accumulate_weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor) -> None:
-    """``weight.grad += grad^T x`` of ``y = x @ weight^T``: now, or deferred through the running pipeline's store."""
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-
-    def weight_grad() -> None:
-        weight.grad += grad.flatten(0, -2).T @ x.flatten(0, -2)
-
+def _defer_to_store(weight: torch.Tensor, fn: Any) -> bool:
+    """The running pipeline's WeightGradStore takes the weight-gradient work ``fn`` when it is enabled."""
     store = current_store()
-    if store is not None and store.enabled:
-        store.put(weight_grad)
-    else:
-        weight_grad()
-
-
-class _LinearFunc(torch.autograd.Function):
-    """A linear whose weight gradient may be deferred through the running pipeline's store."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        x, weight = ctx.saved_tensors
-        _accumulate_weight_grad(weight, grad, x)
-        return grad @ weight, None
+    if store is None or not store.enabled:
+        return False
+    store.put(fn)
+    return True
 
 
 class _HookStage(nn.Module):
@@ -81,22 +61,17 @@ class _HookStage(nn.Module):
         self.hook_calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearFunc.apply(torch.tanh(_LinearFunc.apply(x, self.w1)), self.w2)
+        h = torch.tanh(DeferredLinearFunc.apply(x, self.w1, _defer_to_store))
+        return DeferredLinearFunc.apply(h, self.w2, _defer_to_store)
 
     @classmethod
     def overlapped_forward_backward(
         cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1
     ) -> tuple[Any, Any]:
         module0.hook_calls += 1
-        outputs0 = module0(*inputs0)
-        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
-        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        if loss1 is not None:
-            loss1.backward()
-            loss1.detach_()
-        else:
-            run_backward(outputs1, output_grads1)
-        return outputs0, loss0
+        return forward_then_backward(
+            module0, inputs0, criterion0, labels0, loss1, outputs1, output_grads1, run_backward
+        )
 
 
 def _cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -295,7 +270,7 @@ def test_weight_grad_store_is_per_instance() -> None:
 
 
 class _StoreLinearFunc(torch.autograd.Function):
-    """Like ``_LinearFunc`` but holds the weight on ``ctx`` (saved-tensor hooks may hand back a new
+    """Like ``toy_models.DeferredLinearFunc`` but holds the weight on ``ctx`` (saved-tensor hooks may hand back a new
     Python object for a saved leaf, and ``.grad`` must land on the parameter itself)."""
 
     @staticmethod
@@ -307,7 +282,7 @@ class _StoreLinearFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (x,), weight = ctx.saved_tensors, ctx.weight
-        _accumulate_weight_grad(weight, grad, x)
+        accumulate_weight_grad(weight, grad, x, _defer_to_store)
         return grad @ weight, None
 
 

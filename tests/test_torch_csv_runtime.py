@@ -18,26 +18,22 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from toy_models import make_tensors, mse_criterion, seeded_layer
 
 from dualpipe_kernels.runtime import build_stage_modules, spawn
 from dualpipe_kernels.schedules import build_schedule, load_csv, lower_comms, to_csv, validate
 
-LAYERS, DIM, ROWS, N = 4, 8, 16, 4
+LAYERS, ROWS, N = 4, 16, 4  # layers of toy_models.DIM features
 NAMES = ("dualpipev", "zb1p")
 
 
 def _layer(i: int) -> nn.Module:
-    torch.manual_seed(50 + i)
-    return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+    return seeded_layer(50 + i)  # seeded by index: every rank builds the same layer i
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)
-
-
-def _mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return ((y - t) ** 2).mean()
+    (x,), (t,) = make_tensors("toy", ROWS, seed=3)
+    return x, t
 
 
 def _runtime(sched: Any, rank: int) -> tuple[Any, dict[int, Any]]:
@@ -46,7 +42,7 @@ def _runtime(sched: Any, rank: int) -> tuple[Any, dict[int, Any]]:
 
     mods = build_stage_modules(sched, _layer, num_layers=LAYERS, rank=rank)
     stages = [PipelineStage(mods[s], s, sched.num_stages, torch.device("cpu")) for s in sorted(mods)]
-    return _PipelineScheduleRuntime(stages, N, loss_fn=_mse, scale_grads=True), mods
+    return _PipelineScheduleRuntime(stages, N, loss_fn=mse_criterion, scale_grads=True), mods
 
 
 def _worker(rank: int, world: int, csv_dir: str) -> dict[str, Any]:
@@ -88,7 +84,7 @@ def test_torch_runtime_runs_our_compute_comms_csv(csv_dir: tuple[Path, list[dict
     got = {**ranks[0][name], **ranks[1][name]}
     full = nn.Sequential(*[_layer(i) for i in range(LAYERS)])
     x, t = _batch()
-    _mse(full(x), t).backward()
+    mse_criterion(full(x), t).backward()
     for k, p in full.named_parameters():
         rel = float((got[k] - p.grad).norm() / p.grad.norm())
         assert rel <= 1e-6, f"{name} {k}: torch's runtime on our CSV is off by {rel:.2e} (N x would be {N - 1})"

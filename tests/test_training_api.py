@@ -28,25 +28,21 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from toy_models import make_tensors, mse_criterion, seeded_layer
 
 from dualpipe_kernels.runtime import Pipeline, build_stage_modules, run_reference, spawn
 from dualpipe_kernels.schedules.generators import build_schedule
 
-DIM, LAYERS, ROWS, N = 8, 8, 16, 4
+LAYERS, ROWS, N = 8, 16, 4  # layers of toy_models.DIM features
 
 
 def _layer(i: int) -> nn.Module:
-    torch.manual_seed(100 + i)  # seeded by index: every rank builds the same layer i
-    return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())
+    return seeded_layer(100 + i)  # seeded by index: every rank builds the same layer i
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(ROWS, DIM, generator=g), torch.randn(ROWS, DIM, generator=g)
-
-
-def _mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return ((y - t) ** 2).mean()
+    (x,), (t,) = make_tensors("toy", ROWS, seed=7)
+    return x, t
 
 
 def _named_grads(mods: dict[int, Any]) -> dict[str, torch.Tensor]:
@@ -60,16 +56,16 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     mods = build_stage_modules(sched, _layer, num_layers=LAYERS)
     out: dict[str, Any] = {"stages": {s: (m.first_layer, len(m)) for s, m in mods.items()}}
     pipe = Pipeline(sched, mods, timeout_s=30.0)
-    res = pipe.step(x, labels=(t,), criterion=_mse, reduce_loss=True)
+    res = pipe.step(x, labels=(t,), criterion=mse_criterion, reduce_loss=True)
     out["reduced_loss"], out["losses"] = res.loss, res.losses
     out["scaled"] = _named_grads(mods)
     pipe.zero_grad(set_to_none=True)
-    local = pipe.step(x, labels=(t,), criterion=_mse)
+    local = pipe.step(x, labels=(t,), criterion=mse_criterion)
     out["local_loss"] = local.loss
     pipe.close()
     pipe.zero_grad(set_to_none=True)
     summed = Pipeline(sched, mods, timeout_s=30.0, scale_grads=False)
-    summed.step(x, labels=(t,), criterion=_mse)
+    summed.step(x, labels=(t,), criterion=mse_criterion)
     summed.close()
     out["summed"] = _named_grads(mods)
     out.update(_observability(rank, sched, mods))
@@ -77,10 +73,10 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     if rank == 0:  # the single-process reference, same threads and kernels as the ranks
         every = {**build_stage_modules(sched, _layer, num_layers=LAYERS, rank=0)}
         every.update(build_stage_modules(sched, _layer, num_layers=LAYERS, rank=1))
-        run_reference(every, sched, (x,), (t,), _mse)
+        run_reference(every, sched, (x,), (t,), mse_criterion)
         out["reference"] = _named_grads(every)
         full = nn.Sequential(*[_layer(i) for i in range(LAYERS)])
-        loss = _mse(full(x), t)
+        loss = mse_criterion(full(x), t)
         loss.backward()
         out["full_loss"] = loss.detach()
         out["full"] = {n: p.grad.clone() for n, p in full.named_parameters()}
@@ -93,7 +89,7 @@ def _dualpipe(x: torch.Tensor, t: torch.Tensor) -> dict[str, Any]:
     mods = build_stage_modules(sched, _layer, num_layers=LAYERS)
     pipe = Pipeline(sched, mods, timeout_s=30.0)
     try:
-        res = pipe.step(x, labels=(t,), criterion=_mse, reduce_loss=True)
+        res = pipe.step(x, labels=(t,), criterion=mse_criterion, reduce_loss=True)
     finally:
         pipe.close()
     first = {m.full_name(k): p.grad.clone() for s, m in sorted(mods.items())[:1] for k, p in m.named_parameters()}
@@ -126,7 +122,7 @@ def _observability(rank: int, sched: Any, mods: dict[int, Any]) -> dict[str, Any
     try:
         labels = [str(a) for a in pipe.schedule.actions[rank]]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            res = pipe.step(x, labels=(t,), criterion=_mse)
+            res = pipe.step(x, labels=(t,), criterion=mse_criterion)
         path = f"{tempfile.gettempdir()}/dpk_trace_{id(pipe)}.json"
         # The exported trace, not prof.events(): FunctionEvent names are demangled ("2F0" reads as "F0").
         prof.export_chrome_trace(path)

@@ -42,6 +42,12 @@ class ToyStage(nn.Module):
         return torch.tanh(self.linear(x))
 
 
+def seeded_layer(seed: int, dim: int = DIM) -> nn.Module:
+    """``Sequential(Linear, Tanh)`` drawn after ``torch.manual_seed(seed)``: every rank builds the same layer."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+
+
 class RichStage(nn.Module):
     """Several tensors per boundary, an integer side input and an unused output.
 
@@ -87,36 +93,52 @@ class ExitStage(nn.Module):
 
 
 # ---- the reference's example model (examples/example_dualpipe.py), written for the compat API ----
-class _ExampleLinearFunc(torch.autograd.Function):
-    """y = x @ W^T whose weight gradient goes through ``WeightGradStore`` when it is enabled."""
+Defer = Callable[[torch.Tensor, Callable[[], None]], bool]
+"""``defer(weight, fn)``: take ``weight``'s gradient work ``fn`` to run later (True), or leave it to run now."""
+
+
+def accumulate_weight_grad(weight: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, defer: Defer) -> None:
+    """``weight.grad += grad^T x`` of ``y = x @ weight^T``: now, or later when ``defer`` takes the work."""
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+
+    def weight_grad() -> None:
+        weight.grad += grad.flatten(0, -2).T @ x.flatten(0, -2)
+
+    if not defer(weight, weight_grad):
+        weight_grad()
+
+
+class DeferredLinearFunc(torch.autograd.Function):
+    """y = x @ W^T whose weight gradient ``defer`` may postpone (see :func:`accumulate_weight_grad`)."""
 
     @staticmethod
-    def forward(ctx: Any, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inp, weight)
-        return F.linear(inp, weight)
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, defer: Defer) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.defer = defer
+        return F.linear(x, weight)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
-        from dualpipe_kernels.compat import WeightGradStore
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        x, weight = ctx.saved_tensors
+        accumulate_weight_grad(weight, grad, x, ctx.defer)
+        return grad @ weight, None, None
 
-        inp, weight = ctx.saved_tensors
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
 
-        def grad_weight_fn() -> None:
-            weight.grad += grad_output.flatten(0, -2).T @ inp.flatten(0, -2)
+def _defer_to_compat_store(weight: torch.Tensor, fn: Callable[[], None]) -> bool:
+    """The reference example's choice: ``WeightGradStore`` takes the work when it is enabled."""
+    from dualpipe_kernels.compat import WeightGradStore
 
-        if WeightGradStore.enabled:
-            weight.deferred_w = getattr(weight, "deferred_w", 0) + 1  # counted so tests see the store was used
-            WeightGradStore.put(grad_weight_fn)
-        else:
-            grad_weight_fn()
-        return grad_output @ weight, None
+    if not WeightGradStore.enabled:
+        return False
+    weight.deferred_w = getattr(weight, "deferred_w", 0) + 1  # counted so tests see the store was used
+    WeightGradStore.put(fn)
+    return True
 
 
 class _ExampleLinear(nn.Linear):
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        return _ExampleLinearFunc.apply(inp, self.weight)
+        return DeferredLinearFunc.apply(inp, self.weight, _defer_to_compat_store)
 
 
 class ExampleStage(nn.Module):
@@ -150,15 +172,32 @@ class ExampleStage(nn.Module):
         from dualpipe_kernels.compat import run_backward
 
         module0.fb_calls += 1
-        outputs0 = module0(*inputs0)
-        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
-        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
-        if loss1 is not None:
-            loss1.backward()
-            loss1.detach_()
-        else:
-            run_backward(outputs1, output_grads1)
-        return outputs0, loss0
+        return forward_then_backward(
+            module0, inputs0, criterion0, labels0, loss1, outputs1, output_grads1, run_backward
+        )
+
+
+def forward_then_backward(
+    module0: nn.Module,
+    inputs0: Sequence[torch.Tensor],
+    criterion0: Callable[..., torch.Tensor] | None,
+    labels0: Sequence[torch.Tensor],
+    loss1: torch.Tensor | None,
+    outputs1: Sequence[torch.Tensor],
+    output_grads1: Sequence[torch.Tensor],
+    run_backward: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None],
+) -> tuple[Sequence[torch.Tensor], torch.Tensor | None]:
+    """An ``overlapped_forward_backward`` hook's work done one after the other, as the reference example's hook:
+    chunk 0's forward (and loss), then chunk 1's backward through ``run_backward`` (the API under test's)."""
+    outputs0 = module0(*inputs0)
+    outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
+    loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+    if loss1 is not None:
+        loss1.backward()
+        loss1.detach_()
+    else:
+        run_backward(outputs1, output_grads1)
+    return outputs0, loss0
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ No module-level mutable state: the progress bar is an object the caller owns.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
@@ -38,6 +39,8 @@ __all__ = [
     "plot_bandwidth",
     "ActivationMeter",
     "option",
+    "comma_ints",
+    "int_list",
 ]
 
 #: Default results folder, relative to the working directory.
@@ -125,6 +128,23 @@ def option(args: Any, name: str, full: Any, quick: Any) -> Any:
     """A suite option: the value given on the command line, else the full-run or (``--quick``) quick default."""
     v = getattr(args, name, None)
     return v if v is not None else (quick if getattr(args, "quick", False) else full)
+
+
+def comma_ints(text: str, minimum: int = 1, what: str = "integers") -> list[int]:
+    """argparse type body: comma-separated integers, each ``>= minimum``; the error names the text."""
+    try:
+        vals = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from None
+    if not vals or min(vals) < minimum:
+        bound = f"positive {what}" if minimum == 1 else f"{what} >= {minimum}"
+        raise argparse.ArgumentTypeError(f"expected {bound}, got {text!r}")
+    return vals
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers."""
+    return comma_ints(text)
 
 
 # ---------------------------------------------------------------- statistics

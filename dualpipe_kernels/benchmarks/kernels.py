@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dualpipe_kernels.benchmarks.common import Progress, markdown_table
+from dualpipe_kernels.benchmarks.common import Progress, int_list, markdown_table
 from dualpipe_kernels.kernels import pack, resolve_backend, unpack
 from dualpipe_kernels.kernels.pack_torch import dequantize_fp8, quantize_fp8
 
@@ -49,23 +49,13 @@ SAMPLE_BYTES = 64 * MIB
 __all__ = ["NAME", "add_arguments", "run", "to_markdown", "write_plots"]
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma list among {','.join(FORMATS)}")
     p.add_argument(
-        "--sizes", type=_int_list, default=None, help="total input bytes, comma list (default 64 KiB .. 256 MiB)"
+        "--sizes", type=int_list, default=None, help="total input bytes, comma list (default 64 KiB .. 256 MiB)"
     )
     p.add_argument("--max-size", type=int, default=None, help="drop sizes above this (default: 64 MiB on CPU)")
-    p.add_argument("--num-tensors", type=_int_list, default=None, help="tensors per pack, comma list (default 1,8,64)")
+    p.add_argument("--num-tensors", type=int_list, default=None, help="tensors per pack, comma list (default 1,8,64)")
     p.add_argument("--samples", type=int, default=None, help="timed samples per figure (default 7; quick 3)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when present")
 

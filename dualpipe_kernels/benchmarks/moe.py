@@ -38,7 +38,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from dualpipe_kernels.benchmarks.common import markdown_table, option
+from dualpipe_kernels.benchmarks.common import comma_ints, markdown_table, option
 from dualpipe_kernels.benchmarks.moe_ranks import CONTENDERS, MoeRun
 
 NAME = "moe"
@@ -53,13 +53,7 @@ _QUICK_SIZES = (0, 1 << 20)
 
 
 def _size_list(text: str) -> list[int]:
-    try:
-        vals = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated byte counts, got {text!r}") from None
-    if not vals or min(vals) < 0:
-        raise argparse.ArgumentTypeError(f"expected byte counts >= 0, got {text!r}")
-    return vals
+    return comma_ints(text, 0, "byte counts")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

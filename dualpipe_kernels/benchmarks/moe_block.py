@@ -39,7 +39,6 @@ rank because every expert rank runs the same schedule.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import GradientEdge
+
+from dualpipe_kernels.benchmarks.sleep_stages import WeightSleep, sleep_seconds
 
 __all__ = [
     "ExpertGroup",
@@ -60,11 +61,6 @@ __all__ = [
 ]
 
 Phases = Generator[Any, None, Any]  # yields posted work handles, returns the phase program's result
-
-
-def _sleep(seconds: float) -> None:
-    if seconds > 0:
-        time.sleep(seconds)
 
 
 @dataclass
@@ -148,41 +144,14 @@ class _Compute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, f_s: float, i_s: float) -> torch.Tensor:
-        _sleep(f_s)
+        sleep_seconds(f_s)
         ctx.i_s = i_s
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        _sleep(ctx.i_s)
+        sleep_seconds(ctx.i_s)
         return g, None, None
-
-
-class _WeightSleep(torch.autograd.Function):
-    """``weight [1]`` broadcast like ``like`` (the weight is zero: adds nothing); its gradient work sleeps ``w_s``.
-
-    The sleep is deferred through the running pipeline's WeightGradStore when
-    it is enabled (the schedule's W action then sleeps it), slept at once
-    otherwise; the gradient value itself (the sum of the incoming gradient) is
-    returned at once.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, like: torch.Tensor, w_s: float) -> torch.Tensor:
-        ctx.w_s = w_s
-        return weight.detach().expand_as(like).clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        from dualpipe_kernels.runtime import current_store
-
-        w_s = ctx.w_s
-        store = current_store()
-        if store is not None and store.enabled:
-            store.put(lambda: _sleep(w_s))
-        else:
-            _sleep(w_s)
-        return g.sum().reshape(1), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -237,7 +206,7 @@ class MoEChunk(nn.Module):
 
     def _compute(self, x: torch.Tensor, w: torch.Tensor, w_sleep: torch.Tensor) -> torch.Tensor:
         u = _Compute.apply(x, self.f_phase, self.i_phase)
-        return u * w + _WeightSleep.apply(w_sleep, u, self.w_phase)
+        return u * w + WeightSleep.apply(w_sleep, u, self.w_phase, True)
 
     def forward_phases(self, x: torch.Tensor) -> Phases:
         """The chunk's forward; yields at its dispatch and combine, returns ``out``."""

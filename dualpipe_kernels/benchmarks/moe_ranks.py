@@ -72,22 +72,6 @@ def pad_for_bytes(run: MoeRun, a2a_bytes: int) -> int:
     return max(0, a2a_bytes // (4 * run.ep) - per_peer)
 
 
-def _groups(pp: int, ep: int) -> tuple[Any, Any, Any]:
-    """(pipeline group, forward expert group, backward expert group) of this process; every process creates all."""
-    me = dist.get_rank()
-    mine: dict[str, Any] = {}
-    for e in range(ep):
-        g = dist.new_group([p * ep + e for p in range(pp)])
-        if me % ep == e:
-            mine["pp"] = g
-    for kind in ("f", "b"):
-        for p in range(pp):
-            g = dist.new_group([p * ep + e for e in range(ep)])
-            if me // ep == p:
-                mine[kind] = g
-    return mine["pp"], mine["f"], mine["b"]
-
-
 def _chunks(cls: type[MoEChunk], run: MoeRun, group: ExpertGroup, stages: Sequence[int], e_rank: int) -> dict[int, Any]:
     """This rank's stage chunks, weights from (stage, expert rank): identical for every contender."""
     return {s: init_chunk(cls(run.cols, group, run.f_s, run.b_s, run.w_s), 1000 * s + e_rank) for s in stages}
@@ -271,10 +255,12 @@ class _Torch:
 
 def rank_main(rank: int, world: int, run: MoeRun) -> dict[str, Any]:
     """This process's figures: ``costs[size]``, ``times[contender][size]``, ``grads[contender]``, ``pairs``."""
+    from dualpipe_kernels.runtime.groups import pipeline_expert_groups
+
     if world != run.pp * run.ep:
         raise ValueError(f"moe bench: {world} processes but pp {run.pp} x ep {run.ep} = {run.pp * run.ep}")
     p_rank, e_rank = rank // run.ep, rank % run.ep
-    pp_group, g_f, g_b = _groups(run.pp, run.ep)
+    pp_group, g_f, g_b = pipeline_expert_groups(run.pp, run.ep)
     group = ExpertGroup(g_f, g_b, run.ep)
     contenders: dict[str, _Ours | _Torch] = {
         "ours": _Ours(run, True, group, pp_group, p_rank, e_rank),

@@ -36,7 +36,7 @@ __all__ = ["NAME", "TRANSPORTS", "OverlapConfig", "add_arguments", "run", "to_ma
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dualpipe_kernels.benchmarks.schedules import int_list
+    from dualpipe_kernels.benchmarks.common import int_list
     from dualpipe_kernels.benchmarks.sleep_runs import add_sleep_arguments
 
     p.add_argument("--transports", default=",".join(TRANSPORTS), help="comma list (default torch,native)")

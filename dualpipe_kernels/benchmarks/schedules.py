@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from dualpipe_kernels.benchmarks.common import int_list
 from dualpipe_kernels.benchmarks.schedules_report import to_markdown, write_plots
 from dualpipe_kernels.benchmarks.sleep_runs import SleepRun
 
@@ -65,17 +66,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------- configuration
-def int_list(text: str) -> list[int]:
-    """argparse type: comma-separated positive integers."""
-    try:
-        vals = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
-
-
 def _name_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in SCHEDULES]

@@ -31,6 +31,8 @@ from torch import nn
 
 __all__ = [
     "SleepStage",
+    "WeightSleep",
+    "sleep_seconds",
     "ChunkCosts",
     "measure_chunk_costs",
     "sleep_batch",
@@ -40,7 +42,8 @@ __all__ = [
 ]
 
 
-def _sleep(seconds: float) -> None:
+def sleep_seconds(seconds: float) -> None:
+    """Sleep ``seconds`` (nothing for zero or less)."""
     if seconds > 0:
         time.sleep(seconds)
 
@@ -60,38 +63,43 @@ class _InputPart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        _sleep(ctx.i_s)
+        sleep_seconds(ctx.i_s)
         gx = torch.zeros_like(grad) if ctx.needs_input_grad[0] else None
         gw = torch.zeros(1, dtype=grad.dtype, device=grad.device) if ctx.needs_input_grad[1] else None
         return gx, gw, None
 
 
-class _WeightPart(torch.autograd.Function):
+class WeightSleep(torch.autograd.Function):
     """A one-element weight broadcast to ``like``'s shape; its weight-gradient work sleeps ``w_s`` seconds.
 
     The runtime computes the gradient of a parameter behind a custom autograd
     function in the I pass (it cannot split such a function's graph), so the W
     sleep goes through the running pipeline's WeightGradStore, as the
     reference's zero-bubble linears do: deferred to the schedule's W action
-    when the store is enabled, slept at once otherwise.
+    when the store is enabled, slept at once otherwise.  The weight's gradient
+    is returned at once: zero, or with ``sum_grad`` the sum of the incoming
+    gradient (the true gradient of the broadcast; the MoE chunks use it).
     """
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, like: torch.Tensor, w_s: float) -> torch.Tensor:
+    def forward(ctx: Any, weight: torch.Tensor, like: torch.Tensor, w_s: float, sum_grad: bool = False) -> torch.Tensor:
         ctx.w_s = w_s
+        ctx.sum_grad = sum_grad
         return weight.detach().expand_as(like).clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         from dualpipe_kernels.runtime.zero_bubble import current_store
 
         w_s = ctx.w_s
         store = current_store()
         if store is not None and store.enabled:
-            store.put(lambda: _sleep(w_s))
+            store.put(lambda: sleep_seconds(w_s))
         else:
-            _sleep(w_s)
-        return torch.zeros(1, dtype=grad.dtype, device=grad.device), None, None
+            sleep_seconds(w_s)
+        if ctx.sum_grad:
+            return grad.sum().reshape(1), None, None, None
+        return torch.zeros(1, dtype=grad.dtype, device=grad.device), None, None, None
 
 
 class SleepStage(nn.Module):
@@ -110,10 +118,10 @@ class SleepStage(nn.Module):
         self.weight = nn.Parameter(torch.zeros(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _sleep(self.f_s)
+        sleep_seconds(self.f_s)
         if not torch.is_grad_enabled():
             return torch.zeros_like(x)
-        return _InputPart.apply(x, self.weight, self.i_s) + _WeightPart.apply(self.weight, x, self.w_s)
+        return _InputPart.apply(x, self.weight, self.i_s) + WeightSleep.apply(self.weight, x, self.w_s)
 
 
 def sleep_batch(microbatches: int, activation_bytes: int, cols: int = 256) -> torch.Tensor:

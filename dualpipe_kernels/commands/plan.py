@@ -22,15 +22,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .argtypes import parse_float, parse_int
+
 _GB = 1e9
 
 
 def _finite(kind: str, minimum: float, strict: bool) -> Any:
     def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        v = parse_float(text)
         if not math.isfinite(v) or (v <= minimum if strict else v < minimum):
             raise argparse.ArgumentTypeError(
                 f"{kind} must be a finite number {'>' if strict else '>='} {minimum:g}, got {text}"
@@ -41,10 +40,7 @@ def _finite(kind: str, minimum: float, strict: bool) -> Any:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    v = parse_int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v

@@ -29,6 +29,7 @@ from ..schedules.generators import SCHEDULE_NAMES, build_schedule
 from ..schedules.memory_model import MEMORY_POLICIES, ChunkBytes, peak_saved_bytes, policy_costs
 from ..schedules.simulator import SimResult, reference_bubble, simulate
 from ..schedules.validate import validate
+from .argtypes import parse_float
 from .outputs import check_output_file
 
 _ASCII_MAX_STEPS = 50  # print the grid only when every rank's list is this short (or with --ascii)
@@ -44,10 +45,7 @@ def _number(text: str) -> Num:
 
 def _bandwidth(text: str) -> Num:
     """Like :func:`_number`, but 'inf' is allowed (an unlimited link)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = parse_float(text)
     if math.isnan(value):
         raise argparse.ArgumentTypeError("NaN is not a valid number")
     if math.isfinite(value) and value == int(value) and "." not in text and "e" not in text.lower():

@@ -166,7 +166,8 @@ def _st(ptr, value, mask, FAST: tl.constexpr):
 
 @triton.jit
 def _tile(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
-    """(tensor base as a byte pointer, row-major indices of this block, their element offsets, mask)."""
+    """(tensor base as a byte pointer, row-major indices of this block, their element offsets, mask,
+    the tensor's region in the buffer as a byte pointer)."""
     rows = tl.arange(0, ROWS)
     local = blk * (ROWS * 128) + rows[:, None] * 128 + tl.arange(0, 128)[None, :]
     if FAST:
@@ -177,27 +178,42 @@ def _tile(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
     else:
         base = tl.load(row + 0).to(tl.pointer_type(tl.uint8))
         off = _strided(local, row)
-    return base, local, off, local < tl.load(row + 1)
+    return base, local, off, local < tl.load(row + 1), buf + tl.load(row + 2) // 16 * 16
+
+
+@triton.jit
+def _scales(row, buf, blk, ROWS: tl.constexpr):
+    """(indices of this block's rows among the tensor's fp8 scales, the scale region as an fp32 pointer)."""
+    scale_idx = blk * ROWS + tl.arange(0, ROWS)
+    return scale_idx, (buf + tl.load(row + 3) // 16 * 16).to(tl.pointer_type(tl.float32), bitcast=True)
+
+
+@triton.jit
+def _copy_bits(src, src_off, dst, dst_off, mask, smask, code, FAST: tl.constexpr):
+    """Copy a tile of 1/2/4/8-byte elements (``code`` 0..3) bit for bit; ``src``/``dst`` are byte pointers,
+    the offsets count elements; loads are masked by ``mask``, stores by ``smask``.  (One name per width:
+    Triton merges a name bound in both arms of an if, and the widths' types differ.)"""
+    if code == 0:
+        _st(dst + dst_off, _ld(src + src_off, mask, FAST), smask, FAST)
+    elif code == 1:
+        v16 = _ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + src_off, mask, FAST)
+        _st(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + dst_off, v16, smask, FAST)
+    elif code == 2:
+        v32 = _ld(src.to(tl.pointer_type(tl.uint32), bitcast=True) + src_off, mask, FAST)
+        _st(dst.to(tl.pointer_type(tl.uint32), bitcast=True) + dst_off, v32, smask, FAST)
+    else:
+        v64 = _ld(src.to(tl.pointer_type(tl.uint64), bitcast=True) + src_off, mask, FAST)
+        _st(dst.to(tl.pointer_type(tl.uint64), bitcast=True) + dst_off, v64, smask, FAST)
 
 
 @triton.jit
 def _pack_block(row, buf, blk, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.constexpr):
-    base, local, src, mask = _tile(row, buf, blk, ROWS, FAST)
+    base, local, src, mask, dst = _tile(row, buf, blk, ROWS, FAST)
     # stores run on to the region's aligned end, so the padding gets zeros (masked loads there give 0)
     smask = local < tl.load(row + 14)
-    dst = buf + tl.load(row + 2) // 16 * 16
     code = tl.load(row + 4)
-    if code == 0:
-        _st(dst + local, _ld(base + src, mask, FAST), smask, FAST)
-    elif code == 1:
-        v = _ld(base.to(tl.pointer_type(tl.uint16), bitcast=True) + src, mask, FAST)
-        _st(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, v, smask, FAST)
-    elif code == 2:
-        v = _ld(base.to(tl.pointer_type(tl.uint32), bitcast=True) + src, mask, FAST)
-        _st(dst.to(tl.pointer_type(tl.uint32), bitcast=True) + local, v, smask, FAST)
-    elif code == 3:
-        v = _ld(base.to(tl.pointer_type(tl.uint64), bitcast=True) + src, mask, FAST)
-        _st(dst.to(tl.pointer_type(tl.uint64), bitcast=True) + local, v, smask, FAST)
+    if code < 4:
+        _copy_bits(base, src, dst, local, mask, smask, code, FAST)
     else:
         if code == 4 or code == 6:
             x = _ld(base.to(tl.pointer_type(tl.float32), bitcast=True) + src, mask, FAST)
@@ -208,8 +224,7 @@ def _pack_block(row, buf, blk, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.
         if code == 4 or code == 5:
             _st(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, _bf16_bits(x), smask, FAST)
         else:
-            scale_idx = blk * ROWS + tl.arange(0, ROWS)
-            scale_dst = (buf + tl.load(row + 3) // 16 * 16).to(tl.pointer_type(tl.float32), bitcast=True)
+            scale_idx, scale_dst = _scales(row, buf, blk, ROWS)
             q, scale = _quantize(x, POW2)
             _st(dst + local, q, smask, FAST)
             _st(scale_dst + scale_idx, scale, scale_idx < tl.load(row + 15), FAST)
@@ -217,26 +232,15 @@ def _pack_block(row, buf, blk, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.
 
 @triton.jit
 def _unpack_block(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
-    base, local, dst, mask = _tile(row, buf, blk, ROWS, FAST)
-    src = buf + tl.load(row + 2) // 16 * 16
+    base, local, dst, mask, src = _tile(row, buf, blk, ROWS, FAST)
     code = tl.load(row + 4)
-    if code == 0:
-        _st(base + dst, _ld(src + local, mask, FAST), mask, FAST)
-    elif code == 1:
-        v = _ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask, FAST)
-        _st(base.to(tl.pointer_type(tl.uint16), bitcast=True) + dst, v, mask, FAST)
-    elif code == 2:
-        v = _ld(src.to(tl.pointer_type(tl.uint32), bitcast=True) + local, mask, FAST)
-        _st(base.to(tl.pointer_type(tl.uint32), bitcast=True) + dst, v, mask, FAST)
-    elif code == 3:
-        v = _ld(src.to(tl.pointer_type(tl.uint64), bitcast=True) + local, mask, FAST)
-        _st(base.to(tl.pointer_type(tl.uint64), bitcast=True) + dst, v, mask, FAST)
+    if code < 4:
+        _copy_bits(src, local, base, dst, mask, mask, code, FAST)
     else:
         if code == 4 or code == 5:
             x = _bf16_value(_ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask, FAST))
         else:
-            scale_idx = blk * ROWS + tl.arange(0, ROWS)
-            scales = (buf + tl.load(row + 3) // 16 * 16).to(tl.pointer_type(tl.float32), bitcast=True)
+            scale_idx, scales = _scales(row, buf, blk, ROWS)
             scale = _ld(scales + scale_idx, scale_idx * 128 < tl.load(row + 1), FAST)
             x = _e4m3_value(_ld(src + local, mask, FAST)) * scale[:, None]
         if code == 4 or code == 6:

@@ -36,7 +36,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ..schedules import CommModel, CostModel, build_schedule, schedule_layout, simulate
+from ..schedules import CommModel, CostModel, build_schedule, schedule_fits, simulate
 from ..schedules.memory_model import ChunkBytes, policy_costs
 from .layers import LayerTable
 from .memory import PLAN_MEMORY_POLICIES, activation_peaks, chunk_bytes
@@ -174,15 +174,6 @@ def _allreduce(sp: StagePlan, dp: int, cluster: Cluster) -> float:
     return ring_allreduce_s(members, sp.grad_bytes(), bw, lat)
 
 
-def _valid(schedule: str, pp: int, microbatches: int) -> bool:
-    # The generators own the constraints; ask them instead of restating them.
-    try:
-        schedule_layout(schedule, pp, microbatches)
-    except ValueError:
-        return False
-    return True
-
-
 def enumerate_candidates(
     table: LayerTable,
     cluster: Cluster,
@@ -209,7 +200,7 @@ def enumerate_candidates(
                 continue
             for mbs in _divisors(per_pipe):
                 n = per_pipe // mbs
-                if not _valid(name, pp, n):
+                if not schedule_fits(name, pp, n):
                     continue
                 if (name, pp) not in plans:
                     plans[(name, pp)] = stage_plan(table, name, pp)
@@ -302,7 +293,7 @@ def _profile_microbatches(schedule: str, pp: int, microbatches: int) -> int:
     long step is profiled on the first valid count from ``4 pp`` on: cheaper, same numbers.
     """
     for n in range(4 * pp, microbatches):
-        if _valid(schedule, pp, n):
+        if schedule_fits(schedule, pp, n):
             return n
     return microbatches
 

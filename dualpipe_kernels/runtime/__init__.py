@@ -5,10 +5,12 @@ this rank's stage modules for any schedule.  ``save_pipeline`` / ``load_pipeline
 DCP checkpoints under the full model's parameter names.  ``run_reference``: the
 single-process reference the executor is checked against.  ``spawn`` /
 ``spawn_outcomes``: start local worker processes, one per rank.
+``pipeline_expert_groups``: the process groups of a pipeline x expert-parallel layout.
 """
 
 from dualpipe_kernels.runtime.checkpoint import load_pipeline, load_stage_state_dict, save_pipeline, stage_state_dict
 from dualpipe_kernels.runtime.executor import Pipeline, StepResult
+from dualpipe_kernels.runtime.groups import pipeline_expert_groups
 from dualpipe_kernels.runtime.launch import RankOutcome, RanksFailed, free_port, spawn, spawn_outcomes
 from dualpipe_kernels.runtime.microbatch import merge_microbatches, split_microbatches
 from dualpipe_kernels.runtime.reference import run_reference
@@ -36,4 +38,5 @@ __all__ = [
     "WeightGradStore",
     "current_store",
     "run_backward",
+    "pipeline_expert_groups",
 ]

@@ -21,7 +21,7 @@ from .deps import (
     dependency_keys,
     produced_keys,
 )
-from .generators import SCHEDULE_NAMES, build_schedule, schedule_layout
+from .generators import SCHEDULE_NAMES, build_schedule, schedule_fits, schedule_layout
 from .ir import COMM_TYPES, COMPUTE_TYPES, Action, ActionType, Schedule, format_actions, parse_action, parse_actions
 from .lowering import lower_comms, lower_program
 from .simulator import SimEvent, SimResult, reference_bubble, simulate
@@ -66,6 +66,7 @@ __all__ = [
     "parse_action",
     "parse_actions",
     "produced_keys",
+    "schedule_fits",
     "schedule_layout",
     "to_ascii",
     "to_csv",

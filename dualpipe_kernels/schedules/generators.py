@@ -18,6 +18,8 @@ zbv                ranks >= 1, N >= 1                             2 (V shape)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ._program import Layout, gc_paused
 from .baselines import (
     check_interleaved,
@@ -34,13 +36,29 @@ from .baselines import (
 from .dualpipe import check_dualpipe, check_dualpipev, dualpipe, dualpipe_layout, dualpipev, dualpipev_layout
 from .ir import Schedule
 
-__all__ = ["SCHEDULE_NAMES", "build_schedule", "schedule_layout", "stages_per_rank_of"]
+__all__ = ["SCHEDULE_NAMES", "build_schedule", "schedule_fits", "schedule_layout", "stages_per_rank_of"]
 
 SCHEDULE_NAMES = ("dualpipe", "dualpipev", "1f1b", "gpipe", "interleaved1f1b", "zb1p", "zbv")
 
 # Stage chunks per rank of the schedules where it is fixed.
 _FIXED_STAGES_PER_RANK = {"dualpipe": 2, "dualpipev": 2, "1f1b": 1, "gpipe": 1, "zb1p": 1, "zbv": 2}
 _DEFAULT_INTERLEAVED_CHUNKS = 2
+
+# Name -> generator (and its stage placement; 1f1b, gpipe and zb1p share linear_layout) of the schedules whose
+# stages per rank are fixed; interleaved1f1b takes its chunk count as a third argument.
+_BUILDERS: dict[str, Callable[[int, int], Schedule]] = {
+    "dualpipe": dualpipe,
+    "dualpipev": dualpipev,
+    "1f1b": one_f_one_b,
+    "gpipe": gpipe,
+    "zb1p": zb1p,
+    "zbv": zbv,
+}
+_LAYOUTS: dict[str, Callable[[int, int], Layout]] = {
+    "dualpipe": dualpipe_layout,
+    "dualpipev": dualpipev_layout,
+    "zbv": v_layout,
+}
 
 
 def _check_name(name: str) -> None:
@@ -82,21 +100,30 @@ def _check(name: str, ranks: int, microbatches: int, v: int) -> None:
         check_linear(name, ranks, microbatches)
 
 
-def schedule_layout(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Layout:
-    """The stage placement and paths ``build_schedule`` would use, without building the orders."""
+def _checked_args(name: str, ranks: int, microbatches: int, stages_per_rank: int | None) -> tuple[int, int, int]:
+    """``(ranks, microbatches, stages per rank)`` as ints, checked for schedule ``name`` (ValueError otherwise)."""
     ranks = _as_int(ranks, "ranks")
     microbatches = _as_int(microbatches, "microbatches")
     v = stages_per_rank_of(name, stages_per_rank)
     _check(name, ranks, microbatches, v)
-    if name == "dualpipe":
-        return dualpipe_layout(ranks, microbatches)
-    if name == "dualpipev":
-        return dualpipev_layout(ranks, microbatches)
-    if name == "zbv":
-        return v_layout(ranks, microbatches)
+    return ranks, microbatches, v
+
+
+def schedule_layout(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Layout:
+    """The stage placement and paths ``build_schedule`` would use, without building the orders."""
+    ranks, microbatches, v = _checked_args(name, ranks, microbatches, stages_per_rank)
     if name == "interleaved1f1b":
         return interleaved_layout(ranks, microbatches, v)
-    return linear_layout(ranks, microbatches)
+    return _LAYOUTS.get(name, linear_layout)(ranks, microbatches)
+
+
+def schedule_fits(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> bool:
+    """Whether ``build_schedule`` accepts these arguments (the generators own the constraints)."""
+    try:
+        schedule_layout(name, ranks, microbatches, stages_per_rank)
+    except ValueError:
+        return False
+    return True
 
 
 def build_schedule(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Schedule:
@@ -105,25 +132,12 @@ def build_schedule(name: str, ranks: int, microbatches: int, stages_per_rank: in
     ``stages_per_rank`` matters only for ``interleaved1f1b`` (default 2); for the
     others it may be omitted or must equal their fixed value.
     """
-    ranks = _as_int(ranks, "ranks")
-    microbatches = _as_int(microbatches, "microbatches")
-    v = stages_per_rank_of(name, stages_per_rank)
-    _check(name, ranks, microbatches, v)
+    ranks, microbatches, v = _checked_args(name, ranks, microbatches, stages_per_rank)
     with gc_paused():
         return _build(name, ranks, microbatches, v)
 
 
 def _build(name: str, ranks: int, microbatches: int, v: int) -> Schedule:
-    if name == "dualpipe":
-        return dualpipe(ranks, microbatches)
-    if name == "dualpipev":
-        return dualpipev(ranks, microbatches)
-    if name == "1f1b":
-        return one_f_one_b(ranks, microbatches)
-    if name == "gpipe":
-        return gpipe(ranks, microbatches)
     if name == "interleaved1f1b":
         return interleaved_1f1b(ranks, microbatches, v)
-    if name == "zb1p":
-        return zb1p(ranks, microbatches)
-    return zbv(ranks, microbatches)
+    return _BUILDERS[name](ranks, microbatches)

@@ -58,6 +58,7 @@ __all__ = [
     "group_store",
     "check_timeout",
     "finite_timeout",
+    "require_process_group",
 ]
 if TYPE_CHECKING:
     from dualpipe_kernels.kernels import PackLayout
@@ -183,6 +184,16 @@ def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
     if value <= 0:
         raise ValueError(f"{what} must be > 0, got {timeout_s!r}")
     return value
+
+
+def require_process_group(who: str, timeout_s: Any) -> None:
+    """The checks of a transport over ``torch.distributed``: ValueError naming ``who`` unless a process group
+    is initialised, and unless ``timeout_s`` is a finite number of seconds > 0."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError(f"{who} needs an initialised torch.distributed process group")
+    check_timeout(timeout_s)
 
 
 def group_store(group: Any) -> Any:

@@ -46,6 +46,7 @@ from dualpipe_kernels.transport.base import (
     Transport,
     TransportError,
     TransportTimeout,
+    require_process_group,
     wait_store_key,
 )
 from dualpipe_kernels.transport.hosts import host_id as default_host_id
@@ -171,10 +172,7 @@ class NativeTransport(Transport):
         host_id: str | None = None,
     ) -> None:
         super().__init__(timeout_s)
-        if not dist.is_initialized():
-            raise ValueError("NativeTransport needs an initialised torch.distributed process group")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        require_process_group("NativeTransport", timeout_s)
         if num_slots < 2:
             raise ValueError(f"num_slots must be >= 2 (double buffering), got {num_slots}")
         if slot_bytes < 64:
@@ -279,22 +277,20 @@ class NativeTransport(Transport):
         return NativeHandle(request, tensor, self)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
-        self._check(tensor, peer, what)
-        if peer not in self.local_peers:
-            assert self._fallback is not None
-            return self._fallback.isend(tensor, peer, tag, what)
-        nbytes = tensor.numel() * tensor.element_size()
-        req = self._engine.send(peer, tensor.data_ptr(), nbytes, tag, dtype_code(tensor.dtype), what)
-        return self._track(req, tensor)
+        return self._post(True, tensor, peer, tag, what)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+        return self._post(False, tensor, peer, tag, what)
+
+    def _post(self, is_send: bool, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Handle:
+        """Check, then hand the transfer to the engine (to the fallback for a peer on another host)."""
         self._check(tensor, peer, what)
         if peer not in self.local_peers:
             assert self._fallback is not None
-            return self._fallback.irecv(tensor, peer, tag, what)
+            return (self._fallback.isend if is_send else self._fallback.irecv)(tensor, peer, tag, what)
         nbytes = tensor.numel() * tensor.element_size()
-        req = self._engine.recv(peer, tensor.data_ptr(), nbytes, tag, dtype_code(tensor.dtype), what)
-        return self._track(req, tensor)
+        post = self._engine.send if is_send else self._engine.recv
+        return self._track(post(peer, tensor.data_ptr(), nbytes, tag, dtype_code(tensor.dtype), what), tensor)
 
     def close(self) -> None:
         """Stop the worker threads (unfinished transfers fail), unmap the rings. Idempotent."""

@@ -45,7 +45,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dualpipe_kernels.transport.base import DEFAULT_TIMEOUT_S, Handle, Transport, TransportError, TransportTimeout
+from dualpipe_kernels.transport.base import (
+    DEFAULT_TIMEOUT_S,
+    Handle,
+    Transport,
+    TransportError,
+    TransportTimeout,
+    require_process_group,
+)
 
 __all__ = ["TorchDistTransport"]
 
@@ -263,10 +270,7 @@ class TorchDistTransport(Transport):
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         super().__init__(timeout_s)
-        if not dist.is_initialized():
-            raise ValueError("TorchDistTransport needs an initialised torch.distributed process group")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        require_process_group("TorchDistTransport", timeout_s)
         self.group = group if group is not None else dist.group.WORLD
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._rank = dist.get_rank(self.group)
