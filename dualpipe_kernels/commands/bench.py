@@ -37,6 +37,7 @@ SUITES: dict[str, str] = {
     "engine": "schedule engine speed: build + validate + simulate DualPipeV 64 ranks x 1024 micro-batches",
     "kernels": "pack/unpack bandwidth (lossless, bf16, fp8) vs a same-size copy and unfused torch cat + cast",
     "cuda_ipc": "CUDA IPC between two processes on one GPU vs a same-GPU copy: GB/s, us per message, overlap",
+    "overhead": "runtime cost per compute action on tiny Linear stages: ours (native, gloo) vs torch, cProfile",
     "memory": "peak saved-activation bytes and step time of each memory policy vs the simulator's prediction",
 }
 

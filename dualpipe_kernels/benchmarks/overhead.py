@@ -1,0 +1,364 @@
+"""overhead: the runtime's own cost per compute action, on stages that do almost nothing.
+
+Every stage chunk is one ``nn.Linear(8, 8)`` and every micro-batch one 1x8
+row, so a step is almost all framework cost plus the latency of the transfers
+on the critical path.  Each case runs on the same 2 ranks (spawned, gloo on
+127.0.0.1, one thread per rank): our runtime for each schedule on each
+transport (``native``, ``torch`` = gloo), and torch.distributed.pipelining's
+schedules of the same placement on gloo.  A step's time is the slowest rank's
+wall time of that step (every step starts after a barrier); the figure is the
+median over the measured steps, with min and max beside it.
+``per_action_us`` divides it by the compute actions of the busiest rank of our
+schedule with the same placement (torch's rows use the same count: same work).
+``ratio_to_torch`` is ours-on-gloo / torch-on-gloo per step, per schedule.
+
+Then rank 0 runs the same number of steps of ours on the native transport for
+``--profile-schedule`` (default dualpipev) under cProfile; the top entries by
+cumulative time go into the results, so the fast-path work is driven by
+measurement.  The profiled steps are not the timed ones (cProfile slows them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+NAME = "overhead"
+TRANSPORTS = ("native", "torch")
+FULL_SCHEDULES = ("dualpipev", "1f1b", "zb1p", "zbv", "interleaved1f1b", "gpipe", "dualpipe")
+QUICK_SCHEDULES = ("dualpipev", "1f1b", "zb1p")
+#: torch.distributed.pipelining class -> our schedule of the same stage placement (the per-action count)
+TORCH_PEERS: dict[str, str] = {
+    "ScheduleDualPipeV": "dualpipev",
+    "Schedule1F1B": "1f1b",
+    "ScheduleZBVZeroBubble": "zbv",
+    "ScheduleInterleaved1F1B": "interleaved1f1b",
+    "ScheduleGPipe": "gpipe",
+}
+WIDTH = 8  # features of every chunk's Linear and of every micro-batch row
+
+__all__ = ["NAME", "OverheadConfig", "add_arguments", "run", "to_markdown"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedules", default=None, help=f"comma list (default {','.join(FULL_SCHEDULES)}; quick fewer)")
+    p.add_argument(
+        "--transports", default=",".join(TRANSPORTS), help="our transports, comma list (default native,torch)"
+    )
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 16; quick 8)")
+    p.add_argument("--steps", type=int, default=None, help="measured steps (default 15; quick 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--no-torch", dest="no_torch", action="store_true", help="skip torch.distributed.pipelining")
+    p.add_argument("--profile-schedule", default="dualpipev", help="schedule profiled on native (default dualpipev)")
+    p.add_argument("--profile-top", type=int, default=25, help="profile entries kept (default 25)")
+
+
+@dataclass(frozen=True)
+class OverheadConfig:
+    schedules: tuple[str, ...]
+    transports: tuple[str, ...]
+    microbatches: int
+    steps: int
+    warmup: int
+    torch_peers: bool
+    profile_schedule: str
+    profile_top: int
+    ranks: int = 2
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> OverheadConfig:
+        from dualpipe_kernels.benchmarks.common import option
+
+        quick = getattr(args, "quick", False)
+        text = getattr(args, "schedules", None) or ",".join(QUICK_SCHEDULES if quick else FULL_SCHEDULES)
+        cfg = cls(
+            schedules=tuple(s.strip() for s in str(text).split(",") if s.strip()),
+            transports=tuple(t.strip() for t in str(getattr(args, "transports", "native,torch")).split(",") if t),
+            microbatches=int(option(args, "microbatches", 16, 8)),
+            steps=int(option(args, "steps", 15, 5)),
+            warmup=int(getattr(args, "warmup", 2)),
+            torch_peers=not getattr(args, "no_torch", False),
+            profile_schedule=str(getattr(args, "profile_schedule", "dualpipev")),
+            profile_top=int(getattr(args, "profile_top", 25)),
+        )
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        """ValueError naming the option for anything that cannot run."""
+        from dualpipe_kernels.schedules.generators import SCHEDULE_NAMES, build_schedule
+
+        bad = [s for s in self.schedules if s not in SCHEDULE_NAMES]
+        if not self.schedules or bad:
+            raise ValueError(f"--schedules must be among {', '.join(SCHEDULE_NAMES)}, got {','.join(self.schedules)}")
+        bad = [t for t in self.transports if t not in TRANSPORTS]
+        if not self.transports or bad:
+            raise ValueError(f"--transports must be among {', '.join(TRANSPORTS)}, got {','.join(self.transports)}")
+        if self.steps < 1 or self.warmup < 0 or self.profile_top < 1:
+            raise ValueError(
+                f"need --steps >= 1, --warmup >= 0, --profile-top >= 1; got {self.steps}, "
+                f"{self.warmup}, {self.profile_top}"
+            )
+        if self.profile_schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"--profile-schedule must be among {', '.join(SCHEDULE_NAMES)}")
+        for s in {*self.schedules, self.profile_schedule}:
+            build_schedule(s, self.ranks, self.microbatches)  # ValueError naming the constraint
+
+    def cases(self) -> list[tuple[str, str, str]]:
+        """(impl, transport, schedule or torch class) of every row, in order."""
+        ours = [("ours", tr, s) for s in self.schedules for tr in self.transports]
+        peers = [("torch", "torch", c) for c, s in TORCH_PEERS.items() if self.torch_peers and s in self.schedules]
+        return ours + peers
+
+
+# ---------------------------------------------------------------- rank side
+def _chunk_stack(k: int) -> Any:
+    """A stage of ``k`` chunks: ``k`` Linear(8, 8) in a row."""
+    import torch.nn as nn
+
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(k)])
+
+
+def _loss(out: Any, target: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.mse_loss(out, target)
+
+
+def _timed(n: int, step: Any) -> list[float]:
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return times
+
+
+def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str) -> tuple[Any, Any]:
+    """(Pipeline, a step callable) of ours for ``schedule`` on ``transport``."""
+    import torch
+
+    from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
+    from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.schedules.generators import build_schedule
+
+    sched = build_schedule(schedule, cfg.ranks, cfg.microbatches)
+    k = chunks_per_stage(sched)
+    pipe = Pipeline(sched, {s: _chunk_stack(k) for s in sched.stages_of_rank(rank)}, transport=transport)
+    x = torch.randn(cfg.microbatches, WIDTH)
+    target = torch.zeros(cfg.microbatches, WIDTH)
+    return pipe, lambda: pipe.step(x, labels=(target,), criterion=_loss)
+
+
+def _torch_step(rank: int, cfg: OverheadConfig, cls_name: str) -> Any:
+    """A step callable of torch.distributed.pipelining's ``cls_name`` on the default (gloo) group."""
+    import torch
+    from torch.distributed import pipelining as pp
+
+    cls = getattr(pp, cls_name, None)
+    if cls is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.pipelining.{cls_name}")
+    dev, n, r = torch.device("cpu"), cfg.microbatches, cfg.ranks
+    if cls_name in ("Schedule1F1B", "ScheduleGPipe"):  # one stage of two chunks per rank
+        stages = [pp.PipelineStage(_chunk_stack(2), rank, r, dev)]
+        sched: Any = cls(stages[0], n, loss_fn=_loss)
+    else:
+        placement = (rank, 2 * r - 1 - rank) if "V" in cls_name else (rank, rank + r)
+        stages = [pp.PipelineStage(_chunk_stack(1), s, 2 * r, dev) for s in placement]
+        sched = cls(stages, n, loss_fn=_loss)
+    x, target = torch.randn(n, WIDTH), torch.zeros(n, WIDTH)
+    first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
+    return lambda: sched.step(*((x,) if first else ()), target=target if last else None, losses=[] if last else None)
+
+
+def _measure(rank: int, cfg: OverheadConfig, case: tuple[str, str, str]) -> list[float]:
+    impl, transport, name = case
+    if impl == "torch":
+        return _timed(cfg.warmup + cfg.steps, _torch_step(rank, cfg, name))[cfg.warmup :]
+    pipe, step = _our_pipeline(rank, cfg, name, transport)
+    try:
+        return _timed(cfg.warmup + cfg.steps, step)[cfg.warmup :]
+    finally:
+        pipe.close()
+
+
+def _profile(rank: int, cfg: OverheadConfig) -> list[dict[str, Any]]:
+    """cProfile of rank 0 over ``steps`` steps (after the warm-up) of ours on native: top entries by cumtime."""
+    import cProfile
+    import pstats
+
+    pipe, step = _our_pipeline(rank, cfg, cfg.profile_schedule, "native")
+    try:
+        _timed(cfg.warmup, step)
+        prof = cProfile.Profile()
+        if rank == 0:
+            prof.enable()
+        _timed(cfg.steps, step)
+        prof.disable()
+    finally:
+        pipe.close()
+    if rank != 0:
+        return []
+    stats: dict[Any, Any] = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    # this module's own frames (the timing loop, the step lambda) only wrap Pipeline.step
+    items = [kv for kv in stats.items() if not kv[0][0].endswith("benchmarks/overhead.py")]
+    top = sorted(items, key=lambda kv: kv[1][3], reverse=True)[: cfg.profile_top]
+    return [
+        {
+            "function": f"{_short(fn)}:{line}({func})",
+            "ncalls": nc,
+            "tottime_s": tt,
+            "cumtime_s": ct,
+            "cumtime_per_step_ms": ct / cfg.steps * 1e3,
+        }
+        for (fn, line, func), (_cc, nc, tt, ct, _callers) in top
+    ]
+
+
+def _short(path: str) -> str:
+    """A profiled file relative to its package root (``dualpipe_kernels/...``, ``torch/...``)."""
+    for root in ("dualpipe_kernels/", "site-packages/"):
+        i = path.rfind(root)
+        if i >= 0:
+            return path[i + (len(root) if root == "site-packages/" else 0) :]
+    return path
+
+
+def _worker(rank: int, world: int, cfg: OverheadConfig) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for case in cfg.cases():
+        try:
+            out["/".join(case)] = _measure(rank, cfg, case)
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            out["/".join(case)] = f"{type(e).__name__}: {e}".splitlines()[0]
+        if rank == 0:
+            sys.stderr.write(f"  bench overhead: {' '.join(case)} done\n")
+    try:
+        out["profile"] = _profile(rank, cfg)
+    except Exception as e:  # noqa: BLE001 - reported in the result
+        out["profile"] = f"{type(e).__name__}: {e}".splitlines()[0]
+    return out
+
+
+# ---------------------------------------------------------------- parent side
+def _actions(cfg: OverheadConfig, schedule: str) -> int:
+    """Compute actions of the busiest rank of our ``schedule``."""
+    from dualpipe_kernels.schedules.generators import build_schedule
+
+    return max(len(a) for a in build_schedule(schedule, cfg.ranks, cfg.microbatches).actions)
+
+
+def _row(cfg: OverheadConfig, case: tuple[str, str, str], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    import statistics
+
+    impl, transport, name = case
+    schedule = TORCH_PEERS.get(name, name)
+    row: dict[str, Any] = {
+        "impl": impl,
+        "transport": transport,
+        "schedule": schedule,
+        "ranks": cfg.ranks,
+        "microbatches": cfg.microbatches,
+    }
+    if impl == "torch":
+        row["torch_class"] = name
+    got = [o["/".join(case)] for o in per_rank]
+    err = next((g for g in got if isinstance(g, str)), None)
+    if err is not None:
+        return {**row, "error": err, "step_s": None, "per_action_us": None}
+    slowest = [max(ts) for ts in zip(*got, strict=True)]
+    step = float(statistics.median(slowest))
+    actions = _actions(cfg, schedule)
+    return {
+        **row,
+        "step_s": step,
+        "step_min_s": min(slowest),
+        "step_max_s": max(slowest),
+        "compute_actions": actions,
+        "per_action_us": step / actions * 1e6,
+    }
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``ratio_to_torch`` on our gloo rows: our step / torch's step of the same schedule (both on gloo)."""
+    torch_step = {r["schedule"]: r["step_s"] for r in rows if r["impl"] == "torch" and r["step_s"]}
+    for r in rows:
+        if r["impl"] == "ours" and r["transport"] == "torch" and r["step_s"] and r["schedule"] in torch_step:
+            r["ratio_to_torch"] = r["step_s"] / torch_step[r["schedule"]]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from dualpipe_kernels.benchmarks.common import Progress
+    from dualpipe_kernels.runtime.launch import spawn
+
+    cfg = OverheadConfig.from_args(args)
+    bar = Progress(1, title="bench overhead")
+    bar.note(f"{len(cfg.cases())} cases, {cfg.ranks} ranks x {cfg.microbatches} micro-batches, {cfg.steps} steps")
+    t0 = time.perf_counter()
+    per_rank = spawn(_worker, cfg.ranks, cfg, timeout_s=900, pg_timeout_s=300, threads=1)
+    rows = [_row(cfg, case, per_rank) for case in cfg.cases()]
+    _add_ratios(rows)
+    bar.update(f"done in {time.perf_counter() - t0:.1f} s")
+    bar.close()
+    prof = per_rank[0]["profile"]
+    result: dict[str, Any] = {"rows": rows, "config": asdict(cfg)}
+    if isinstance(prof, str):
+        result.update(profile=[], profile_error=prof)
+    else:
+        result["profile"] = prof
+    result["profile_case"] = {
+        "impl": "ours",
+        "transport": "native",
+        "schedule": cfg.profile_schedule,
+        "rank": 0,
+        "steps": cfg.steps,
+    }
+    return result
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    from dualpipe_kernels.benchmarks.common import markdown_table
+
+    c = result.get("config", {})
+    head = (
+        f"{c.get('ranks')} ranks x {c.get('microbatches')} micro-batches, every stage chunk one Linear(8, 8) on "
+        f"1x8 rows; median (min, max) of {c.get('steps')} steps of the slowest rank. per action: step / compute "
+        "actions of the busiest rank. 'ours/torch': our step on gloo over torch's on gloo."
+    )
+    cols = [
+        ("impl", "impl"),
+        ("transport", "transport"),
+        ("schedule", "schedule"),
+        ("torch_class", "torch class"),
+        ("step_s", "step (s)"),
+        ("step_min_s", "min (s)"),
+        ("step_max_s", "max (s)"),
+        ("compute_actions", "actions"),
+        ("per_action_us", "per action (us)"),
+        ("ratio_to_torch", "ours/torch"),
+        ("error", "error"),
+    ]
+    parts = [head, "", markdown_table(result["rows"], [k for k, _ in cols], [h for _, h in cols])]
+    pc = result.get("profile_case", {})
+    parts += ["", f"## Profile: ours on native, {pc.get('schedule')}, rank 0, {pc.get('steps')} steps (cProfile)", ""]
+    if result.get("profile_error"):
+        parts.append(f"profile failed: {result['profile_error']}")
+    pcols = [
+        ("function", "function"),
+        ("ncalls", "calls"),
+        ("tottime_s", "tottime (s)"),
+        ("cumtime_s", "cumtime (s)"),
+        ("cumtime_per_step_ms", "cum per step (ms)"),
+    ]
+    parts.append(markdown_table(result.get("profile", []), [k for k, _ in pcols], [h for _, h in pcols]))
+    return "\n".join(parts)

@@ -1,0 +1,58 @@
+"""bench overhead: the --quick --json contract (rows, per-action cost, ratios, profile)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROW_KEYS = {"impl", "transport", "schedule", "ranks", "microbatches", "step_s", "per_action_us"}
+
+
+def test_bench_overhead_quick_json(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "dualpipe_kernels",
+        "bench",
+        "overhead",
+        "--quick",
+        "--json",
+        "--no-plots",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout)
+    rows = res["rows"]
+    assert {(r["impl"], r["transport"], r["schedule"]) for r in rows} >= {
+        ("ours", "native", "dualpipev"),
+        ("ours", "torch", "dualpipev"),
+        ("ours", "native", "1f1b"),
+        ("ours", "torch", "zb1p"),
+        ("torch", "torch", "dualpipev"),
+        ("torch", "torch", "1f1b"),
+    }
+    for r in rows:
+        assert ROW_KEYS <= r.keys(), r
+        assert "error" not in r, r
+        assert r["ranks"] == 2 and r["microbatches"] == 8
+        assert r["step_s"] > 0 and r["per_action_us"] > 0
+        assert abs(r["per_action_us"] - r["step_s"] / r["compute_actions"] * 1e6) < 1e-6 * r["per_action_us"]
+    gloo_dpv = next(
+        r for r in rows if r["impl"] == "ours" and r["transport"] == "torch" and r["schedule"] == "dualpipev"
+    )
+    torch_dpv = next(r for r in rows if r["impl"] == "torch" and r["schedule"] == "dualpipev")
+    assert gloo_dpv["ratio_to_torch"] == gloo_dpv["step_s"] / torch_dpv["step_s"]
+    prof = res["profile"]
+    assert 0 < len(prof) <= 25 and "profile_error" not in res
+    assert any("runtime/executor.py" in p["function"] and "(step)" in p["function"] for p in prof)
+    cums = [p["cumtime_s"] for p in prof]
+    assert cums == sorted(cums, reverse=True) and cums[0] > 0
+    md = (tmp_path / "overhead.md").read_text()
+    assert "## Profile" in md and "per action (us)" in md
+    assert json.loads((tmp_path / "overhead.json").read_text())["rows"] == rows
