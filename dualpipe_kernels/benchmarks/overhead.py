@@ -30,13 +30,16 @@ NAME = "overhead"
 TRANSPORTS = ("native", "torch")
 FULL_SCHEDULES = ("dualpipev", "1f1b", "zb1p", "zbv", "interleaved1f1b", "gpipe", "dualpipe")
 QUICK_SCHEDULES = ("dualpipev", "1f1b", "zb1p")
-#: torch.distributed.pipelining class -> our schedule of the same stage placement (the per-action count)
-TORCH_PEERS: dict[str, str] = {
-    "ScheduleDualPipeV": "dualpipev",
-    "Schedule1F1B": "1f1b",
-    "ScheduleZBVZeroBubble": "zbv",
-    "ScheduleInterleaved1F1B": "interleaved1f1b",
-    "ScheduleGPipe": "gpipe",
+#: torch.distributed.pipelining class -> (its rows' schedule label, our schedule whose selection runs it).  When
+#: the label is one of ours (same stage placement) the per-action count and the ratio use ours; otherwise
+#: (interleaved zero bubble, which we lack) torch's own count of compute actions in its pipeline_order.
+TORCH_PEERS: dict[str, tuple[str, str]] = {
+    "ScheduleDualPipeV": ("dualpipev", "dualpipev"),
+    "Schedule1F1B": ("1f1b", "1f1b"),
+    "ScheduleZBVZeroBubble": ("zbv", "zbv"),
+    "ScheduleInterleavedZeroBubble": ("interleavedzb", "zb1p"),
+    "ScheduleInterleaved1F1B": ("interleaved1f1b", "interleaved1f1b"),
+    "ScheduleGPipe": ("gpipe", "gpipe"),
 }
 WIDTH = 8  # features of every chunk's Linear and of every micro-batch row
 
@@ -110,7 +113,7 @@ class OverheadConfig:
     def cases(self) -> list[tuple[str, str, str]]:
         """(impl, transport, schedule or torch class) of every row, in order."""
         ours = [("ours", tr, s) for s in self.schedules for tr in self.transports]
-        peers = [("torch", "torch", c) for c, s in TORCH_PEERS.items() if self.torch_peers and s in self.schedules]
+        peers = [("torch", "torch", c) for c, (_, s) in TORCH_PEERS.items() if self.torch_peers and s in self.schedules]
         return ours + peers
 
 
@@ -157,8 +160,18 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
     return pipe, lambda: pipe.step(x, labels=(target,), criterion=_loss)
 
 
-def _torch_step(rank: int, cfg: OverheadConfig, cls_name: str) -> Any:
-    """A step callable of torch.distributed.pipelining's ``cls_name`` on the default (gloo) group."""
+def _torch_actions(sched: Any, rank: int) -> int | None:
+    """Compute actions (F, I, W, B, overlapped F&B) of ``rank`` in torch's ``pipeline_order``; None without one."""
+    order = getattr(sched, "pipeline_order", None)
+    if not order:
+        return None
+    compute = {"F", "I", "W", "B", "OVERLAP_F_B"}
+    return sum(1 for a in order[rank] if a is not None and a.computation_type.value in compute)
+
+
+def _torch_step(rank: int, cfg: OverheadConfig, cls_name: str) -> tuple[Any, int | None]:
+    """(a step callable of torch.distributed.pipelining's ``cls_name`` on the default (gloo) group, this rank's
+    compute actions in torch's own order or None)."""
     import torch
     from torch.distributed import pipelining as pp
 
@@ -170,21 +183,30 @@ def _torch_step(rank: int, cfg: OverheadConfig, cls_name: str) -> Any:
         stages = [pp.PipelineStage(_chunk_stack(2), rank, r, dev)]
         sched: Any = cls(stages[0], n, loss_fn=_loss)
     else:
-        placement = (rank, 2 * r - 1 - rank) if "V" in cls_name else (rank, rank + r)
+        placement = (
+            (rank, 2 * r - 1 - rank) if cls_name in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble") else (rank, rank + r)
+        )
         stages = [pp.PipelineStage(_chunk_stack(1), s, 2 * r, dev) for s in placement]
         sched = cls(stages, n, loss_fn=_loss)
     x, target = torch.randn(n, WIDTH), torch.zeros(n, WIDTH)
     first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
-    return lambda: sched.step(*((x,) if first else ()), target=target if last else None, losses=[] if last else None)
+
+    def step() -> None:
+        sched.step(*((x,) if first else ()), target=target if last else None, losses=[] if last else None)
+
+    return step, _torch_actions(sched, rank)
 
 
-def _measure(rank: int, cfg: OverheadConfig, case: tuple[str, str, str]) -> list[float]:
+def _measure(rank: int, cfg: OverheadConfig, case: tuple[str, str, str]) -> dict[str, Any]:
+    """``{"times": this rank's measured step times, "actions": torch's compute actions of this rank or None}``."""
     impl, transport, name = case
+    n = cfg.warmup + cfg.steps
     if impl == "torch":
-        return _timed(cfg.warmup + cfg.steps, _torch_step(rank, cfg, name))[cfg.warmup :]
+        step, actions = _torch_step(rank, cfg, name)
+        return {"times": _timed(n, step)[cfg.warmup :], "actions": actions}
     pipe, step = _our_pipeline(rank, cfg, name, transport)
     try:
-        return _timed(cfg.warmup + cfg.steps, step)[cfg.warmup :]
+        return {"times": _timed(n, step)[cfg.warmup :], "actions": None}
     finally:
         pipe.close()
 
@@ -267,8 +289,10 @@ def _actions(cfg: OverheadConfig, schedule: str) -> int:
 def _row(cfg: OverheadConfig, case: tuple[str, str, str], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     import statistics
 
+    from dualpipe_kernels.schedules.generators import SCHEDULE_NAMES
+
     impl, transport, name = case
-    schedule = TORCH_PEERS.get(name, name)
+    schedule = TORCH_PEERS[name][0] if impl == "torch" else name
     row: dict[str, Any] = {
         "impl": impl,
         "transport": transport,
@@ -282,9 +306,17 @@ def _row(cfg: OverheadConfig, case: tuple[str, str, str], per_rank: list[dict[st
     err = next((g for g in got if isinstance(g, str)), None)
     if err is not None:
         return {**row, "error": err, "step_s": None, "per_action_us": None}
-    slowest = [max(ts) for ts in zip(*got, strict=True)]
+    slowest = [max(ts) for ts in zip(*(g["times"] for g in got), strict=True)]
     step = float(statistics.median(slowest))
-    actions = _actions(cfg, schedule)
+    theirs = [g["actions"] for g in got if g["actions"] is not None]
+    if theirs:
+        row["torch_compute_actions"] = max(theirs)
+    if schedule in SCHEDULE_NAMES:
+        actions = _actions(cfg, schedule)
+    elif theirs:
+        actions = max(theirs)
+    else:
+        return {**row, "error": f"no compute-action count for {name}", "step_s": step, "per_action_us": None}
     return {
         **row,
         "step_s": step,
@@ -350,6 +382,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("step_min_s", "min (s)"),
         ("step_max_s", "max (s)"),
         ("compute_actions", "actions"),
+        ("torch_compute_actions", "torch actions"),
         ("per_action_us", "per action (us)"),
         ("ratio_to_torch", "ours/torch"),
         ("error", "error"),
