@@ -49,7 +49,7 @@ def test_bench_overhead_quick_json(tmp_path: Path) -> None:
     torch_dpv = next(r for r in rows if r["impl"] == "torch" and r["schedule"] == "dualpipev")
     assert gloo_dpv["ratio_to_torch"] == gloo_dpv["step_s"] / torch_dpv["step_s"]
     prof = res["profile"]
-    assert 0 < len(prof) <= 25 and "profile_error" not in res
+    assert 0 < len(prof) <= 25 and 0 < len(res["profile_self"]) <= 25 and "profile_error" not in res
     assert any("runtime/executor.py" in p["function"] and "(step)" in p["function"] for p in prof)
     cums = [p["cumtime_s"] for p in prof]
     assert cums == sorted(cums, reverse=True) and cums[0] > 0

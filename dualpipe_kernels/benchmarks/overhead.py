@@ -211,8 +211,9 @@ def _measure(rank: int, cfg: OverheadConfig, case: tuple[str, str, str]) -> dict
         pipe.close()
 
 
-def _profile(rank: int, cfg: OverheadConfig) -> list[dict[str, Any]]:
-    """cProfile of rank 0 over ``steps`` steps (after the warm-up) of ours on native: top entries by cumtime."""
+def _profile(rank: int, cfg: OverheadConfig) -> dict[str, list[dict[str, Any]]]:
+    """cProfile of rank 0 over ``steps`` steps (after the warm-up) of ours on native: the top entries by
+    cumulative time (``"cumulative"``) and by own time (``"self"``); empty lists on other ranks."""
     import cProfile
     import pstats
 
@@ -233,17 +234,23 @@ def _profile(rank: int, cfg: OverheadConfig) -> list[dict[str, Any]]:
     finally:
         pipe.close()
     if rank != 0:
-        return []
+        return {"cumulative": [], "self": []}
     stats: dict[Any, Any] = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    # this module's own frames (the timing loop, the step lambda) only wrap Pipeline.step
+    # this module's own frames (the step wrapper) only wrap Pipeline.step
     items = [kv for kv in stats.items() if not kv[0][0].endswith("benchmarks/overhead.py")]
-    top = sorted(items, key=lambda kv: kv[1][3], reverse=True)[: cfg.profile_top]
+    return {"cumulative": _top(items, 3, cfg), "self": _top(items, 2, cfg)}
+
+
+def _top(items: list[Any], field: int, cfg: OverheadConfig) -> list[dict[str, Any]]:
+    """The ``profile_top`` pstats entries with the largest ``field`` (2: own time, 3: cumulative), JSON-ready."""
+    top = sorted(items, key=lambda kv: kv[1][field], reverse=True)[: cfg.profile_top]
     return [
         {
             "function": f"{_short(fn)}:{line}({func})",
             "ncalls": nc,
             "tottime_s": tt,
             "cumtime_s": ct,
+            "tottime_per_step_ms": tt / cfg.steps * 1e3,
             "cumtime_per_step_ms": ct / cfg.steps * 1e3,
         }
         for (fn, line, func), (_cc, nc, tt, ct, _callers) in top
@@ -351,9 +358,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prof = per_rank[0]["profile"]
     result: dict[str, Any] = {"rows": rows, "config": asdict(cfg)}
     if isinstance(prof, str):
-        result.update(profile=[], profile_error=prof)
+        result.update(profile=[], profile_self=[], profile_error=prof)
     else:
-        result["profile"] = prof
+        result.update(profile=prof["cumulative"], profile_self=prof["self"])
     result["profile_case"] = {
         "impl": "ours",
         "transport": "native",
@@ -397,7 +404,10 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("ncalls", "calls"),
         ("tottime_s", "tottime (s)"),
         ("cumtime_s", "cumtime (s)"),
+        ("tottime_per_step_ms", "own per step (ms)"),
         ("cumtime_per_step_ms", "cum per step (ms)"),
     ]
-    parts.append(markdown_table(result.get("profile", []), [k for k, _ in pcols], [h for _, h in pcols]))
+    keys, heads = [k for k, _ in pcols], [h for _, h in pcols]
+    parts += ["By cumulative time:", "", markdown_table(result.get("profile", []), keys, heads)]
+    parts += ["", "By own time:", "", markdown_table(result.get("profile_self", []), keys, heads)]
     return "\n".join(parts)
