@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from dualpipe_kernels.wire_dtypes import WIRE_DTYPE_CODE, WIRE_DTYPES
+
 __all__ = [
     "ALIGN",
     "FP8_BLOCK",
@@ -55,26 +57,16 @@ FORMATS = ("packed", "bf16", "fp8", "fp8_pow2")
 KIND_COPY, KIND_BF16, KIND_FP8 = 0, 1, 2
 _KIND_NAMES = ("copy", "bf16", "fp8")
 
-#: dtypes a buffer can carry, by code (the code goes on the wire; append only)
-DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.complex64,
-    torch.uint16,
-    torch.uint32,
-    torch.uint64,
-)
-_DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
+#: dtypes a buffer can carry (elements of at most 8 bytes: the kernels' widest copy), coded by the
+#: package-wide wire table
+DTYPES: tuple[torch.dtype, ...] = tuple(d for d in WIRE_DTYPES if d.itemsize <= 8)
+_DTYPE_CODE = {d: WIRE_DTYPE_CODE[d] for d in DTYPES}
+
+
+def _packable_code(code: int) -> bool:
+    return 0 <= code < len(WIRE_DTYPES) and WIRE_DTYPES[code] in _DTYPE_CODE
+
+
 #: float dtypes each lossy format casts; every other dtype is carried bit for bit
 _CAST_FROM = {
     "bf16": (torch.float32, torch.float16),
@@ -168,13 +160,13 @@ class PackLayout:
             raise ValueError(f"PackLayout.decode: unknown format code {ints[2]}")
         specs, pos = [], _HEADER
         for i in range(ints[3]):
-            if pos + 2 > len(ints) or not 0 <= ints[pos] < len(DTYPES) or ints[pos + 1] < 0:
+            if pos + 2 > len(ints) or not _packable_code(ints[pos]) or ints[pos + 1] < 0:
                 raise ValueError(f"PackLayout.decode: entry {i} is truncated or has a bad dtype/rank")
             ndim = ints[pos + 1]
             shape = tuple(ints[pos + 2 : pos + 2 + ndim])
             if len(shape) != ndim or any(s < 0 for s in shape):
                 raise ValueError(f"PackLayout.decode: entry {i} has a truncated or negative shape {shape}")
-            specs.append((DTYPES[ints[pos]], shape))
+            specs.append((WIRE_DTYPES[ints[pos]], shape))
             pos += 2 + ndim
         if pos != len(ints):
             raise ValueError(f"PackLayout.decode: {len(ints) - pos} trailing ints after {ints[3]} entries")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dualpipe_kernels.transport.base import Transport, TransportError
+from dualpipe_kernels.wire_dtypes import WIRE_DTYPE_CODE, WIRE_DTYPES
 
 __all__ = [
     "META_LEN",
@@ -49,21 +50,8 @@ _MAGIC = 0x44504B31  # "DPK1"
 
 _KIND_NONE, _KIND_TENSOR, _KIND_GRAD = 0, 1, 2
 
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_DTYPES = WIRE_DTYPES
+_DTYPE_CODE = WIRE_DTYPE_CODE
 
 
 @dataclass(frozen=True)

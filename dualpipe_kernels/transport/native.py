@@ -50,27 +50,15 @@ from dualpipe_kernels.transport.base import (
     wait_store_key,
 )
 from dualpipe_kernels.transport.hosts import host_id as default_host_id
+from dualpipe_kernels.wire_dtypes import WIRE_DTYPE_CODE, WIRE_DTYPES
 
 if TYPE_CHECKING:
     from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
 __all__ = ["NativeTransport", "NativeHandle", "DTYPES", "dtype_code", "load_engine_module"]
 
-#: dtypes with fixed codes in message headers (index = code); others get a stable hash code.
-DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
+#: dtypes with fixed codes in message headers (the package-wide wire table); others get a stable hash code.
+DTYPES = WIRE_DTYPES
 DEFAULT_NUM_SLOTS = 8
 DEFAULT_SLOT_BYTES = 256 * 1024
 #: sends of at least this many bytes are read by the receiver straight from the sender (when permitted)
@@ -82,8 +70,9 @@ _STORE_PREFIX = "dpk/native"
 
 def dtype_code(dtype: torch.dtype) -> int:
     """The int32 code of ``dtype`` carried in every message header."""
-    if dtype in DTYPES:
-        return DTYPES.index(dtype)
+    code = WIRE_DTYPE_CODE.get(dtype)
+    if code is not None:
+        return code
     return len(DTYPES) + zlib.crc32(str(dtype).encode()) % (2**30)
 
 
