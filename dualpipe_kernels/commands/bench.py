@@ -163,13 +163,11 @@ def _run_one(name: str, mod: ModuleType, args: argparse.Namespace) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite != "all" and args.suite_error:
+        sys.stderr.write(f"dualpipe-kernels bench: error: suite {args.suite!r} is unavailable: {args.suite_error}\n")
+        return 1
+    check_output_dir(args.out, "--out")  # before any suite runs: results are never lost to a bad folder
     if args.suite != "all":
-        if args.suite_error:
-            sys.stderr.write(
-                f"dualpipe-kernels bench: error: suite {args.suite!r} is unavailable: {args.suite_error}\n"
-            )
-            return 1
-        check_output_dir(args.out, "--out")  # before the suite runs: results are never lost to a bad folder
         mod, _ = _import_suite(args.suite)
         assert mod is not None
         skip = _unavailable(mod)
@@ -189,7 +187,6 @@ def run(args: argparse.Namespace) -> int:
             print(mod.to_markdown(result))
         return 0
 
-    check_output_dir(args.out, "--out")
     results: dict[str, Any] = {}
     failed: dict[str, str] = {}
     for name in SUITES:

@@ -2,9 +2,6 @@
 
 * :func:`check_timeout`: a finite number of seconds > 0 (NaN and inf are refused;
   the transports' own check, ``transport.base.check_timeout``).
-* :func:`check_schedule`: the full validator (``schedules.validate``, O(actions)):
-  a schedule that would compute wrong gradients or deadlock never runs, and
-  every rank refuses it at construction, each on its own (no communication).
 * :func:`check_stage_devices`: no parameter or buffer on the ``meta`` device
   (a module built without data fails at construction, naming its stage).
 * :func:`call_criterion`: a criterion that cannot take the stage's outputs and
@@ -21,17 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dualpipe_kernels.schedules.ir import Schedule
 from dualpipe_kernels.transport.base import check_timeout
 
-__all__ = ["check_timeout", "check_schedule", "check_stage_devices", "call_criterion"]
-
-
-def check_schedule(schedule: Schedule) -> None:
-    """Raise ``ScheduleError`` (a ValueError naming rank, step and action) unless ``schedule`` is runnable."""
-    from dualpipe_kernels.schedules.validate import validate
-
-    validate(schedule)
+__all__ = ["check_timeout", "check_stage_devices", "call_criterion"]
 
 
 def check_stage_devices(stage_modules: Mapping[int, nn.Module]) -> None:

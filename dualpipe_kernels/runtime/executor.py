@@ -227,14 +227,13 @@ class Pipeline(PipelineConveniences, nn.Module):
         # Message layouts of the previous step, so receives are posted before the metadata arrives (p2p.py).
         self._layouts = LayoutMemory()
         self.weight_grad_store = WeightGradStore()
-        self._mirrors_of = mirrors(schedule)
         mine = fingerprint(
             schedule,
             self.rank,
             self.rank_mapping,
             resolved_transport(transport, self.device),
             extra={
-                "sync_mirror_grads": str(bool(sync_mirror_grads and self._mirrors_of)),
+                "sync_mirror_grads": str(bool(sync_mirror_grads and mirrors(schedule))),
                 "boundary_format": str(fmt),
                 # one policy for every stage must be the same everywhere; per-stage mappings may list only a rank's own
                 "memory_policy": memory_policy if isinstance(memory_policy, str) else "per-stage",
