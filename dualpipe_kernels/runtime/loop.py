@@ -165,6 +165,10 @@ class ActionLoop:
         # Read once per step: entering record_function costs microseconds even with no profiler on.
         run.profiling = profiling = torch.autograd.profiler._is_profiler_enabled
         traced = profiling or rec.enabled
+        memory = run.compute.memory
+        assert memory is not None and run.cst.mem is not None  # both set by the pipeline before a step
+        # Actions before which the memory plan starts reloads (empty unless a stage offloads): a set test per action.
+        reloads = memory.plan.reload_at if run.cst.mem.training else {}
         next_post = 0
         for i, a in enumerate(acts):
             # Post the receives of the next `recv_lookahead` compute actions after
@@ -185,7 +189,8 @@ class ActionLoop:
                 boundary.post_recv(bst, i, skip_grads=False)
                 bst.reached[(t, a.stage, a.microbatch)] = i
                 continue
-            run.compute.memory.at_action(run.cst.mem, i)  # type: ignore[union-attr]  # reloads the plan starts here
+            if i in reloads:
+                memory.at_action(run.cst.mem, i)  # reloads the plan starts here
             handler = HANDLERS.get(t)
             if handler is None:
                 raise ValueError(f"pipeline rank {boundary.rank}: no runtime handler for action kind {t} ({a})")
