@@ -6,6 +6,16 @@ kernel is used.
 """
 
 from dualpipe_kernels.kernels.layout import FORMATS, LayoutCache, PackLayout, format_for, plan_layout
-from dualpipe_kernels.kernels.pack import pack, resolve_backend, unpack
+from dualpipe_kernels.kernels.pack import pack, pack_as, resolve_backend, unpack
 
-__all__ = ["FORMATS", "LayoutCache", "PackLayout", "format_for", "pack", "plan_layout", "resolve_backend", "unpack"]
+__all__ = [
+    "FORMATS",
+    "LayoutCache",
+    "PackLayout",
+    "format_for",
+    "pack",
+    "pack_as",
+    "plan_layout",
+    "resolve_backend",
+    "unpack",
+]

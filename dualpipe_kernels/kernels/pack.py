@@ -211,6 +211,19 @@ def pack(
     return buffer, layout
 
 
+def pack_as(tensors: Sequence[torch.Tensor], layout: PackLayout, out: torch.Tensor, what: str = "") -> torch.Tensor:
+    """Pack ``tensors`` into ``out`` as the given ``layout`` (a plan made earlier, e.g. by the receiver's side).
+
+    ValueError (naming ``what``) when the tensors do not make that layout.  Returns ``out[:layout.nbytes]``.
+    """
+    fmt = layout.format
+    dtype = {"packed": None, "bf16": torch.bfloat16}.get(fmt, torch.float8_e4m3fn)
+    buffer, got = pack(tensors, dtype, out=out, pow2_scales=fmt == "fp8_pow2")
+    if got != layout:
+        raise ValueError(f"pack ({what}): the tensors do not match the layout ({got.signature} vs {layout.signature})")
+    return buffer
+
+
 def unpack(
     buffer: torch.Tensor,
     layout: PackLayout,

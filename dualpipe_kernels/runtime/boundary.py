@@ -23,22 +23,41 @@ import torch
 from dualpipe_kernels.runtime.boundary_codec import BoundaryFormat
 from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace
 from dualpipe_kernels.schedules.deps import Program
-from dualpipe_kernels.schedules.ir import T_SEND_B, T_SEND_F, Action, ActionType
+from dualpipe_kernels.schedules.ir import T_SEND_B, T_SEND_F, Action
 from dualpipe_kernels.transport import Transport
 
-__all__ = ["Boundary", "BoundaryState", "RecvKey", "Wire"]
-
-RecvKey = tuple[ActionType, int, int]  # (RECV type, consumer stage, micro-batch)
+__all__ = ["Boundary", "BoundaryState", "Wire"]
 
 
 @dataclass
 class BoundaryState:
-    """One step's transfers on this rank."""
+    """One step's transfers on this rank.
+
+    ``recvs``: posted receives not yet waited for, by RECV action index;
+    ``reached_f`` / ``reached_b``: RECV_F / RECV_B actions the list has reached,
+    ``(stage, mb) -> action index`` (waited for by the compute that reads them);
+    ``watch``: posted receives that need :meth:`BoundaryRecv.progress` calls to
+    post their data receives (first messages of a key on a transport without
+    completion callbacks); ``sends``: sends in flight, in posting order.
+    """
 
     forward_only: bool
-    recvs: dict[RecvKey, BoundaryRecv] = field(default_factory=dict)  # posted, not yet waited for
-    reached: dict[RecvKey, int] = field(default_factory=dict)  # RECVs the list reached -> their index
+    recvs: dict[int, BoundaryRecv] = field(default_factory=dict)
+    reached_f: dict[tuple[int, int], int] = field(default_factory=dict)
+    reached_b: dict[tuple[int, int], int] = field(default_factory=dict)
+    watch: list[BoundaryRecv] = field(default_factory=list)
     sends: list[tuple[BoundarySend, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Route:
+    """What one SEND/RECV action moves, resolved once per pipeline: the transport's message key,
+    the peer's group rank, the boundary format and the description errors carry."""
+
+    key: tuple[int, int, int]
+    peer: int
+    fmt: str
+    what: str
 
 
 @dataclass(frozen=True)
@@ -74,6 +93,7 @@ class Boundary:
     program: Program
     bytes_sent: list[int] = field(default_factory=lambda: [0, 0])
     messages_sent: list[int] = field(default_factory=lambda: [0, 0])
+    _routes: dict[int, _Route] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -83,34 +103,45 @@ class Boundary:
     def actions(self) -> list[Action]:
         return self.program.schedule.actions[self.wire.rank]
 
-    def _what(self, a: Action, peer: int) -> str:
-        arrow = "to" if a.type in (T_SEND_F, T_SEND_B) else "from"
-        return f"pipeline rank {self.rank}: {a} (micro-batch {a.microbatch}) {arrow} peer pipeline rank {peer}"
+    def _route(self, i: int) -> _Route:
+        """The route of comm action ``i`` (cached: a step's list repeats every step)."""
+        route = self._routes.get(i)
+        if route is None:
+            a = self.actions[i]
+            sending = a.type in (T_SEND_F, T_SEND_B)
+            key, peer = self.program.sends[self.rank][i][0] if sending else self._recv_source(i)
+            arrow = "to" if sending else "from"
+            what = f"pipeline rank {self.rank}: {a} (micro-batch {a.microbatch}) {arrow} peer pipeline rank {peer}"
+            tag = self.program.tag_key(key)
+            w = self.wire
+            route = self._routes[i] = _Route(tag, w.to_group_rank[peer], w.boundary_format.for_direction(tag[0]), what)
+        return route
+
+    def _recv_source(self, i: int) -> tuple[int, int]:
+        key = self.program.remote[self.rank][i][0]
+        return key, self.program.topo.key_rank(key)
 
     # ---- receives -------------------------------------------------------------
-    def post_recv(self, st: BoundaryState, i: int, skip_grads: bool) -> None:
-        """Post the receive of RECV action ``i`` (once; not at all for a gradient when ``skip_grads``)."""
-        a = self.actions[i]
-        k = (a.type, a.stage, a.microbatch)
-        if k in st.recvs or skip_grads:
+    def post_recv(self, st: BoundaryState, i: int) -> None:
+        """Post the receive of RECV action ``i`` (once)."""
+        if i in st.recvs:
             return
-        key = self.program.remote[self.rank][i][0]
-        peer = self.program.topo.key_rank(key)
+        r = self._route(i)
         w = self.wire
         # Transport errors already name this rank, the peer, the action and the micro-batch (``what``).
-        tag, what = self.program.tag_key(key), self._what(a, peer)
-        fmt = w.boundary_format.for_direction(tag[0])
-        st.recvs[k] = BoundaryRecv(w.transport, w.to_group_rank[peer], w.tags, tag, what, w.device, w.layouts, fmt)
+        recv = BoundaryRecv(w.transport, r.peer, w.tags, r.key, r.what, w.device, w.layouts, r.fmt)
+        st.recvs[i] = recv
+        if recv.needs_progress:
+            st.watch.append(recv)
 
     def progress(self, st: BoundaryState) -> None:
-        for r in st.recvs.values():
-            r.progress()
+        """Post the data receives of watched messages whose metadata is in."""
+        st.watch = [r for r in st.watch if not r.progress()]
 
     def complete_recv(self, st: BoundaryState, i: int) -> list[torch.Tensor | None]:
         """Wait for RECV action ``i``'s data (posting it first if the window has not)."""
-        a = self.actions[i]
-        self.post_recv(st, i, skip_grads=False)
-        recv = st.recvs.pop((a.type, a.stage, a.microbatch))
+        self.post_recv(st, i)
+        recv = st.recvs.pop(i)
         device = self.wire.device
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         return recv.wait(self.wire.timeout_s, stream)
@@ -125,38 +156,33 @@ class Boundary:
         keep: tuple[torch.Tensor, ...] = (),
     ) -> None:
         """Post SEND action ``i`` of ``tensors``; ``keep``: hook outputs whose storage goes once sent."""
-        a = self.actions[i]
-        key, dst = self.program.sends[self.rank][i][0]
+        r = self._route(i)
         w = self.wire
-        tag, what = self.program.tag_key(key), self._what(a, dst)
-        fmt = w.boundary_format.for_direction(tag[0])
-        peer = w.to_group_rank[dst]
-        send = BoundarySend(w.transport, tensors, grad_flags, peer, w.tags, tag, what, w.layouts, fmt)
-        self.bytes_sent[tag[0]] += send.data_bytes
-        self.messages_sent[tag[0]] += 1
+        send = BoundarySend(w.transport, tensors, grad_flags, r.peer, w.tags, r.key, r.what, w.layouts, r.fmt)
+        self.bytes_sent[r.key[0]] += send.data_bytes
+        self.messages_sent[r.key[0]] += 1
         st.sends.append((send, keep))
 
     def reap(self, st: BoundaryState, block: bool) -> None:
         """Wait for the completed sends (all of them when ``block``) and release what they held."""
-        pending = []
-        stop = False
-        for send, hooked in st.sends:
-            # Sends complete roughly in posting order: stop polling at the first
-            # one still in flight (it is polled again at the next action).
-            stop = stop or (not block and not send.is_completed())
-            if not stop:
-                send.wait(self.wire.timeout_s)
-                for t in hooked:
-                    # The reference's memory trick: the hook path keeps output tensors
-                    # (for outputs1), so drop their storage once sent.
-                    if t.requires_grad and t._base is None:
-                        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-            else:
-                pending.append((send, hooked))
-        st.sends = pending
+        sends = st.sends
+        n = 0
+        # Sends complete roughly in posting order: stop polling at the first
+        # one still in flight (it is polled again at the next action).
+        while n < len(sends) and (block or sends[n][0].is_completed()):
+            send, hooked = sends[n]
+            send.wait(self.wire.timeout_s)
+            for t in hooked:
+                # The reference's memory trick: the hook path keeps output tensors
+                # (for outputs1), so drop their storage once sent.
+                if t.requires_grad and t._base is None:
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+            n += 1
+        if n:
+            del sends[:n]
 
     def check_drained(self, st: BoundaryState) -> None:
         """Every posted receive was consumed (called at the end of a step)."""
         if st.recvs:
-            leftovers = [f"{s}{t}{m}" for t, s, m in st.recvs]
+            leftovers = [str(self.actions[i]) for i in st.recvs]
             raise RuntimeError(f"pipeline rank {self.rank}: receives posted but never consumed: {leftovers}")

@@ -98,11 +98,11 @@ class MessageCodec:
         self.code = BOUNDARY_FORMATS.index(fmt)
         self.packed = fmt != "none"
         self._lossy = fmt not in ("none", "packed")
-        self._direction = direction
+        self.direction = direction
 
     def exact(self, dtype: torch.dtype, requires_grad: bool) -> bool:
         """Whether a tensor is carried bit for bit although the format is lossy (see the module docstring)."""
-        return self._lossy and self._direction != _GRADIENTS and not requires_grad and dtype.is_floating_point
+        return self._lossy and self.direction != _GRADIENTS and not requires_grad and dtype.is_floating_point
 
     def layout(self, tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool]) -> Layout:
         return tuple(
@@ -159,12 +159,16 @@ class MessageCodec:
     ) -> list[torch.Tensor | None]:
         """``tensors`` filled from the received ``buffers`` (after the transfers completed)."""
         if self.packed and buffers:
-            pl = self.pack_layout(layout)
-            assert pl is not None
-            targets: list[torch.Tensor] = []
-            for t, e in zip(tensors, layout, strict=True):
-                if e is not None:
-                    assert t is not None, "alloc made a tensor for every layout entry"
-                    targets.append(t.view(_exact_view(t.dtype)) if e[2] else t)
-            unpack(buffers[0][1], pl, out=targets)
+            self.unpack_into(tensors, layout, buffers[0][1])
         return tensors
+
+    def unpack_into(self, tensors: Sequence[torch.Tensor | None], layout: Layout, packed: torch.Tensor) -> None:
+        """Unpack the packed buffer of a message of ``layout`` into its (allocated) ``tensors``."""
+        pl = self.pack_layout(layout)
+        assert pl is not None
+        targets: list[torch.Tensor] = []
+        for t, e in zip(tensors, layout, strict=True):
+            if e is not None:
+                assert t is not None, "every layout entry has a tensor"
+                targets.append(t.view(_exact_view(t.dtype)) if e[2] else t)
+        unpack(packed, pl, out=targets)

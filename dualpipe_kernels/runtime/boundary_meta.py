@@ -21,11 +21,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from dualpipe_kernels.runtime.buffer_pool import BufferPool
 from dualpipe_kernels.transport.base import Transport, TransportError
 from dualpipe_kernels.wire_dtypes import WIRE_DTYPE_CODE, WIRE_DTYPES
+
+if TYPE_CHECKING:
+    from dualpipe_kernels.runtime.boundary_codec import MessageCodec
+    from dualpipe_kernels.runtime.inline import InlinePlan
 
 __all__ = [
     "META_LEN",
@@ -102,16 +108,53 @@ class LayoutMemory:
     (a failed step breaks the pipeline for good).
     """
 
-    #: at most this many cached metadata tensors
+    #: at most this many cached metadata tensors (and inline plans)
     MAX_ENCODED = 512
 
-    def __init__(self) -> None:
+    def __init__(self, inline_max_bytes: int = 0) -> None:
         self.sent: dict[tuple[int, int, int], Layout] = {}
         self.received: dict[tuple[int, int, int], Layout] = {}
         # Encoded metadata tensors by signature: a send only reads its metadata
         # tensor, so messages with the same layout share one (never written after
         # creation).  At most ``MAX_ENCODED`` entries.
         self.encoded: dict[tuple[object, ...], torch.Tensor] = {}
+        #: remembered layouts whose data is at most this many bytes travel as one transfer
+        #: (runtime/inline.py; 0: never).  Both ends of a message must use the same value.
+        self.inline_max_bytes = inline_max_bytes
+        self.pool = BufferPool()  # inline receive buffers
+        self.inline_plans: dict[tuple[object, ...], InlinePlan] = {}  # (format code, direction, layout) -> plan
+        self.codecs: dict[tuple[str, int], MessageCodec] = {}  # (format, direction) -> codec
+
+    def codec(self, fmt: str, direction: int) -> MessageCodec:
+        """The (stateless, shared) codec of messages of ``fmt`` in ``direction``."""
+        codec = self.codecs.get((fmt, direction))
+        if codec is None:
+            from dualpipe_kernels.runtime.boundary_codec import MessageCodec
+
+            codec = self.codecs[(fmt, direction)] = MessageCodec(fmt, direction)
+        return codec
+
+    def inline(self, codec: MessageCodec, layout: Layout | None) -> InlinePlan | None:
+        """The inline plan of a message of remembered ``layout``, or None when it does not travel inline."""
+        if layout is None or self.inline_max_bytes <= 0:
+            return None
+        key = (codec.code, codec.direction, layout)
+        plan = self.inline_plans.get(key)
+        if plan is None:
+            from dualpipe_kernels.runtime.inline import inline_plan
+
+            if len(self.inline_plans) >= self.MAX_ENCODED:
+                self.inline_plans.clear()
+            plan = self.inline_plans[key] = inline_plan(codec, layout)
+        return plan if plan.nbytes <= self.inline_max_bytes else None
+
+    def clear(self) -> None:
+        """Forget everything (the pipeline is closed): layouts, caches, pooled buffers."""
+        self.sent.clear()
+        self.received.clear()
+        self.encoded.clear()
+        self.inline_plans.clear()
+        self.pool.clear()
 
 
 def wire_device(transport: Transport) -> torch.device:

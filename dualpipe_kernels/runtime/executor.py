@@ -45,6 +45,7 @@ from dualpipe_kernels.runtime.construction import (
 from dualpipe_kernels.runtime.conveniences import PipelineConveniences
 from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan, mirror_dp_groups
 from dualpipe_kernels.runtime.fingerprint import agree, fingerprint, resolved_transport
+from dualpipe_kernels.runtime.inline import INLINE_MAX_BYTES
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.memory import ActivationMemory
 from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, parse_memory_policy
@@ -225,7 +226,7 @@ class Pipeline(PipelineConveniences, nn.Module):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.tags = TagSpace(schedule.num_stages, schedule.num_microbatches)
         # Message layouts of the previous step, so receives are posted before the metadata arrives (p2p.py).
-        self._layouts = LayoutMemory()
+        self._layouts = LayoutMemory(inline_max_bytes=INLINE_MAX_BYTES)
         self.weight_grad_store = WeightGradStore()
         mine = fingerprint(
             schedule,
@@ -280,6 +281,7 @@ class Pipeline(PipelineConveniences, nn.Module):
 
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
+        self._layouts.clear()  # pooled receive buffers
         if self._owns_transport:
             self._transport.close()
 

@@ -85,9 +85,10 @@ class StepRun:
 
     def fetch(self, t: ActionType, s: int, mb: int) -> None:
         """Complete the receive ``(t, s, mb)`` if the action list has reached it, and deliver its data."""
-        if not self.bst.reached:
+        reached = self.bst.reached_f if t is T_RECV_F else self.bst.reached_b
+        if not reached:
             return
-        i = self.bst.reached.pop((t, s, mb), None)
+        i = reached.pop((s, mb), None)
         if i is None:
             return
         rec = self.rec
@@ -127,9 +128,10 @@ class StepRun:
     def finish(self) -> None:
         """End of the step's list: wait for every send, drain reached receives, check nothing is left."""
         self.boundary.reap(self.bst, block=True)
-        for k in list(self.bst.reached):
-            # A receive whose data no compute read (should not happen in a valid schedule): still drain it.
-            self.fetch(*k)
+        for t, reached in ((T_RECV_F, self.bst.reached_f), (T_RECV_B, self.bst.reached_b)):
+            for s, mb in list(reached):
+                # A receive whose data no compute read (should not happen in a valid schedule): still drain it.
+                self.fetch(t, s, mb)
         self.boundary.check_drained(self.bst)
 
 
@@ -148,19 +150,42 @@ HANDLERS: dict[ActionType, Handler] = {
 }
 """Action kind -> what this rank does for it.  Constant in the library; a test may add an entry (monkeypatch)."""
 
-_FORWARD_ONLY_SKIPS = frozenset({T_B, T_I, T_W, T_SEND_B, T_RECV_B})  # gradient work, skipped under no_grad
+_RECVS = frozenset({T_RECV_F, T_RECV_B})
+# Action kinds as small ints for the loop (an enum's hash is a Python call); gradient work, skipped under
+# no_grad, is >= _K_GRAD_WORK.
+_K_OTHER, _K_RECV_F, _K_GRAD_WORK, _K_RECV_B = 0, 1, 2, 3
+
+
+def _kind(t: ActionType) -> int:
+    if t is T_RECV_F:
+        return _K_RECV_F
+    if t is T_RECV_B:
+        return _K_RECV_B
+    return _K_GRAD_WORK if t in (T_B, T_I, T_W, T_SEND_B) else _K_OTHER
 
 
 class ActionLoop:
-    """Runs one rank's lowered list (``actions``) with receives posted ``recv_lookahead`` computes ahead."""
+    """Runs one rank's lowered list (``actions``) with receives posted ``recv_lookahead`` computes ahead.
+
+    Everything that depends only on the list is worked out once here (the fast
+    path of issue 16): the receives to post before each action, each
+    action's kind as a small int, the timeline labels.
+    """
 
     def __init__(self, actions: Sequence[Action], recv_lookahead: int) -> None:
         self.actions = list(actions)
         self.window_end = window_ends(self.actions, recv_lookahead)
         self.labels = [str(a) for a in self.actions]  # timeline labels, built once
+        # posts[i]: the RECV actions whose receives are posted right before action i runs
+        self.posts: list[tuple[int, ...]] = []
+        done = 0
+        for end in self.window_end:
+            self.posts.append(tuple(j for j in range(done, end) if self.actions[j].type in _RECVS))
+            done = max(done, end)
+        self.kinds = [_kind(a.type) for a in self.actions]
 
     def run(self, run: StepRun) -> None:
-        acts, bst, boundary, rec = self.actions, run.bst, run.boundary, run.rec
+        acts, bst, boundary, rec, kinds, posts = self.actions, run.bst, run.boundary, run.rec, self.kinds, self.posts
         forward_only = bst.forward_only
         # Read once per step: entering record_function costs microseconds even with no profiler on.
         run.profiling = profiling = torch.autograd.profiler._is_profiler_enabled
@@ -169,37 +194,39 @@ class ActionLoop:
         assert memory is not None and run.cst.mem is not None  # both set by the pipeline before a step
         # Actions before which the memory plan starts reloads (empty unless a stage offloads): a set test per action.
         reloads = memory.plan.reload_at if run.cst.mem.training else {}
-        next_post = 0
-        for i, a in enumerate(acts):
+        handlers = [HANDLERS.get(a.type) for a in acts]  # read per step: a test may add a kind
+        hooks = run.done_hooks
+        for i, kind in enumerate(kinds):
             # Post the receives of the next `recv_lookahead` compute actions after
             # this one (double buffering with the default 2: while compute i runs,
             # the data of computes i+1 and i+2 is already on its way).
-            end = self.window_end[i]
-            while next_post < end:
-                b = acts[next_post]
-                if b.type is T_RECV_F or b.type is T_RECV_B:
-                    boundary.post_recv(bst, next_post, skip_grads=forward_only and b.type is T_RECV_B)
-                next_post += 1
-            boundary.progress(bst)
-            boundary.reap(bst, block=False)
-            t = a.type
-            if forward_only and t in _FORWARD_ONLY_SKIPS:
+            for j in posts[i]:
+                if not (forward_only and kinds[j] == _K_RECV_B):
+                    boundary.post_recv(bst, j)
+            if bst.watch:
+                boundary.progress(bst)
+            if bst.sends:
+                boundary.reap(bst, block=False)
+            if forward_only and kind >= _K_GRAD_WORK:
                 continue
-            if t is T_RECV_F or t is T_RECV_B:
-                boundary.post_recv(bst, i, skip_grads=False)
-                bst.reached[(t, a.stage, a.microbatch)] = i
+            if kind == _K_RECV_F or kind == _K_RECV_B:
+                a = acts[i]
+                boundary.post_recv(bst, i)
+                (bst.reached_f if kind == _K_RECV_F else bst.reached_b)[(a.stage, a.microbatch)] = i
                 continue
             if i in reloads:
                 memory.at_action(run.cst.mem, i)  # reloads the plan starts here
-            handler = HANDLERS.get(t)
+            handler = handlers[i]
             if handler is None:
-                raise ValueError(f"pipeline rank {boundary.rank}: no runtime handler for action kind {t} ({a})")
+                raise ValueError(
+                    f"pipeline rank {boundary.rank}: no runtime handler for action kind {acts[i].type} ({acts[i]})"
+                )
             if traced:
-                self._traced(run, i, a, handler)
+                self._traced(run, i, acts[i], handler)
             else:
-                handler(run, i, a)
-            if i in run.done_hooks:
-                run.done_hooks[i]()
+                handler(run, i, acts[i])
+            if hooks and i in hooks:
+                hooks[i]()
         run.finish()
 
     def _traced(self, run: StepRun, i: int, a: Action, handler: Handler) -> None:

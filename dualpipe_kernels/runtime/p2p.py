@@ -58,6 +58,7 @@ from dualpipe_kernels.runtime.boundary_meta import (
     meta_signature,
     wire_device,
 )
+from dualpipe_kernels.runtime.inline import META_BYTES, build, read
 from dualpipe_kernels.transport.base import Handle, Transport, TransportError
 
 __all__ = [
@@ -120,7 +121,7 @@ class BoundarySend:
     ) -> None:
         direction, stage, mb = key
         self.what = what
-        codec = MessageCodec(fmt, direction)
+        codec = memory.codec(fmt, direction) if memory is not None else MessageCodec(fmt, direction)
         wire = wire_device(transport)
         layout = codec.layout(tensors, grad_flags)
         guess = memory.sent.get(key) if memory is not None else None
@@ -128,17 +129,27 @@ class BoundarySend:
         if memory is not None:
             memory.sent[key] = layout
         meta = _metadata(memory, tensors, grad_flags, hit, codec.code, wire)
-        self._payload: list[torch.Tensor] = [meta]
-        self._handles: list[Handle] = [transport.isend(meta, peer, tags.tag(direction, stage, mb, 0), what)]
-        if guess is not None and not hit:
-            # The receiver posted receives of the remembered layout: satisfy them with placeholders.
-            for slot, dtype, shape in codec.wire_specs(guess):
-                dummy = torch.zeros(shape, dtype=dtype, device=wire)
-                self._payload.append(dummy)
-                tag = tags.tag(direction, stage, mb, SPEC_BASE + slot)
-                self._handles.append(transport.isend(dummy, peer, tag, f"{what} placeholder {slot}"))
-        base = SPEC_BASE if hit else FRESH_BASE
         self.data_bytes = 0
+        inline = memory.inline(codec, guess) if memory is not None and wire.type == "cpu" else None
+        if inline is not None:
+            # The receiver posted one buffer for metadata and data (inline.py): fill it.
+            buf = build(meta, tensors, codec, layout if hit else None, inline)
+            self._payload: list[torch.Tensor] = [buf]
+            self._handles: list[Handle] = [transport.isend(buf, peer, tags.tag(direction, stage, mb, 0), what)]
+            if hit:
+                self.data_bytes = inline.nbytes
+                return
+        else:
+            self._payload = [meta]
+            self._handles = [transport.isend(meta, peer, tags.tag(direction, stage, mb, 0), what)]
+            if guess is not None and not hit:
+                # The receiver posted receives of the remembered layout: satisfy them with placeholders.
+                for slot, dtype, shape in codec.wire_specs(guess):
+                    dummy = torch.zeros(shape, dtype=dtype, device=wire)
+                    self._payload.append(dummy)
+                    tag = tags.tag(direction, stage, mb, SPEC_BASE + slot)
+                    self._handles.append(transport.isend(dummy, peer, tag, f"{what} placeholder {slot}"))
+        base = SPEC_BASE if hit else FRESH_BASE
         if codec.packed:
             self._send_packed(codec, transport, tensors, layout, wire, peer, tags.tag(direction, stage, mb, base))
             return
@@ -210,8 +221,7 @@ class BoundaryRecv:
         self._key = key
         self._device = device
         self._memory = memory
-        self._codec = MessageCodec(fmt, key[0])
-        self._meta_buf = torch.empty(META_LEN, dtype=torch.int64, device=wire_device(transport))
+        self._codec = memory.codec(fmt, key[0]) if memory is not None else MessageCodec(fmt, key[0])
         self._metas: list[TensorMeta | None] | None = None
         self._layout: Layout = ()
         self._tensors: list[torch.Tensor | None] = []
@@ -219,10 +229,24 @@ class BoundaryRecv:
         self._handles: list[Handle] = []
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._meta_handle = transport.irecv(self._meta_buf, peer, tags.tag(key[0], key[1], key[2], 0), what)
         self._guess = memory.received.get(key) if memory is not None else None
         self._spec: tuple[list[torch.Tensor | None], list[tuple[int, torch.Tensor]]] = ([], [])
         self._spec_handles: list[Handle] = []
+        #: the data receives wait for the metadata and for :meth:`progress` calls to post them
+        self.needs_progress = False
+        wire = wire_device(transport)
+        meta_tag = tags.tag(key[0], key[1], key[2], 0)
+        self._inline = memory.inline(self._codec, self._guess) if memory is not None and wire.type == "cpu" else None
+        if self._inline is not None:
+            # One transfer brings the metadata and the data of the remembered layout (inline.py).
+            assert memory is not None
+            self._inline_buf: torch.Tensor | None = memory.pool.take(META_BYTES + self._inline.nbytes)
+            self._meta_buf = self._inline_buf[:META_BYTES].view(torch.int64)
+            self._meta_handle = transport.irecv(self._inline_buf, peer, meta_tag, what)
+            return
+        self._inline_buf = None
+        self._meta_buf = torch.empty(META_LEN, dtype=torch.int64, device=wire)
+        self._meta_handle = transport.irecv(self._meta_buf, peer, meta_tag, what)
         if self._guess is not None:
             self._spec = self._codec.alloc(self._guess, device)
             self._spec_handles = self._post(self._spec[1], SPEC_BASE)
@@ -233,6 +257,8 @@ class BoundaryRecv:
         add_callback = getattr(self._meta_handle, "add_done_callback", None)
         if add_callback is not None:
             add_callback(self._on_meta)
+        else:
+            self.needs_progress = True
 
     def _post(self, buffers: Sequence[tuple[int, torch.Tensor]], base: int) -> list[Handle]:
         direction, stage, mb = self._key
@@ -277,7 +303,9 @@ class BoundaryRecv:
                 )
             if self._memory is not None:
                 self._memory.received[self._key] = layout
-            if speculative:
+            if self._inline_buf is not None:
+                self._finish_inline(layout, speculative)
+            elif speculative:
                 (self._tensors, self._buffers), self._handles = self._spec, self._spec_handles
             else:
                 self._tensors, self._buffers = self._codec.alloc(layout, self._device)
@@ -287,11 +315,26 @@ class BoundaryRecv:
             self._layout = layout
             self._metas = metas
 
-    def progress(self) -> None:
-        """Post the data receives if the metadata has arrived (non-blocking; nothing to do when speculative)."""
-        if self._metas is None and self._guess is None and self._meta_handle.is_completed():
-            self._meta_handle.wait(0.001)
-            self._post_data()
+    def _finish_inline(self, layout: Layout, speculative: bool) -> None:
+        """The inline buffer has arrived: its data (when the layout held), else post the fresh receives."""
+        buf, self._inline_buf = self._inline_buf, None
+        assert buf is not None and self._inline is not None and self._memory is not None
+        if speculative:
+            self._tensors, self._buffers, self._handles = read(buf, self._codec, layout, self._inline), [], []
+        else:
+            self._tensors, self._buffers = self._codec.alloc(layout, self._device)
+            self._handles = self._post(self._buffers, FRESH_BASE)
+        self._memory.pool.give(buf)  # read (copied out) or never to be read: free again
+
+    def progress(self) -> bool:
+        """Post the data receives if the metadata has arrived (non-blocking); True once nothing is left to do."""
+        if self._metas is not None or self._guess is not None:
+            return True
+        if not self._meta_handle.is_completed():
+            return False
+        self._meta_handle.wait(0.001)
+        self._post_data()
+        return True
 
     def wait(self, timeout_s: float, stream: torch.cuda.Stream | None = None) -> list[torch.Tensor | None]:
         """Block (at most ``timeout_s`` in all) until every tensor has arrived; return them.

@@ -144,16 +144,10 @@ class Transport(abc.ABC):
         the receiver gets ``layout.nbytes`` bytes.  Default: pack into a buffer
         owned by the returned handle, then :meth:`isend` it.
         """
-        from dualpipe_kernels.kernels import pack
+        from dualpipe_kernels.kernels import pack_as
 
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=tensors[0].device)
-        fmt = layout.format
-        dtype = {"packed": None, "bf16": torch.bfloat16}.get(fmt, torch.float8_e4m3fn)
-        _, got = pack(tensors, dtype, out=buffer, pow2_scales=fmt == "fp8_pow2")
-        if got != layout:
-            raise ValueError(
-                f"isend_packed ({what}): the tensors do not match the layout ({got.signature} vs {layout.signature})"
-            )
+        pack_as(tensors, layout, buffer, f"isend_packed {what}")
         return _HoldingHandle(self.isend(buffer, peer, tag, what), buffer)
 
     def close(self) -> None:

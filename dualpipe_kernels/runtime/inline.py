@@ -1,0 +1,128 @@
+"""Small boundary messages as one transfer: the metadata and the data of a repeated layout together.
+
+Why: a stage boundary of a small micro-batch is a few KiB, and its cost is the
+per-message cost of the transport (a gloo message is ~100 us of CPU on both
+ends), not its bytes.  The general protocol (p2p.py) sends the fixed-size
+metadata and then one transfer per tensor (or one packed buffer): two or more
+messages per boundary.  When both ends remember the message's layout from
+the previous step (p2p.py's layout memory, which both ends keep in
+agreement) and its data is at most :data:`INLINE_MAX_BYTES`, the receiver
+posts *one* receive of ``META_BYTES + plan.nbytes`` bytes and the sender
+sends one buffer of that size::
+
+    [metadata (META_LEN int64) | data]
+
+``data``: under ``none`` each tensor's bytes at a 16-byte aligned offset
+(bit for bit, so a copy out is a view and a clone), under a packed format
+the packed buffer itself (packed in place, one pass).  A sender whose layout
+changed sends the metadata (flag "not speculative") with zeros after it in
+that one buffer, and the real data to the fresh tags, as in the general
+protocol.  Only transports whose buffers live in host memory use it (the
+metadata is read on the host; a device transport would need a sync).
+
+The receiver's buffers come from a :class:`~dualpipe_kernels.runtime.buffer_pool.BufferPool` (reused across steps:
+the data is copied out of them, so they are free again as soon as the
+message is read; no fresh allocation or page faults per message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dualpipe_kernels.kernels import PackLayout, pack_as
+from dualpipe_kernels.runtime.boundary_codec import MessageCodec
+from dualpipe_kernels.runtime.boundary_meta import META_LEN, Layout
+
+__all__ = ["INLINE_MAX_BYTES", "META_BYTES", "InlinePlan", "inline_plan", "build", "read"]
+
+#: data bytes (after the metadata) up to which a message with a remembered layout travels as one transfer
+INLINE_MAX_BYTES = 32 * 1024
+META_BYTES = META_LEN * 8
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class InlinePlan:
+    """Where a layout's data sits after the metadata.
+
+    ``offsets[i]``: byte offset of tensor ``i``'s bits (``none``; None: no
+    bytes); ``pack``: the packed buffer's layout (packed formats).
+    """
+
+    nbytes: int
+    offsets: tuple[int | None, ...]
+    pack: PackLayout | None
+
+
+def inline_plan(codec: MessageCodec, layout: Layout) -> InlinePlan:
+    """The inline plan of a message of ``layout`` in ``codec``'s format."""
+    if codec.packed:
+        pl = codec.pack_layout(layout)
+        return InlinePlan(pl.nbytes if pl is not None else 0, (), pl)
+    offsets: list[int | None] = []
+    pos = 0
+    for e in layout:
+        n = 0 if e is None else _nbytes(e[0], e[1])
+        if n == 0:
+            offsets.append(None)
+            continue
+        offsets.append(pos)
+        pos += -(-n // _ALIGN) * _ALIGN
+    return InlinePlan(pos, tuple(offsets), None)
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def build(
+    meta: torch.Tensor,
+    tensors: Sequence[torch.Tensor | None],
+    codec: MessageCodec,
+    layout: Layout | None,
+    plan: InlinePlan,
+) -> torch.Tensor:
+    """The one uint8 buffer of a message: ``meta``, then the data of ``tensors`` (``layout``) per ``plan``.
+
+    ``layout`` None: zeros after the metadata (the receiver's posted buffer of
+    a layout the sender no longer has; the data goes to the fresh tags).
+    """
+    buf = torch.empty(META_BYTES + plan.nbytes, dtype=torch.uint8)
+    buf[:META_BYTES].copy_(meta.view(torch.uint8))
+    data = buf[META_BYTES:]
+    if layout is None:
+        data.zero_()
+    elif plan.pack is not None:
+        pack_as(codec.pack_inputs(tensors, layout, torch.device("cpu")), plan.pack, data, "inline message")
+    else:
+        for t, off in zip(tensors, plan.offsets, strict=True):
+            if off is not None:
+                assert t is not None
+                src = t.detach().reshape(-1).view(torch.uint8)
+                data[off : off + src.numel()].copy_(src)
+    return buf
+
+
+def read(buf: torch.Tensor, codec: MessageCodec, layout: Layout, plan: InlinePlan) -> list[torch.Tensor | None]:
+    """The message's tensors, new (copied out of ``buf``, which is free again afterwards)."""
+    data = buf[META_BYTES : META_BYTES + plan.nbytes]
+    if plan.pack is not None:
+        tensors: list[torch.Tensor | None] = [None if e is None else torch.empty(e[1], dtype=e[0]) for e in layout]
+        codec.unpack_into(tensors, layout, data)
+        return tensors
+    out: list[torch.Tensor | None] = []
+    for e, off in zip(layout, plan.offsets, strict=True):
+        if e is None:
+            out.append(None)
+        elif off is None:
+            out.append(torch.empty(e[1], dtype=e[0]))
+        else:
+            n = _nbytes(e[0], e[1])
+            out.append(data[off : off + n].view(e[0]).view(e[1]).clone())
+    return out
