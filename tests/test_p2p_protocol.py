@@ -144,3 +144,86 @@ def test_wire_device_follows_what_the_transport_moves() -> None:
     assert wire_device(_Declared(device=cuda, device_native=False)) == torch.device("cpu")  # type: ignore[arg-type]
     assert wire_device(_Declared(device=torch.device("cpu"), device_native=True)) == torch.device("cpu")  # type: ignore[arg-type]
     assert wire_device(_Declared()) == torch.device("cpu")  # type: ignore[arg-type]
+
+
+# ---- small messages in one transfer (runtime/inline.py) ---------------------------------------------
+
+
+def _sends(pair: LoopbackPair) -> list[int]:
+    return sorted(tag % 64 for kind, _, _, tag in pair.box.log if kind == "send")
+
+
+def _exchange_as(
+    pair: LoopbackPair, tensors: list[torch.Tensor | None], mem_s: LayoutMemory, mem_r: LayoutMemory, fmt: str
+) -> list[torch.Tensor | None]:
+    tags = TagSpace(4, 4)
+    flags = [t is not None and t.is_floating_point() for t in tensors]
+    recv = BoundaryRecv(pair.ends[1], 0, tags, KEY, "recv", torch.device("cpu"), mem_r, fmt)
+    send = BoundarySend(pair.ends[0], tensors, flags, 1, tags, KEY, "send", mem_s, fmt)
+    got = recv.wait(TIMEOUT_S)
+    send.wait(TIMEOUT_S)
+    assert pair.box.unmatched() == [], "a posted transfer was never matched"
+    return got
+
+
+def test_repeated_small_layout_travels_as_one_transfer(pair: LoopbackPair) -> None:
+    mem_s, mem_r = LayoutMemory(inline_max_bytes=4096), LayoutMemory(inline_max_bytes=4096)
+    _assert_same(_exchange(pair, _message(1), mem_s, mem_r)[0], _message(1))  # no memory yet: two-phase
+    for seed in (2, 3, 4):
+        pair.box.log.clear()
+        msg = _message(seed)
+        got, _ = _exchange(pair, msg, mem_s, mem_r)
+        _assert_same(got, msg)
+        assert got[0] is not None and got[0].requires_grad and got[2] is not None and not got[2].requires_grad
+        assert _sends(pair) == [0], "metadata and data in one transfer"
+        assert [k for k, *_ in pair.box.log] == ["recv", "send"], "one receive, posted before the send"
+    assert mem_r.pool.allocations == 1, "the receive buffer is reused from the pool"
+
+
+def test_inline_layout_change_goes_to_fresh_tags_then_inline_again(pair: LoopbackPair) -> None:
+    mem_s, mem_r = LayoutMemory(inline_max_bytes=4096), LayoutMemory(inline_max_bytes=4096)
+    _exchange(pair, _message(1, rows=3), mem_s, mem_r)
+    _exchange(pair, _message(2, rows=3), mem_s, mem_r)
+    pair.box.log.clear()
+    changed = _message(3, rows=5)
+    got, _ = _exchange(pair, changed, mem_s, mem_r)
+    _assert_same(got, changed)
+    assert _sends(pair) == [0, 32, 34], "the posted buffer (metadata, zeros), then two fresh tensors"
+    pair.box.log.clear()
+    again = _message(4, rows=5)
+    got, _ = _exchange(pair, again, mem_s, mem_r)
+    _assert_same(got, again)
+    assert _sends(pair) == [0]
+
+
+def test_messages_over_the_inline_limit_keep_separate_transfers(pair: LoopbackPair) -> None:
+    mem_s, mem_r = LayoutMemory(inline_max_bytes=16), LayoutMemory(inline_max_bytes=16)
+    for seed in (1, 2):
+        pair.box.log.clear()
+        msg = _message(seed)
+        _assert_same(_exchange(pair, msg, mem_s, mem_r)[0], msg)
+    assert _sends(pair) == [0, 1, 3], "metadata plus speculative data transfers"
+
+
+@pytest.mark.parametrize("fmt", ["none", "packed", "bf16", "fp8"])
+def test_inline_messages_equal_the_general_protocol_bit_for_bit(fmt: str) -> None:
+    g = torch.Generator().manual_seed(7)
+    msgs = [
+        [torch.randn(3, 130, generator=g), None, torch.randint(0, 9, (3,), generator=g), torch.randn(2, 2, 2).bool()]
+        for _ in range(3)
+    ]
+    results = []
+    for limit in (0, 1 << 20):
+        pair = LoopbackPair("cpu")
+        mem_s, mem_r = LayoutMemory(inline_max_bytes=limit), LayoutMemory(inline_max_bytes=limit)
+        got = [_exchange_as(pair, msgs[0], mem_s, mem_r, fmt)]
+        pair.box.log.clear()
+        got += [_exchange_as(pair, m, mem_s, mem_r, fmt) for m in msgs[1:]]
+        # the repeats: one transfer each inline, metadata + data (per tensor under none) otherwise
+        assert (_sends(pair) == [0, 0]) if limit else len(_sends(pair)) >= 4
+        results.append(got)
+    for plain, inline in zip(*results, strict=True):
+        for a, b in zip(plain, inline, strict=True):
+            assert (a is None and b is None) or (
+                a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b)
+            )

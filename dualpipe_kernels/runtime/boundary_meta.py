@@ -55,6 +55,7 @@ SPEC_BASE, FRESH_BASE = 1, 32
 _MAGIC = 0x44504B31  # "DPK1"
 
 _KIND_NONE, _KIND_TENSOR, _KIND_GRAD = 0, 1, 2
+_SHORT = 24  # words decode_meta reads first (enough for a few tensors of a few dimensions)
 
 _DTYPES = WIRE_DTYPES
 _DTYPE_CODE = WIRE_DTYPE_CODE
@@ -217,19 +218,34 @@ def meta_signature(
 
 def decode_meta(meta: torch.Tensor) -> tuple[list[TensorMeta | None], bool, int]:
     """``(per-tensor metadata, speculative flag, format code)`` of a metadata tensor (read after its transfer)."""
-    words = meta.tolist()
+    # Most messages need a few words: read a short prefix, the whole header only when the prefix ends early.
+    words = meta[:_SHORT].tolist()
     if words[0] != _MAGIC:
         raise TransportError(f"corrupt stage boundary metadata (magic {words[0]:#x}): sender and receiver disagree")
+    out = _parse(words)
+    if out is None:
+        words = meta.tolist()
+        out = _parse(words)
+        if out is None:
+            raise TransportError(f"corrupt stage boundary metadata: {words[1]} tensors overrun {META_LEN} words")
+    return out, bool(words[2]), int(words[3])
+
+
+def _parse(words: list[int]) -> list[TensorMeta | None] | None:
+    """The per-tensor entries of header ``words``; None when they run past its end (read more words)."""
     out: list[TensorMeta | None] = []
-    pos = 4
+    pos, end = 4, len(words)
     for _ in range(words[1]):
+        if pos >= end:
+            return None
         kind = words[pos]
         if kind == _KIND_NONE:
             out.append(None)
             pos += 1
             continue
+        if pos + 3 > end or pos + 3 + words[pos + 2] > end:
+            return None
         dtype, ndim = _DTYPES[words[pos + 1]], words[pos + 2]
-        shape = tuple(words[pos + 3 : pos + 3 + ndim])
-        out.append(TensorMeta(shape, dtype, kind == _KIND_GRAD))
+        out.append(TensorMeta(tuple(words[pos + 3 : pos + 3 + ndim]), dtype, kind == _KIND_GRAD))
         pos += 3 + ndim
-    return out, bool(words[2]), int(words[3])
+    return out

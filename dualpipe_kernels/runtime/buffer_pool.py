@@ -26,7 +26,7 @@ class BufferPool:
         if free:
             return free.pop()
         self.allocations += 1
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
     def give(self, buf: torch.Tensor) -> None:
         free = self._free.setdefault(buf.numel(), [])

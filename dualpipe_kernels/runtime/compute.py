@@ -91,6 +91,7 @@ class StageCompute:
     zero_bubble: str
     memory: ActivationMemory | None = None
     overlap_hook: bool = field(init=False)
+    _hooked_stages: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         types = {type(m) for m in self.modules.values()}
@@ -98,6 +99,8 @@ class StageCompute:
         if self.memory is None:
             self.memory = ActivationMemory(self.rank, {}, (), self.modules, torch.device("cpu"))
         recompute = [s for s, p in self.memory.policies.items() if p.kind == "recompute"]
+        # Stages whose policy hooks saved tensors (not keep): the others' forwards skip the hooks' context.
+        self._hooked_stages = frozenset(s for s, p in self.memory.policies.items() if p.kind != "keep")
         if self.overlap_hook and recompute:
             raise ValueError(
                 f"pipeline rank {self.rank}: memory policy 'recompute' (stages {recompute}) cannot replay a forward "
@@ -123,13 +126,14 @@ class StageCompute:
         ins = self._stage_inputs(st, s, mb)
         is_loss = topo.is_loss_stage(s, mb)
         labels = st.mb_labels.get(mb, ()) if is_loss else ()
-        replay = None if module_out is not None else self._replay(st, s, ins, labels, is_loss)
-        with self.memory.saving(st.mem, s, mb, (*ins, *labels), replay):  # type: ignore[union-attr]
-            if module_out is None:
-                module_out = self.modules[s](*ins)
-            outs = _as_tuple(module_out, s)
-            if is_loss:
-                self._loss(st, s, mb, outs, loss)
+        mem = self.memory
+        assert mem is not None
+        if not st.mem.training or (s not in self._hooked_stages and not mem.track):
+            outs = self._run_forward(st, s, mb, ins, module_out, loss, is_loss)  # keep: no saved-tensor hooks
+        else:
+            replay = None if module_out is not None else self._replay(st, s, ins, labels, is_loss)
+            with mem.saving(st.mem, s, mb, (*ins, *labels), replay):
+                outs = self._run_forward(st, s, mb, ins, module_out, loss, is_loss)
         if st.forward_only:
             del st.inputs[key]
         if is_loss:
@@ -153,6 +157,16 @@ class StageCompute:
                     "a stage must return fresh tensors (use .clone() or .contiguous())"
                 )
         st.outbox_f[key] = outs
+
+    def _run_forward(
+        self, st: ComputeState, s: int, mb: int, ins: list[Any], module_out: Any, loss: Any, is_loss: bool
+    ) -> tuple[Any, ...]:
+        if module_out is None:
+            module_out = self.modules[s](*ins)
+        outs = _as_tuple(module_out, s)
+        if is_loss:
+            self._loss(st, s, mb, outs, loss)
+        return outs
 
     def _replay(
         self, st: ComputeState, s: int, ins: list[Any], labels: tuple[Any, ...], is_loss: bool
@@ -189,7 +203,7 @@ class StageCompute:
         roots = st.roots.pop(key, [])
         if self.topo.is_loss_stage(s, mb):
             loss = st.loss_tensors.pop(key, None)
-            seed = None if loss is None or st.loss_scale == 1.0 else torch.full_like(loss, st.loss_scale)
+            seed = None if loss is None else torch.full_like(loss, st.loss_scale)
             return [(e, seed) for e, _ in roots]
         grads = st.out_grads.pop(key, None)
         if grads is None:

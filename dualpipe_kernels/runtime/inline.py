@@ -42,6 +42,7 @@ __all__ = ["INLINE_MAX_BYTES", "META_BYTES", "InlinePlan", "inline_plan", "build
 INLINE_MAX_BYTES = 32 * 1024
 META_BYTES = META_LEN * 8
 _ALIGN = 16
+_HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def build(
     ``layout`` None: zeros after the metadata (the receiver's posted buffer of
     a layout the sender no longer has; the data goes to the fresh tags).
     """
-    buf = torch.empty(META_BYTES + plan.nbytes, dtype=torch.uint8)
+    buf = torch.empty(META_BYTES + plan.nbytes, dtype=torch.uint8, device=_HOST)
     buf[:META_BYTES].copy_(meta.view(torch.uint8))
     data = buf[META_BYTES:]
     if layout is None:
@@ -109,20 +110,24 @@ def build(
     return buf
 
 
-def read(buf: torch.Tensor, codec: MessageCodec, layout: Layout, plan: InlinePlan) -> list[torch.Tensor | None]:
-    """The message's tensors, new (copied out of ``buf``, which is free again afterwards)."""
+def read(
+    buf: torch.Tensor, codec: MessageCodec, layout: Layout, plan: InlinePlan, device: torch.device
+) -> list[torch.Tensor | None]:
+    """The message's tensors, new on ``device`` (copied out of ``buf``, which is free again afterwards)."""
     data = buf[META_BYTES : META_BYTES + plan.nbytes]
     if plan.pack is not None:
-        tensors: list[torch.Tensor | None] = [None if e is None else torch.empty(e[1], dtype=e[0]) for e in layout]
+        tensors: list[torch.Tensor | None] = [
+            None if e is None else torch.empty(e[1], dtype=e[0], device=_HOST) for e in layout
+        ]
         codec.unpack_into(tensors, layout, data)
-        return tensors
+        return tensors if device.type == "cpu" else [None if t is None else t.to(device) for t in tensors]
     out: list[torch.Tensor | None] = []
     for e, off in zip(layout, plan.offsets, strict=True):
         if e is None:
             out.append(None)
         elif off is None:
-            out.append(torch.empty(e[1], dtype=e[0]))
+            out.append(torch.empty(e[1], dtype=e[0], device=device))
         else:
-            n = _nbytes(e[0], e[1])
-            out.append(data[off : off + n].view(e[0]).view(e[1]).clone())
+            view = data[off : off + _nbytes(e[0], e[1])].view(e[0]).view(e[1])
+            out.append(view.clone() if device.type == "cpu" else view.to(device))
     return out

@@ -183,6 +183,9 @@ class ActionLoop:
             self.posts.append(tuple(j for j in range(done, end) if self.actions[j].type in _RECVS))
             done = max(done, end)
         self.kinds = [_kind(a.type) for a in self.actions]
+        # Handlers are looked up per step by type (a test may add a kind): once per distinct type.
+        self.types = list(dict.fromkeys(a.type for a in self.actions))
+        self.type_index = [self.types.index(a.type) for a in self.actions]
 
     def run(self, run: StepRun) -> None:
         acts, bst, boundary, rec, kinds, posts = self.actions, run.bst, run.boundary, run.rec, self.kinds, self.posts
@@ -194,7 +197,8 @@ class ActionLoop:
         assert memory is not None and run.cst.mem is not None  # both set by the pipeline before a step
         # Actions before which the memory plan starts reloads (empty unless a stage offloads): a set test per action.
         reloads = memory.plan.reload_at if run.cst.mem.training else {}
-        handlers = [HANDLERS.get(a.type) for a in acts]  # read per step: a test may add a kind
+        by_type = [HANDLERS.get(t) for t in self.types]
+        type_index = self.type_index
         hooks = run.done_hooks
         for i, kind in enumerate(kinds):
             # Post the receives of the next `recv_lookahead` compute actions after
@@ -216,7 +220,7 @@ class ActionLoop:
                 continue
             if i in reloads:
                 memory.at_action(run.cst.mem, i)  # reloads the plan starts here
-            handler = handlers[i]
+            handler = by_type[type_index[i]]
             if handler is None:
                 raise ValueError(
                     f"pipeline rank {boundary.rank}: no runtime handler for action kind {acts[i].type} ({acts[i]})"

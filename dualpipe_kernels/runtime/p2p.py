@@ -320,7 +320,8 @@ class BoundaryRecv:
         buf, self._inline_buf = self._inline_buf, None
         assert buf is not None and self._inline is not None and self._memory is not None
         if speculative:
-            self._tensors, self._buffers, self._handles = read(buf, self._codec, layout, self._inline), [], []
+            self._tensors = read(buf, self._codec, layout, self._inline, self._device)
+            self._buffers, self._handles = [], []
         else:
             self._tensors, self._buffers = self._codec.alloc(layout, self._device)
             self._handles = self._post(self._buffers, FRESH_BASE)

@@ -66,6 +66,7 @@ DEFAULT_SINGLE_COPY_MIN_BYTES = 256 * 1024
 #: environment variable: "0" turns the single-copy path off (any other value or unset: on)
 SINGLE_COPY_ENV = "DUALPIPE_KERNELS_SINGLE_COPY"
 _STORE_PREFIX = "dpk/native"
+_MIN_SWEEP = 32  # unwaited finished transfers tolerated in the in-flight table before a sweep
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -178,6 +179,7 @@ class NativeTransport(Transport):
         # Keeps a tensor alive while the engine may touch it, also if the caller drops the handle;
         # an entry goes when its handle sees the transfer finish, or at the next post once finished.
         self._inflight: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._sweep_at = _MIN_SWEEP
         self._fallback: TorchDistTransport | None = None
         self._engine = shm.Engine(
             self._rank,
@@ -195,6 +197,7 @@ class NativeTransport(Transport):
             self._engine.close()
             raise
         self.local_peers = tuple(p for p in range(self._size) if p != self._rank and hosts[p] == hosts[self._rank])
+        self._local = frozenset(self.local_peers)
         if len(set(hosts)) > 1:
             # Every rank sees the same host map, so all of them build the fallback (it may be collective).
             from dualpipe_kernels.transport.torch_dist import TorchDistTransport
@@ -248,7 +251,7 @@ class NativeTransport(Transport):
             raise TransportError(f"rank {self._rank}: native transport is closed; cannot post {what!r}")
         if not 0 <= peer < self._size or peer == self._rank:
             raise ValueError(f"rank {self._rank}: peer must be another rank in [0, {self._size}), got {peer} ({what})")
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             raise ValueError(
                 f"rank {self._rank}: NativeTransport moves CPU tensors, got {tensor.device} ({what}); "
                 "use CudaIpcTransport for CUDA tensors"
@@ -258,9 +261,12 @@ class NativeTransport(Transport):
 
     def _track(self, request: Any, tensor: torch.Tensor) -> NativeHandle:
         # Drop finished transfers whose handles were dropped unwaited: a tensor kept here pins its memory.
-        if self._inflight:
+        # Swept when the table has doubled since the last sweep (amortised O(1) per post: the runtime
+        # waits for nearly everything it posts, so the table stays small).
+        if len(self._inflight) >= self._sweep_at:
             for key in [k for k, (r, _t) in self._inflight.items() if r.query()]:
                 del self._inflight[key]
+            self._sweep_at = max(_MIN_SWEEP, 2 * len(self._inflight))
         if not request.query():
             self._inflight[id(request)] = (request, tensor)
         return NativeHandle(request, tensor, self)
@@ -274,12 +280,15 @@ class NativeTransport(Transport):
     def _post(self, is_send: bool, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Handle:
         """Check, then hand the transfer to the engine (to the fallback for a peer on another host)."""
         self._check(tensor, peer, what)
-        if peer not in self.local_peers:
+        if peer not in self._local:
             assert self._fallback is not None
             return (self._fallback.isend if is_send else self._fallback.irecv)(tensor, peer, tag, what)
         nbytes = tensor.numel() * tensor.element_size()
         post = self._engine.send if is_send else self._engine.recv
-        return self._track(post(peer, tensor.data_ptr(), nbytes, tag, dtype_code(tensor.dtype), what), tensor)
+        code = WIRE_DTYPE_CODE.get(tensor.dtype)
+        if code is None:
+            code = dtype_code(tensor.dtype)
+        return self._track(post(peer, tensor.data_ptr(), nbytes, tag, code, what), tensor)
 
     def close(self) -> None:
         """Stop the worker threads (unfinished transfers fail), unmap the rings. Idempotent."""
