@@ -38,7 +38,8 @@ class BoundaryState:
     ``(stage, mb) -> action index`` (waited for by the compute that reads them);
     ``watch``: posted receives that need :meth:`BoundaryRecv.progress` calls to
     post their data receives (first messages of a key on a transport without
-    completion callbacks); ``sends``: sends in flight, in posting order.
+    completion callbacks); ``sends``: sends in flight, in posting order, polled between actions;
+    ``small_sends``: inline sends, which hold only their own small copy, waited for at the end.
     """
 
     forward_only: bool
@@ -47,6 +48,7 @@ class BoundaryState:
     reached_b: dict[tuple[int, int], int] = field(default_factory=dict)
     watch: list[BoundaryRecv] = field(default_factory=list)
     sends: list[tuple[BoundarySend, tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    small_sends: list[BoundarySend] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,12 @@ class Boundary:
         send = BoundarySend(w.transport, tensors, grad_flags, r.peer, w.tags, r.key, r.what, w.layouts, r.fmt)
         self.bytes_sent[r.key[0]] += send.data_bytes
         self.messages_sent[r.key[0]] += 1
-        st.sends.append((send, keep))
+        if send.small and not keep:
+            # Holds only its own small copy: waited for at the end of the step, never polled (a poll
+            # may cost a thread hand-off, e.g. over gloo, for memory that does not matter).
+            st.small_sends.append(send)
+        else:
+            st.sends.append((send, keep))
 
     def reap(self, st: BoundaryState, block: bool) -> None:
         """Wait for the completed sends (all of them when ``block``) and release what they held."""
@@ -180,6 +187,10 @@ class Boundary:
             n += 1
         if n:
             del sends[:n]
+        if block:
+            for small in st.small_sends:
+                small.wait(self.wire.timeout_s)
+            st.small_sends.clear()
 
     def check_drained(self, st: BoundaryState) -> None:
         """Every posted receive was consumed (called at the end of a step)."""

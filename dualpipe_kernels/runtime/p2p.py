@@ -130,6 +130,8 @@ class BoundarySend:
             memory.sent[key] = layout
         meta = _metadata(memory, tensors, grad_flags, hit, codec.code, wire)
         self.data_bytes = 0
+        #: the whole message is one small copy (inline): nothing the caller owns is held until completion
+        self.small = False
         inline = memory.inline(codec, guess) if memory is not None and wire.type == "cpu" else None
         if inline is not None:
             # The receiver posted one buffer for metadata and data (inline.py): fill it.
@@ -138,6 +140,7 @@ class BoundarySend:
             self._handles: list[Handle] = [transport.isend(buf, peer, tags.tag(direction, stage, mb, 0), what)]
             if hit:
                 self.data_bytes = inline.nbytes
+                self.small = True
                 return
         else:
             self._payload = [meta]
