@@ -89,6 +89,13 @@ def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
         again = simulate_sleep(r["schedule"], 2, 8, costs)
         assert float(again.makespan) == pytest.approx(r["simulated_s"], rel=1e-12)
         assert r["ratio_sleep_only"] == pytest.approx(r["measured_s"] / r["simulated_sleep_only_s"])
+    # The short-chunk row (1/2/1 ms chunks; quick: 2 x 8): the same row, its own calibrated chunks.
+    (short,) = res["short_chunks"]
+    assert (short["schedule"], short["ranks"], short["microbatches"]) == ("dualpipev", 2, 8)
+    assert (short["f_s"], short["b_s"], short["w_s"]) == (0.001, 0.002, 0.001)
+    assert short.get("error") is None and short["ratio"] == pytest.approx(short["measured_s"] / short["simulated_s"])
+    assert short["measured_s"] >= 0.97 * short["simulated_sleep_only_s"]
+    assert short["simulated_nominal_s"] < min(r["simulated_nominal_s"] for r in res["rows"])
     assert {p["name"] for p in res["peers"]} == {"torch.ScheduleDualPipeV", "torch.Schedule1F1B"}
     for p in res["peers"]:
         for k in PEER_KEYS:

@@ -49,6 +49,9 @@ SCHEDULES = ("dualpipev", "dualpipe", "1f1b", "zb1p")
 
 #: measured / simulated target for DualPipeV 4 ranks x 16 micro-batches (issue 5)
 TARGET_RATIO = 1.05
+#: the short-chunk row (issue 16): DualPipeV with F/B/W = 1/2/1 ms chunks, where the runtime's own cost shows
+SHORT_CHUNK_S = (0.001, 0.002, 0.001)
+SHORT_TARGET_RATIO = 1.10
 
 __all__ = [
     "NAME",
@@ -88,6 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--transport", choices=("auto", "torch", "native"), default="auto")
     p.add_argument("--no-peers", dest="no_peers", action="store_true", help="skip torch.distributed.pipelining")
+    p.add_argument(
+        "--no-short-chunks",
+        dest="no_short",
+        action="store_true",
+        help="skip the short-chunk row (DualPipeV, 1/2/1 ms chunks, 4 ranks x 16; quick: 2 x 8)",
+    )
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,14 @@ class SchedulesConfig:
     ranks: tuple[int, ...]
     peers: bool
     run: SleepRun
+    short: bool = True  # also the short-chunk row
+
+    def short_chunks(self) -> SchedulesConfig:
+        """The short-chunk row's settings: DualPipeV, 1/2/1 ms chunks, 4 x 16 (quick: 2 x 8), no peers."""
+        f, b, w = SHORT_CHUNK_S
+        quick = self.run.microbatches < 16
+        run = dataclasses.replace(self.run, f_s=f, b_s=b, w_s=w, steps=max(self.run.steps, 2 if quick else 10))
+        return SchedulesConfig(("dualpipev",), (2,) if quick else (4,), False, run, short=False)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SchedulesConfig:
@@ -111,6 +128,7 @@ class SchedulesConfig:
             ranks=tuple(ranks),
             peers=not getattr(args, "no_peers", False),
             run=SleepRun.from_args(args, microbatches=(16, 8), activation_bytes=(1 << 18, 1 << 14)),
+            short=not getattr(args, "no_short", False),
         )
         for r in cfg.ranks:
             for s in cfg.schedules:
@@ -328,13 +346,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 timeline = {"schedule": name, "ranks": ranks, "microbatches": cfg.run.microbatches, "entries": tl}
         peers += _peer_rows(cfg, ranks, per_rank, rows)
         bar.update(f"ranks={ranks} done")
+    short_rows = _short_chunk_rows(cfg.short_chunks()) if cfg.short else []
     bar.close()
     config = {
         **cfg.as_dict(),
         "sleep_overshoot_s": over,
         "chunk_costs_s": {str(k): dataclasses.asdict(c) for k, c in chunks.items()},
     }
-    return {"rows": rows, "peers": peers, "config": config, "targets": _targets(rows, peers), "timeline": timeline}
+    targets = {**_targets(rows, peers), **_short_targets(short_rows)}
+    return {
+        "rows": rows,
+        "peers": peers,
+        "short_chunks": short_rows,
+        "config": config,
+        "targets": targets,
+        "timeline": timeline,
+    }
+
+
+def _short_chunk_rows(cfg: SchedulesConfig) -> list[dict[str, Any]]:
+    """DualPipeV on 1/2/1 ms chunks: the same row as the others, its chunks calibrated the same way."""
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
+    from dualpipe_kernels.runtime.launch import spawn
+
+    over = sleep_overshoot(cfg.run.f_s, repeats=20)
+    chunks = calibrate_chunks(cfg)
+    rows = []
+    for ranks in cfg.ranks:
+        per_rank = spawn(_worker, ranks, cfg, timeout_s=600, pg_timeout_s=300)
+        row = _schedule_row(cfg, "dualpipev", ranks, per_rank, chunks, over)
+        row.pop("step_times_s", None)
+        rows.append({**row, "f_s": cfg.run.f_s, "b_s": cfg.run.b_s, "w_s": cfg.run.w_s})
+    return rows
+
+
+def _short_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for r in rows:
+        if r["ranks"] == 4 and r["microbatches"] == 16 and r.get("ratio"):
+            out["dualpipev_4x16_short_chunks_measured_over_simulated"] = r["ratio"]
+            out["dualpipev_4x16_short_chunks_target"] = SHORT_TARGET_RATIO
+            out["dualpipev_4x16_short_chunks_met"] = r["ratio"] <= SHORT_TARGET_RATIO
+    return out
 
 
 def _targets(rows: list[dict[str, Any]], peers: list[dict[str, Any]]) -> dict[str, Any]:

@@ -67,6 +67,15 @@ def to_markdown(result: dict[str, Any]) -> str:
     ]
     t1 = markdown_table(rows, [k for k, _ in _COLUMNS], [h for _, h in _COLUMNS])
     parts = [head, "", t1]
+    if result.get("short_chunks"):
+        r0 = result["short_chunks"][0]
+        parts += [
+            "",
+            f"Short chunks (F={r0['f_s'] * 1e3:g} ms, B={r0['b_s'] * 1e3:g} ms, W={r0['w_s'] * 1e3:g} ms per chunk), "
+            "where the runtime's own cost per action shows: same columns, chunks calibrated the same way.",
+            "",
+            markdown_table(result["short_chunks"], [k for k, _ in _COLUMNS], [h for _, h in _COLUMNS]),
+        ]
     if result.get("peers"):
         parts += [
             "",
