@@ -67,10 +67,12 @@ struct Pair {
 
   //! Rank 0 sends `n` bytes at `src` (inside the allocation `base`, or host memory if null);
   //! rank 1 receives them. Returns what arrived; the test fails if either side does not finish.
-  std::vector<char> transfer(std::int64_t tag, const char* src, std::size_t n, char* base = nullptr) {
+  //! `keep` stands for the sender's tensor: the engine's reference to it.
+  std::vector<char> transfer(std::int64_t tag, const char* src, std::size_t n, char* base = nullptr,
+                             std::shared_ptr<void> keep = nullptr) {
     std::vector<char> out(n);
     auto r = e1->post(OpKind::kRecv, 0, tag, out.data(), n, "Float", nullptr, nullptr);
-    auto s = e0->post(OpKind::kSend, 1, tag, const_cast<char*>(src), n, "Float", nullptr, nullptr, base);
+    auto s = e0->post(OpKind::kSend, 1, tag, const_cast<char*>(src), n, "Float", nullptr, std::move(keep), base);
     EXPECT_TRUE(s->wait(10.0)) << s->describe();
     EXPECT_TRUE(r->wait(10.0)) << r->describe();
     last_send_zero_copy = s->zero_copy();
@@ -178,6 +180,70 @@ TEST(IpcEngine, EvictedMappingsAreClosedWithoutViolations) {
   close_both(*p.e0, *p.e1);
   for (int i = 1; i < 4; ++i) EXPECT_EQ(p.dev->free(bufs[i]), kOk);
   EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+}
+
+//! The last reference to a buffer of the fake device: dropping it frees the
+//! allocation, as torch's caching allocator may cudaFree a released segment
+//! (its OOM retry frees cached segments).
+std::shared_ptr<void> owned_by_tensor(const std::shared_ptr<FakeDevice>& dev, char* p) {
+  return std::shared_ptr<void>(p, [dev](void* q) { dev->free(q); });
+}
+
+//! Polls `done` for up to 5 s.
+template <class F>
+bool eventually(F done) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+TEST(FakeDevice, DetectsAFreeWhileMappedAndAStaleHandle) {
+  FakeDevice dev;
+  void* p = nullptr;
+  dev.malloc(&p, 4096);
+  IpcMemHandle h{};
+  ASSERT_EQ(dev.ipc_get_mem_handle(&h, p), kOk);
+  void* mapped = nullptr;
+  ASSERT_EQ(dev.ipc_open_mem_handle(&mapped, h), kOk);
+  EXPECT_NE(dev.free(p), kOk);
+  ASSERT_EQ(dev.violations().size(), 1u);
+  EXPECT_NE(dev.violations()[0].find("cudaFree while another side still maps"), std::string::npos);
+  ASSERT_EQ(dev.ipc_close_mem_handle(mapped), kOk);
+  ASSERT_EQ(dev.free(p), kOk);
+  void* again = nullptr;
+  dev.malloc(&again, 4096);
+  EXPECT_EQ(again, p) << "a freed block comes back for the same size, as from a caching allocator";
+  EXPECT_NE(dev.ipc_open_mem_handle(&mapped, h), kOk);
+  EXPECT_NE(dev.violations().back().find("stale handle"), std::string::npos);
+  dev.free(again);
+}
+
+// Item 9: the caller drops its tensor as soon as the send completes; the
+// allocator would free the segment at once. The receiver still maps it (its
+// mapping cache), so the sender must keep the allocation alive until the
+// receiver says it unmapped it. Before the export table this freed the
+// allocation under the receiver's mapping (a "cudaFree while another side
+// still maps" violation at the first transfer).
+TEST(IpcEngine, ASentAllocationStaysAliveWhileTheReceiverMapsIt) {
+  EngineOptions o = small_options();
+  o.max_peer_mappings = 2;
+  Pair p(o);
+  const std::size_t n = 256 << 10;
+  std::vector<char*> bufs;
+  for (int i = 0; i < 3; ++i) bufs.push_back(device_copy(*p.dev, pattern(n, i)));
+  EXPECT_EQ(p.transfer(0, bufs[0], n, bufs[0], owned_by_tensor(p.dev, bufs[0])), pattern(n, 0));
+  EXPECT_TRUE(p.last_send_zero_copy);
+  // The worker drops the op's reference after the iteration that completed
+  // it; a later transfer completes in a later iteration.
+  const auto small = pattern(1000, 5);
+  EXPECT_EQ(p.transfer(9, small.data(), small.size()), small);
+  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+  EXPECT_TRUE(p.dev->is_allocated(bufs[0])) << "freed although the receiver still maps it";
+  EXPECT_EQ(p.dev->mappings_of(bufs[0]), 1);
+  close_both(*p.e0, *p.e1);
 }
 
 TEST(IpcEngine, HostStagingMovesBytes) {
