@@ -243,7 +243,24 @@ TEST(IpcEngine, ASentAllocationStaysAliveWhileTheReceiverMapsIt) {
   EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
   EXPECT_TRUE(p.dev->is_allocated(bufs[0])) << "freed although the receiver still maps it";
   EXPECT_EQ(p.dev->mappings_of(bufs[0]), 1);
+  // A second allocation takes the second export entry; a third finds both in
+  // use: the sender asks the receiver to unmap the least recently used one
+  // (bufs[0]) and sends this one through the ring meanwhile.
+  EXPECT_EQ(p.transfer(1, bufs[1], n, bufs[1], owned_by_tensor(p.dev, bufs[1])), pattern(n, 1));
+  EXPECT_EQ(p.transfer(2, bufs[2], n, bufs[2], owned_by_tensor(p.dev, bufs[2])), pattern(n, 2));
+  EXPECT_FALSE(p.last_send_zero_copy) << "no export entry free yet: staged";
+  EXPECT_EQ(p.e0->stats().zero_copy_deferred, 1u);
+  ASSERT_TRUE(eventually([&] { return p.dev->mappings_of(bufs[0]) == 0; })) << "the receiver unmaps on request";
+  // The sender drops its keep-alive when it next looks at the channel.
+  EXPECT_EQ(p.transfer(3, small.data(), small.size()), small);
+  ASSERT_TRUE(eventually([&] { return !p.dev->is_allocated(bufs[0]); })) << "released once unmapped";
+  EXPECT_EQ(p.e0->stats().exports_released, 1u);
+  EXPECT_TRUE(p.dev->is_allocated(bufs[1])) << "still mapped by the receiver";
+  EXPECT_TRUE(eventually([&] { return !p.dev->is_allocated(bufs[2]); })) << "a staged send holds its buffer no longer";
   close_both(*p.e0, *p.e1);
+  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+  EXPECT_FALSE(p.dev->is_allocated(bufs[1])) << "close releases every keep-alive once the receiver detached";
+  EXPECT_EQ(p.dev->open_mappings(), 0);
 }
 
 TEST(IpcEngine, HostStagingMovesBytes) {
