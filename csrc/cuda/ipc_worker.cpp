@@ -261,8 +261,9 @@ bool Engine::has_pending_work_locked() const {
   for (const auto* map : {&outgoing_, &incoming_}) {
     for (const auto& kv : *map) {
       const Channel& ch = kv.second;
+      // (exports_retiring: poll for the receiver's unmap, so that the keep-alive goes promptly)
       if (ch.ready && (!ch.queue.empty() || !ch.pending.empty() || !ch.awaiting.empty() || ch.current != nullptr ||
-                       ch.discarding || !ch.closing.empty())) {
+                       ch.discarding || !ch.closing.empty() || ch.exports_retiring > 0)) {
         return true;
       }
     }
