@@ -199,6 +199,29 @@ TEST(IpcEngine, APendingUnmapDoesNotHoldTheEngine) {
   EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
 }
 
+// An allocation the receiver never mapped (its message was discarded on a
+// size mismatch) is acknowledged at once when the sender retires it.
+TEST(IpcEngine, ARetiredEntryTheReceiverNeverMappedIsReleased) {
+  EngineOptions o = small_options();
+  o.max_peer_mappings = 1;
+  Pair p(o);
+  const std::size_t n = 256 << 10;
+  char* x = device_copy(*p.dev, pattern(n, 1));
+  std::vector<char> small(n / 2);
+  auto bad = p.e1->post(OpKind::kRecv, 0, 1, small.data(), small.size(), "Float", nullptr, nullptr);
+  auto s = p.e0->post(OpKind::kSend, 1, 1, x, n, "Float", nullptr, owned_by_tensor(p.dev, x), x);
+  EXPECT_THROW(bad->wait(5.0), std::runtime_error);
+  ASSERT_TRUE(s->wait(5.0));
+  EXPECT_TRUE(s->zero_copy());
+  EXPECT_EQ(p.dev->mappings_of(x), 0);
+  char* y = device_copy(*p.dev, pattern(n, 2), 4096);
+  EXPECT_EQ(p.transfer(2, y + 4096, n, y, owned_by_tensor(p.dev, y)), pattern(n, 2));  // retires x's entry
+  EXPECT_TRUE(eventually([&] { return !p.dev->is_allocated(x); }));
+  EXPECT_EQ(p.e1->stats().peer_mappings_opened, 0u);
+  close_both(*p.e0, *p.e1);
+  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+}
+
 // A receiver that abandons its mappings at close (its copies did not drain)
 // may still map the sender's allocations: the sender's close keeps them.
 TEST(IpcEngine, KeepAlivesOutliveCloseWhenTheReceiverAbandons) {
