@@ -273,8 +273,37 @@ def sc_zero_copy_mismatch(t: CudaIpcTransport, setup: str) -> None:
     _transfer(t, 0, 3 * SLOT_BYTES + 5, seed=1301, tag=1301)
 
 
+def sc_exports(t: CudaIpcTransport, setup: str) -> None:
+    """Zero-copy exports (issue 17 items 9, 10): one IPC handle per segment however often it is sent, and a
+    sent segment stays allocated on the sender while the receiver may map it: dropping the tensor and
+    ``empty_cache()`` (which cudaFrees unused segments, as the allocator's OOM retry does) must not free it."""
+    n = 24 << 20  # its own caching-allocator segment
+    allowed = _zero_copy_allowed(setup)
+    if t.rank == 0:
+        before = _stats(t)["mem_handle_exports"]
+        x = _payload(n, 1400)
+        for i in range(5):
+            t.isend(x, 1, 1400 + i).wait(WAIT_S)
+        grew = _stats(t)["mem_handle_exports"] - before
+        assert grew == int(allowed), f"5 zero-copy sends of one tensor made {grew} IPC handles, expected {int(allowed)}"
+        allocated = torch.cuda.memory_allocated()
+        del x
+        torch.cuda.empty_cache()
+        released = allocated - torch.cuda.memory_allocated()
+        if allowed:
+            assert released < n, "the sender released a tensor whose segment the receiver still maps"
+    else:
+        expected = _payload(n, 1400)
+        buf = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+        for i in range(5):
+            t.irecv(buf, 0, 1400 + i).wait(WAIT_S)
+            assert _bits_equal(buf, expected), f"message {i} of one tensor sent five times differs"
+    _transfer(t, 0, 3 * SLOT_BYTES + 5, seed=1405, tag=1405)
+
+
 def sc_many_allocations(t: CudaIpcTransport, setup: str) -> None:
-    """Sends from 40 separate allocations: zero-copy maps each one, more than the 32 kept mapped (LRU unmapping)."""
+    """Sends from 40 separate allocations, more than the 32 export entries: the sender has the receiver unmap
+    its least recently used segment (and stages a message while no entry is free); every message arrives."""
     n = 24 << 20  # large enough for the caching allocator to give each tensor its own segment
     if t.rank == 0:
         xs = [torch.full((n,), i % 251, dtype=torch.uint8, device="cuda:0") for i in range(40)]
@@ -329,6 +358,7 @@ SCENARIOS: dict[str, Callable[[CudaIpcTransport, str], None]] = {
     "zero_copy": sc_zero_copy,
     "offset_send": sc_offset_send,
     "zero_copy_mismatch": sc_zero_copy_mismatch,
+    "exports": sc_exports,
     "many_allocations": sc_many_allocations,
     "timeout": sc_timeout,
     "mismatch": sc_mismatch,
@@ -594,6 +624,8 @@ def test_transport_without_gpu_gives_clear_error(monkeypatch: pytest.MonkeyPatch
         ({"staging": "rdma"}, "staging must be one of"),
         ({"timeout_s": 0}, "timeout_s must be positive"),
         ({"direct_min_bytes": -1}, "direct_min_bytes must be an int >= 0"),
+        ({"max_peer_mappings": 0}, r"max_peer_mappings must be an int in \[1, 64\]"),
+        ({"max_peer_mappings": 65}, r"max_peer_mappings must be an int in \[1, 64\]"),
     ],
 )
 def test_transport_rejects_bad_options(kwargs: dict[str, Any], match: str) -> None:

@@ -13,6 +13,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "cuda/api.h"
 #include "cuda/ipc_engine.h"
@@ -74,8 +75,9 @@ class PyEngine {
     options.num_slots = num_slots;
     options.slot_bytes = static_cast<std::uint64_t>(slot_bytes);
     options.staging = parse_staging(staging);
-    if (max_peer_mappings < 1) {
-      throw std::invalid_argument("max_peer_mappings must be >= 1, got " + std::to_string(max_peer_mappings));
+    if (max_peer_mappings < 1 || max_peer_mappings > kMaxExports) {
+      throw std::invalid_argument("max_peer_mappings must be in [1, " + std::to_string(kMaxExports) + "], got " +
+                                  std::to_string(max_peer_mappings));
     }
     options.max_peer_mappings = static_cast<std::uint32_t>(max_peer_mappings);
     engine_ = std::make_unique<Engine>(cuda_runtime_api(), rank, device, options);
@@ -93,23 +95,25 @@ class PyEngine {
 
   Engine& engine() { return *engine_; }
 
-  // Start of the caching-allocator segment holding a large send buffer (what
-  // cudaIpcGetMemHandle needs for a zero-copy send), or null: small message,
-  // zero-copy off, or memory the caching allocator does not own. Looked up by
-  // the storage's pointer (a block start, as the allocator records blocks), so
-  // a view at any offset goes zero-copy too; the engine sends ptr - base.
-  void* allocation_base(const at::Tensor& t, std::uint64_t bytes) {
+  // Start and size of the caching-allocator segment holding a large send
+  // buffer (what cudaIpcGetMemHandle needs for a zero-copy send), or null:
+  // small message, zero-copy off, or memory the caching allocator does not
+  // own. Looked up by the storage's pointer (a block start, as the allocator
+  // records blocks), so a view at any offset goes zero-copy too; the engine
+  // sends ptr - base. The tensor the engine holds keeps its block, and so the
+  // segment, allocated: the allocator frees only segments with no block in use.
+  std::pair<void*, std::uint64_t> allocation_base(const at::Tensor& t, std::uint64_t bytes) {
     const std::uint64_t threshold = engine_->direct_min_bytes();
-    if (threshold == 0 || bytes < threshold) return nullptr;
+    if (threshold == 0 || bytes < threshold) return {nullptr, 0};
     try {
       std::size_t size = 0;
       void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(t.storage().data_ptr().get(), &size);
       const auto* p = static_cast<const char*>(t.data_ptr());
       const auto* b = static_cast<const char*>(base);
-      if (base == nullptr || p < b || p + bytes > b + size) return nullptr;
-      return base;
+      if (base == nullptr || p < b || p + bytes > b + size) return {nullptr, 0};
+      return {base, static_cast<std::uint64_t>(size)};
     } catch (const std::exception&) {
-      return nullptr;
+      return {nullptr, 0};
     }
   }
 
@@ -139,9 +143,10 @@ class PyEngine {
       if (interpreter_finalizing()) return;
       delete static_cast<at::Tensor*>(p);
     });
+    const auto alloc = kind == OpKind::kSend ? allocation_base(t, bytes) : std::pair<void*, std::uint64_t>{};
     auto op = engine_->post(kind, peer, tag, bytes > 0 ? t.data_ptr() : nullptr, bytes,
-                            std::string(c10::toString(t.scalar_type())), caller, std::move(keepalive),
-                            kind == OpKind::kSend ? allocation_base(t, bytes) : nullptr);
+                            std::string(c10::toString(t.scalar_type())), caller, std::move(keepalive), alloc.first,
+                            alloc.second);
     return PyOp(std::move(op), t);
   }
 
@@ -156,6 +161,8 @@ py::dict stats_dict(const EngineStats& s) {
   d["zero_copy_recvs"] = s.zero_copy_recvs;
   d["staged_recvs"] = s.staged_recvs;
   d["mem_handle_exports"] = s.mem_handle_exports;
+  d["zero_copy_deferred"] = s.zero_copy_deferred;
+  d["exports_released"] = s.exports_released;
   d["peer_mappings_opened"] = s.peer_mappings_opened;
   d["peer_mappings_closed"] = s.peer_mappings_closed;
   d["exports_leaked"] = s.exports_leaked;
@@ -210,7 +217,7 @@ void register_apis(py::module_& m) {
            py::arg("max_peer_mappings") = 32)
       .def("stats", [](PyEngine& e) { return stats_dict(e.engine().stats()); },
            "counters: zero_copy_sends, staged_sends, zero_copy_recvs, staged_recvs, mem_handle_exports, "
-           "peer_mappings_opened, peer_mappings_closed, exports_leaked")
+           "zero_copy_deferred, exports_released, peer_mappings_opened, peer_mappings_closed, exports_leaked")
       .def_property_readonly("rank", [](PyEngine& e) { return e.engine().rank(); })
       .def_property_readonly("device", [](PyEngine& e) { return e.engine().device(); })
       .def_property_readonly(

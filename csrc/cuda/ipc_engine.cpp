@@ -133,7 +133,10 @@ Engine::Engine(std::shared_ptr<DeviceApi> api, int rank, int device, const Engin
     throw std::invalid_argument("slot_bytes must be a positive multiple of 256, got " +
                                 std::to_string(options.slot_bytes));
   }
-  if (options.max_peer_mappings < 1) throw std::invalid_argument("max_peer_mappings must be >= 1");
+  if (options.max_peer_mappings < 1 || options.max_peer_mappings > static_cast<std::uint32_t>(kMaxExports)) {
+    throw std::invalid_argument("max_peer_mappings must be in [1, " + std::to_string(kMaxExports) + "], got " +
+                                std::to_string(options.max_peer_mappings));
+  }
   int count = 0;
   check(*api_, api_->device_count(&count), "cudaGetDeviceCount");
   if (device < 0 || device >= count) {
@@ -239,6 +242,9 @@ std::string Engine::create_incoming(int src) {
     c.dst_rank = rank_;
     c.receiver_pid = static_cast<std::int32_t>(::getpid());
     c.receiver_device = device_;
+    c.export_slots = static_cast<std::int32_t>(options_.max_peer_mappings);
+    ch.mapped.resize(options_.max_peer_mappings);
+    ch.retire_handled.resize(options_.max_peer_mappings);
     c.slot_bytes = ch.slot_bytes;
     c.ring_handle = ring_handle;
     for (int i = 0; i < kMaxSlots; ++i) c.free_events[i] = event_handles[i];
@@ -310,9 +316,11 @@ void Engine::attach_outgoing(int dst, const std::string& shm_name) {
                                std::to_string(c.dst_rank) + ", expected " + std::to_string(rank_) + " -> " +
                                std::to_string(dst));
     }
-    if (c.num_slots < 2 || c.num_slots > kMaxSlots || c.slot_bytes == 0) {
-      throw std::runtime_error("channel " + shm_name + " has an invalid ring geometry");
+    if (c.num_slots < 2 || c.num_slots > kMaxSlots || c.slot_bytes == 0 || c.export_slots < 1 ||
+        c.export_slots > kMaxExports) {
+      throw std::runtime_error("channel " + shm_name + " has an invalid ring geometry or export table size");
     }
+    ch.exports.resize(static_cast<std::size_t>(c.export_slots));
     ch.staging = static_cast<Staging>(c.staging);
     ch.num_slots = c.num_slots;
     ch.slot_bytes = c.slot_bytes;
@@ -392,6 +400,9 @@ std::string Engine::channel_status(int peer, bool outgoing) const {
     os << ", published " << ch.ctl->published.load() << ", freed " << ch.ctl->freed.load() << ", next chunk "
        << ch.next_chunk << ", " << ch.queue.size() << " op(s) queued, peer pid " << peer_pid << " "
        << pid_state(peer_pid);
+    const auto live = std::count_if(ch.exports.begin(), ch.exports.end(),
+                                    [](const ExportEntry& e) { return e.state != ExportEntry::kFree; });
+    if (outgoing) os << ", " << live << "/" << ch.exports.size() << " export(s) kept alive";
   }
   if (!engine_error_.empty()) os << ", engine error: " << engine_error_;
   os << ")";
@@ -405,7 +416,7 @@ EngineStats Engine::stats() const {
 
 std::shared_ptr<Op> Engine::post(OpKind kind, int peer, std::int64_t tag, void* ptr, std::uint64_t bytes,
                                  const std::string& dtype, Stream caller_stream, std::shared_ptr<void> keepalive,
-                                 void* alloc_base) {
+                                 void* alloc_base, std::uint64_t alloc_bytes) {
   if (bytes > 0 && ptr == nullptr) throw std::invalid_argument("null buffer with a non-zero size");
   TransferInfo info;
   info.direction = kind == OpKind::kSend ? Direction::kSend : Direction::kRecv;
@@ -416,7 +427,10 @@ std::shared_ptr<Op> Engine::post(OpKind kind, int peer, std::int64_t tag, void* 
   info.dtype_name = dtype.substr(0, kDtypeNameLen - 1);
   auto op = std::make_shared<Op>(*api_, std::move(info), static_cast<char*>(ptr));
   op->keepalive_ = std::move(keepalive);
-  if (alloc_base != nullptr && alloc_base <= ptr) op->alloc_base_ = static_cast<char*>(alloc_base);
+  if (alloc_base != nullptr && alloc_base <= ptr) {
+    op->alloc_base_ = static_cast<char*>(alloc_base);
+    op->alloc_bytes_ = alloc_bytes;
+  }
   {
     DeviceGuard guard(*api_, device_);
     check(*api_, api_->event_create(&op->ready_event_, false), "cudaEventCreateWithFlags(ready_event)");

@@ -58,14 +58,32 @@
 // Zero-copy sends (ipc staging, messages of at least direct_min_bytes whose
 // buffer can be exported): instead of data, the chunk descriptor carries an
 // IPC handle of the sender's allocation plus the offset; the receiver opens it
-// (cached per handle), copies straight from the sender's buffer into its
-// own on its comm stream (one copy instead of two), records free_event[slot]
-// and bumps `freed`. The sender's op completes when its comm stream has waited
-// on that free event: only then may the caller reuse the buffer. The
-// receiver keeps up to max_peer_mappings sender allocations mapped (LRU); an
-// evicted one is closed by the worker once an event recorded after the copies
-// reading it has fired (no stream sync under the engine lock). The buffer may
-// lie anywhere inside its allocation (views go zero-copy too).
+// (cached), copies straight from the sender's buffer into its own on its comm
+// stream (one copy instead of two), records free_event[slot] and bumps
+// `freed`. The sender's op completes when its comm stream has waited on that
+// free event: only then may the caller reuse the buffer. The buffer may lie
+// anywhere inside its allocation (views go zero-copy too).
+//
+// Keep-alive (exports, ipc_exports.cpp). The receiver keeps sender
+// allocations mapped across messages (cudaIpcOpenMemHandle is expensive), so
+// the sender must not let one be freed while it is mapped: torch's caching
+// allocator cudaFrees a segment once its blocks are released (empty_cache,
+// its OOM retry). The sender owns a table of export entries, as many as the
+// receiver's max_peer_mappings (CtlBlock::export_slots): a live entry holds
+// the allocation's handle (cudaIpcGetMemHandle once per allocation) and a
+// keep-alive of the latest storage sent from it, which keeps the allocation
+// and so the handle valid. Each reuse of an entry starts a new generation;
+// a direct chunk names (entry, generation). The receiver maps by entry.
+// Eviction is decided by the sender, which knows its allocations: when a new
+// allocation finds every entry live, it asks the receiver to unmap its least
+// recently used entry whose chunks the receiver has all consumed (retire_gen,
+// retire_posted) and sends this message through the ring meanwhile. The
+// receiver closes that mapping once an event recorded after its copies has
+// fired (no host wait under the engine lock) and publishes unmapped_gen; only
+// then does the sender drop the keep-alive and reuse the entry. At close the
+// receiver unmaps everything before it says kDetached; the sender drops its
+// keep-alives once the receiver detached or died, and otherwise keeps them
+// for the engine's lifetime.
 //
 // Threading: one engine-owned worker thread drives every channel (so posting
 // returns at once and both sides can post sends before receives without
@@ -106,7 +124,9 @@ struct EngineOptions {
   std::uint64_t slot_bytes = 4u << 20;       // bytes per slot (chunk size), a positive multiple of 256
   Staging staging = Staging::kAuto;          // auto: ipc if this host can export memory and events, else host
   std::uint64_t direct_min_bytes = 1u << 20;  // zero-copy sends from this size on (ipc staging); 0: never
-  std::uint32_t max_peer_mappings = 32;       // receiver: sender allocations kept mapped per channel, >= 1
+  // receiver: sender allocations kept mapped per channel, 1..kMaxExports; the
+  // sender keeps as many alive (the latest storage sent from each)
+  std::uint32_t max_peer_mappings = 32;
 };
 
 //! What the engine did, for tests and benchmarks (monotonic since construction).
@@ -115,7 +135,9 @@ struct EngineStats {
   std::uint64_t staged_sends = 0;      //!< sends copied through the ring
   std::uint64_t zero_copy_recvs = 0;   //!< receives copied straight from the sender's buffer
   std::uint64_t staged_recvs = 0;      //!< receives copied out of the ring
-  std::uint64_t mem_handle_exports = 0;  //!< IPC handles made for zero-copy sends
+  std::uint64_t mem_handle_exports = 0;  //!< cudaIpcGetMemHandle calls: one per exported allocation
+  std::uint64_t zero_copy_deferred = 0;  //!< large sends staged because every export entry was in use
+  std::uint64_t exports_released = 0;    //!< export keep-alives dropped after the receiver unmapped them
   std::uint64_t peer_mappings_opened = 0;
   std::uint64_t peer_mappings_closed = 0;
   std::uint64_t exports_leaked = 0;  //!< rings/events not freed at close because a live peer still mapped them
@@ -161,9 +183,10 @@ class Op {
   Event ready_event_ = nullptr;  // recorded on the caller's stream at post time
   Event done_event_ = nullptr;   // recorded on the comm stream after the last copy
   char* alloc_base_ = nullptr;   // start of the caller's allocation (zero-copy export), or null
+  std::uint64_t alloc_bytes_ = 0;  // its size, when known
   bool direct_ = false;          // this send goes zero-copy (engine thread only)
   std::atomic<bool> zero_copy_{false};
-  IpcMemHandle handle_{};   // IPC handle of alloc_base_ when direct_
+  int export_slot_ = -1;    // the channel's export entry of alloc_base_ when direct_
   std::uint64_t offset_ = 0;  // bytes enqueued so far (engine thread only)
   bool started_ = false;      // comm stream already waits on ready_event_
   // Keeps the caller's buffer alive until its copies are enqueued (the
@@ -206,10 +229,12 @@ class Engine {
   // first waits for the work already queued on `caller_stream`.
   // `keepalive` (may be null) is held until the op's copies are enqueued.
   // `alloc_base` (may be null) is the start of the allocation holding `ptr`
-  // (ptr may lie anywhere inside it), which lets a large send go zero-copy.
+  // (ptr may lie anywhere inside it) and `alloc_bytes` its size (0: unknown),
+  // which lets a large send go zero-copy; `keepalive` must then keep that
+  // allocation from being freed (the engine holds it while the receiver maps it).
   std::shared_ptr<Op> post(OpKind kind, int peer, std::int64_t tag, void* ptr, std::uint64_t bytes,
                            const std::string& dtype, Stream caller_stream, std::shared_ptr<void> keepalive,
-                           void* alloc_base = nullptr);
+                           void* alloc_base = nullptr, std::uint64_t alloc_bytes = 0);
   std::uint64_t direct_min_bytes() const { return options_.direct_min_bytes; }
 
   // Stops the worker, fails unfinished ops, waits up to timeout_s for the
@@ -228,8 +253,16 @@ class Engine {
   bool take_receive_locked(Channel& ch, const ChunkDesc& d);
   void copy_direct_locked(Channel& ch, const ChunkDesc& d);
   bool retire_pending(Channel& ch);
+  // Exports (ipc_exports.cpp). Sender:
+  int export_for_send_locked(Channel& ch, Op& op);  // the op's export entry, or -1: send it staged
+  void request_retire_locked(Channel& ch);
+  void collect_unmapped_locked(Channel& ch);
+  void release_keepalives_locked(Channel& ch, bool peer_unmapped);
+  // Receiver:
+  bool serve_retire_requests(Channel& ch);
   bool retire_closing(Channel& ch);
-  char* open_peer_buffer(Channel& ch, const IpcMemHandle& handle);
+  char* open_peer_buffer(Channel& ch, const ChunkDesc& d);
+  void close_mappings(Channel& ch);
   bool has_pending_work_locked() const;
   void fail_all_locked(const std::string& why);
   void finish_op_locked(Op& op, const std::string& failure);  // empty failure: enqueued
@@ -258,6 +291,9 @@ class Engine {
   // Segments whose host ring copies may still be in flight at close (streams
   // did not drain): kept mapped for the engine's lifetime, not pulled away.
   std::vector<ShmSegment> abandoned_;
+  // Export keep-alives of peers that may still map them at close: held for
+  // the engine's lifetime rather than freed under a live mapping.
+  std::vector<std::shared_ptr<void>> abandoned_keepalives_;
   std::thread worker_;
 };
 

@@ -25,14 +25,7 @@ void Engine::release_imports(Channel& ch, bool streams_idle) {
       if (e != nullptr) api_->event_destroy(e);
       e = nullptr;
     }
-    for (const PeerMapping& m : ch.opened) api_->ipc_close_mem_handle(m.ptr);
-    for (const PendingClose& pc : ch.closing) {
-      api_->event_destroy(pc.after);
-      api_->ipc_close_mem_handle(pc.ptr);
-    }
-    stats_.peer_mappings_closed += ch.opened.size() + ch.closing.size();
-    ch.opened.clear();
-    ch.closing.clear();
+    close_mappings(ch);
     if (ch.slots_ipc_opened) api_->ipc_close_mem_handle(ch.slots);
     ch.slots_ipc_opened = false;
     if (ch.host_registered) api_->host_unregister(ch.slots);
@@ -66,6 +59,7 @@ void Engine::release_exports(Channel& ch, Clock::time_point deadline, bool strea
       backoff(Clock::now() - poll_start);
     }
   }
+  release_keepalives_locked(ch, safe);
   const bool exported = ch.slots_device_owned || std::any_of(std::begin(ch.local_events), std::end(ch.local_events),
                                                               [](Event e) { return e != nullptr; });
   if (streams_idle && safe) {
@@ -135,7 +129,9 @@ void Engine::close(double timeout_s) {
     }
     outgoing_.clear();
     incoming_.clear();
+    drop.swap(released_);  // export keep-alives the peers no longer map
   }
+  drop.clear();
   if (idle) {
     if (send_stream_ != nullptr) api_->stream_destroy(send_stream_);
     if (recv_stream_ != nullptr) api_->stream_destroy(recv_stream_);

@@ -39,12 +39,8 @@ bool Engine::start_send_locked(Channel& ch, Op& op) {
   op.started_ = true;
   if (ch.staging == Staging::kIpc && options_.direct_min_bytes > 0 && op.bytes() >= options_.direct_min_bytes &&
       op.alloc_base_ != nullptr) {
-    // Not every allocation can be exported (e.g. expandable segments): those
-    // sends take the staged path.
-    const Status r = api_->ipc_get_mem_handle(&op.handle_, op.alloc_base_);
-    if (r != kOk) (void)api_->error_text(r);  // clears the error
-    op.direct_ = r == kOk;
-    if (op.direct_) ++stats_.mem_handle_exports;
+    op.export_slot_ = export_for_send_locked(ch, op);  // -1: no entry, or not exportable: staged
+    op.direct_ = op.export_slot_ >= 0;
   }
   op.zero_copy_.store(op.direct_, std::memory_order_release);
   ++(op.direct_ ? stats_.zero_copy_sends : stats_.staged_sends);
@@ -67,7 +63,11 @@ void Engine::publish_direct_locked(Channel& ch, std::uint64_t n) {
   d.direct = 1;
   d.src_offset = static_cast<std::uint64_t>(op.ptr_ - op.alloc_base_);
   d.src_base = reinterpret_cast<std::uint64_t>(op.alloc_base_);
-  d.src_handle = op.handle_;
+  ExportEntry& e = ch.exports[static_cast<std::size_t>(op.export_slot_)];
+  d.export_slot = static_cast<std::uint32_t>(op.export_slot_);
+  d.export_gen = e.gen;
+  d.src_handle = e.handle;
+  e.last_chunk = n;
   ch.ctl->published.store(n + 1, std::memory_order_release);
   ++ch.next_chunk;
   op.offset_ = op.bytes();
@@ -79,6 +79,7 @@ void Engine::publish_direct_locked(Channel& ch, std::uint64_t n) {
 
 bool Engine::progress_send(Channel& ch) {
   bool progressed = retire_pending(ch);
+  if (ch.exports_retiring > 0) collect_unmapped_locked(ch);
   const bool ipc = ch.staging == Staging::kIpc;
   const auto S = static_cast<std::uint64_t>(ch.num_slots);
   // Zero-copy sends whose chunk the receiver has consumed: its free event
@@ -149,49 +150,6 @@ bool Engine::progress_send(Channel& ch) {
 // Receiving
 // ---------------------------------------------------------------------------
 
-char* Engine::open_peer_buffer(Channel& ch, const IpcMemHandle& handle) {
-  const std::string key(handle.bytes, sizeof(handle.bytes));
-  const std::uint64_t now = ++ch.map_clock;
-  for (PeerMapping& m : ch.opened) {
-    if (m.key == key) {
-      m.last_use = now;
-      return m.ptr;
-    }
-  }
-  if (ch.opened.size() >= options_.max_peer_mappings) {
-    // Evict the least recently used mapping. Copies from it may still be
-    // queued: it is closed once an event recorded after them has fired
-    // (retire_closing), never with a stream sync under the engine lock.
-    auto lru = std::min_element(ch.opened.begin(), ch.opened.end(),
-                                [](const PeerMapping& a, const PeerMapping& b) { return a.last_use < b.last_use; });
-    PendingClose pc{lru->ptr, nullptr};
-    ch.opened.erase(lru);
-    check(*api_, api_->event_create(&pc.after, false), "cudaEventCreateWithFlags(unmap)");
-    ch.closing.push_back(pc);
-    check(*api_, api_->event_record(pc.after, recv_stream_), "cudaEventRecord(unmap)");
-  }
-  void* p = nullptr;
-  const Status r = api_->ipc_open_mem_handle(&p, handle);
-  check(*api_, r, "cudaIpcOpenMemHandle(sender buffer)");
-  ++stats_.peer_mappings_opened;
-  ch.opened.push_back(PeerMapping{key, static_cast<char*>(p), now});
-  return static_cast<char*>(p);
-}
-
-bool Engine::retire_closing(Channel& ch) {
-  bool progressed = false;
-  while (!ch.closing.empty()) {
-    PendingClose& pc = ch.closing.front();
-    if (!finished(*api_, api_->event_query(pc.after), "cudaEventQuery(unmap)")) break;
-    api_->event_destroy(pc.after);
-    check(*api_, api_->ipc_close_mem_handle(pc.ptr), "cudaIpcCloseMemHandle(sender buffer)");
-    ++stats_.peer_mappings_closed;
-    ch.closing.erase(ch.closing.begin());
-    progressed = true;
-  }
-  return progressed;
-}
-
 // The first chunk of a message: give it to the earliest posted receive of its
 // tag. False when none is posted yet (the chunk stays in the ring).
 bool Engine::take_receive_locked(Channel& ch, const ChunkDesc& d) {
@@ -218,7 +176,7 @@ bool Engine::take_receive_locked(Channel& ch, const ChunkDesc& d) {
 void Engine::copy_direct_locked(Channel& ch, const ChunkDesc& d) {
   char* src = nullptr;
   try {
-    src = open_peer_buffer(ch, d.src_handle);
+    src = open_peer_buffer(ch, d);
   } catch (const std::exception& e) {
     // Only this receive fails: the message is consumed without a copy.
     finish_op_locked(*ch.current, "rank " + std::to_string(rank_) + ": zero-copy receive from peer " +
@@ -238,6 +196,7 @@ void Engine::copy_direct_locked(Channel& ch, const ChunkDesc& d) {
 bool Engine::progress_recv(Channel& ch) {
   bool progressed = retire_pending(ch);
   progressed |= retire_closing(ch);
+  progressed |= serve_retire_requests(ch);
   const bool ipc = ch.staging == Staging::kIpc;
   const auto S = static_cast<std::uint64_t>(ch.num_slots);
   while (true) {
@@ -249,7 +208,10 @@ bool Engine::progress_recv(Channel& ch) {
     const bool in_message = ch.current != nullptr || ch.discarding;
     const bool direct = d.direct != 0;
     if (d.msg_seq != ch.next_msg_seq || (!direct && d.bytes > ch.slot_bytes) || d.offset + d.bytes > d.total_bytes ||
-        d.offset != (in_message ? ch.msg_offset : 0) || (direct && (!ipc || in_message || d.bytes != d.total_bytes))) {
+        d.offset != (in_message ? ch.msg_offset : 0) ||
+        (direct && (!ipc || in_message || d.bytes != d.total_bytes || d.export_slot >= ch.mapped.size() ||
+                    d.export_gen == 0 ||
+                    (ch.mapped[d.export_slot].ptr != nullptr && ch.mapped[d.export_slot].gen != d.export_gen)))) {
       throw std::runtime_error("protocol error on channel from peer " + std::to_string(ch.peer) + ": chunk " +
                                std::to_string(n) + " has message " + std::to_string(d.msg_seq) + " offset " +
                                std::to_string(d.offset) + ", expected message " + std::to_string(ch.next_msg_seq) +
@@ -299,8 +261,9 @@ bool Engine::has_pending_work_locked() const {
   for (const auto* map : {&outgoing_, &incoming_}) {
     for (const auto& kv : *map) {
       const Channel& ch = kv.second;
+      // (exports_retiring: poll for the receiver's unmap, so that the keep-alive goes promptly)
       if (ch.ready && (!ch.queue.empty() || !ch.pending.empty() || !ch.awaiting.empty() || ch.current != nullptr ||
-                       ch.discarding || !ch.closing.empty())) {
+                       ch.discarding || !ch.closing.empty() || ch.exports_retiring > 0)) {
         return true;
       }
     }

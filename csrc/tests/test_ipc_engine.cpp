@@ -20,77 +20,16 @@
 #include "common/segment.h"
 #include "cuda/ipc_engine.h"
 #include "fake_device.h"
+#include "ipc_pair.h"
 
 namespace dualpipe::cuda {
 namespace {
 
-using testing::FakeDevice;
+using namespace testing;  // NOLINT: the fake device and the pair helpers
 
 bool listed(const std::string& name) {
   const std::string all = "\n" + list_segments() + "\n";
   return all.find("\n" + (name[0] == '/' ? name.substr(1) : name) + "\n") != std::string::npos;
-}
-
-EngineOptions small_options(Staging staging = Staging::kAuto) {
-  EngineOptions o;
-  o.num_slots = 3;
-  o.slot_bytes = 64 << 10;
-  o.staging = staging;
-  o.direct_min_bytes = 256 << 10;
-  return o;
-}
-
-//! Close both at once, as ranks do: neither may wait on the other.
-void close_both(Engine& a, Engine& b, double timeout_s = 10.0) {
-  std::thread t([&] { b.close(timeout_s); });
-  a.close(timeout_s);
-  t.join();
-}
-
-//! Two engines wired both ways, as CudaIpcTransport's rendezvous does it.
-struct Pair {
-  std::shared_ptr<FakeDevice> dev = std::make_shared<FakeDevice>();
-  std::unique_ptr<Engine> e0, e1;
-  std::string to0, to1;  // segment names (already unlinked after attach)
-
-  explicit Pair(const EngineOptions& o = small_options()) {
-    e0 = std::make_unique<Engine>(dev, 0, 0, o);
-    e1 = std::make_unique<Engine>(dev, 1, 0, o);
-    to1 = e1->create_incoming(0);
-    to0 = e0->create_incoming(1);
-    e0->attach_outgoing(1, to1);
-    e1->attach_outgoing(0, to0);
-    e0->finish_incoming(1);
-    e1->finish_incoming(0);
-  }
-  ~Pair() { close_both(*e0, *e1); }
-
-  //! Rank 0 sends `n` bytes at `src` (inside the allocation `base`, or host memory if null);
-  //! rank 1 receives them. Returns what arrived; the test fails if either side does not finish.
-  std::vector<char> transfer(std::int64_t tag, const char* src, std::size_t n, char* base = nullptr) {
-    std::vector<char> out(n);
-    auto r = e1->post(OpKind::kRecv, 0, tag, out.data(), n, "Float", nullptr, nullptr);
-    auto s = e0->post(OpKind::kSend, 1, tag, const_cast<char*>(src), n, "Float", nullptr, nullptr, base);
-    EXPECT_TRUE(s->wait(10.0)) << s->describe();
-    EXPECT_TRUE(r->wait(10.0)) << r->describe();
-    last_send_zero_copy = s->zero_copy();
-    return out;
-  }
-  bool last_send_zero_copy = false;
-};
-
-std::vector<char> pattern(std::size_t n, int seed) {
-  std::vector<char> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 131 + seed * 7) & 0xff);
-  return v;
-}
-
-//! Device memory of the fake, filled from `v`.
-char* device_copy(FakeDevice& dev, const std::vector<char>& v, std::size_t extra = 0) {
-  void* p = nullptr;
-  dev.malloc(&p, v.size() + extra);
-  std::memcpy(static_cast<char*>(p) + extra, v.data(), v.size());
-  return static_cast<char*>(p);
 }
 
 TEST(IpcEngine, SegmentsAreOursAndUnlinkedOnceBothSidesMapped) {
@@ -158,26 +97,6 @@ TEST(IpcEngine, ZeroCopySizeMismatchFailsOnlyThatReceive) {
   EXPECT_EQ(p.transfer(2, base, n, base), a) << "the channel goes on";
   close_both(*p.e0, *p.e1);
   EXPECT_EQ(p.dev->free(base), kOk);
-}
-
-TEST(IpcEngine, EvictedMappingsAreClosedWithoutViolations) {
-  EngineOptions o = small_options();
-  o.max_peer_mappings = 1;
-  Pair p(o);
-  const std::size_t n = 256 << 10;
-  std::vector<char*> bufs;
-  for (int i = 0; i < 4; ++i) bufs.push_back(device_copy(*p.dev, pattern(n, i)));
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(p.transfer(i, bufs[i], n, bufs[i]), pattern(n, i));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (p.e1->stats().peer_mappings_closed < 3 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  EXPECT_EQ(p.e1->stats().peer_mappings_opened, 4u);
-  EXPECT_GE(p.e1->stats().peer_mappings_closed, 3u) << "evicted mappings are closed by the worker";
-  EXPECT_EQ(p.dev->free(bufs[0]), kOk) << "an evicted allocation can be freed";
-  close_both(*p.e0, *p.e1);
-  for (int i = 1; i < 4; ++i) EXPECT_EQ(p.dev->free(bufs[i]), kOk);
-  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
 }
 
 TEST(IpcEngine, HostStagingMovesBytes) {

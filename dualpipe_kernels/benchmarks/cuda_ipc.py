@@ -24,6 +24,7 @@ extension) the suite is unavailable: :func:`unavailable` says why.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -275,13 +276,15 @@ def _rank_main(rank: int, store_path: str, args: argparse.Namespace, out: Any) -
         rows = [_bandwidth_row(t, rank, s, barrier, args.iters) for s in sizes_between(args.min_size, args.max_size)]
         lat = _burst(t, rank, LATENCY_MSG_BYTES, LATENCY_BURST, 1 << 19, barrier, args.iters)
         overlap = _overlap(t, rank, barrier, args)
+        store.set(f"bench/stats/{rank}", json.dumps(t.stats()))  # e.g. IPC handles made (one per segment)
         barrier()
         staging = t.staging_with(1 - rank)
         t.close()
         if rank == 1:
             assert lat is not None
             us = statistics.median(lat) * 1e3 / LATENCY_BURST
-            out.put({"rows": rows, "latency_us_per_msg": us, "overlap": overlap, "staging": staging})
+            stats = {side: json.loads(store.get(f"bench/stats/{r}")) for r, side in enumerate(("sender", "receiver"))}
+            out.put({"rows": rows, "latency_us_per_msg": us, "overlap": overlap, "staging": staging, "stats": stats})
     except Exception:  # noqa: BLE001 - reported to the parent
         out.put({"error": f"rank {rank}:\n{traceback.format_exc()}"})
 
@@ -336,6 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bandwidth_ratio_min": min((r["ratio"] for r in big), default=None),
         "bandwidth_pass": bool(big) and all(r["ratio"] >= BANDWIDTH_TARGET for r in big),
         "overlap": res["overlap"],
+        "engine_stats": res["stats"],
     }
 
 

@@ -28,11 +28,17 @@ stream wait on the transfer's CUDA event with no host synchronisation (the
 host only waits until the engine has queued the copies, which needs the peer's
 matching post); ``wait(timeout)`` blocks the host.
 
-Zero-copy caveat: the receiver keeps up to ``max_peer_mappings`` (32) of the
-sender's caching-allocator segments mapped (LRU; an evicted one is closed once
-the copies reading it are done).  If the sender returns such a segment to the
-driver (``torch.cuda.empty_cache()``) while it is mapped, the pages stay alive
-until the receiver unmaps them; pass a small ``max_peer_mappings`` or
+Zero-copy memory: the receiver keeps up to ``max_peer_mappings`` (32, at most
+64) of the sender's caching-allocator segments mapped across messages, and the
+sender keeps each such segment allocated for as long as it is mapped (it holds
+the latest tensor sent from it, as torch's own CUDA tensor sharing holds a
+shared storage), so the allocator never frees mapped memory (``empty_cache``,
+its OOM retry).  The sender makes one IPC handle per segment.  When a new
+segment finds every entry in use, the sender asks the receiver to unmap its
+least recently used one and sends that message through the ring meanwhile
+(``stats()["zero_copy_deferred"]``); once unmapped, the tensor is released.
+So up to ``max_peer_mappings`` sent tensors per peer stay allocated after
+their sends complete: pass a small ``max_peer_mappings`` or
 ``direct_min_bytes=0`` where that memory matters.  Views at any offset of a
 caching-allocator block go zero-copy; ``stats()`` counts what went which way.
 
@@ -71,6 +77,8 @@ __all__ = [
 
 #: "auto": CUDA IPC, falling back to host staging where the receiver cannot export device memory
 STAGINGS = ("auto", "ipc", "host")
+#: Most sender segments a receiver keeps mapped per channel (the engine's kMaxExports).
+MAX_PEER_MAPPINGS = 64
 _KEY_PREFIX = "dpk/cuda_ipc"
 #: upper bound of the time close() waits for peers to detach (seconds)
 _CLOSE_TIMEOUT_S = 30.0
@@ -224,8 +232,8 @@ class CudaIpcTransport(Transport):
     ) -> None:
         super().__init__(timeout_s=timeout_s)
         _validate_options(num_slots, slot_bytes, staging, timeout_s, direct_min_bytes)
-        if not isinstance(max_peer_mappings, int) or max_peer_mappings < 1:
-            raise ValueError(f"max_peer_mappings must be an int >= 1, got {max_peer_mappings!r}")
+        if not isinstance(max_peer_mappings, int) or not 1 <= max_peer_mappings <= MAX_PEER_MAPPINGS:
+            raise ValueError(f"max_peer_mappings must be an int in [1, {MAX_PEER_MAPPINGS}], got {max_peer_mappings!r}")
         self._engine: Any = None
         mod = native_cuda_module()
         if not torch.cuda.is_available():
@@ -337,7 +345,9 @@ class CudaIpcTransport(Transport):
 
     def stats(self) -> dict[str, int]:
         """What the engine did: zero_copy_sends, staged_sends, zero_copy_recvs, staged_recvs,
-        mem_handle_exports, peer_mappings_opened, peer_mappings_closed, exports_leaked."""
+        mem_handle_exports (one per exported segment), zero_copy_deferred (large sends staged while
+        every export entry was in use), exports_released (segments released after the receiver
+        unmapped them), peer_mappings_opened, peer_mappings_closed, exports_leaked."""
         return dict(self._live_engine().stats())
 
     def _live_engine(self) -> Any:
