@@ -265,6 +265,7 @@ def many_steps(rank: int, world_size: int, schedule_name: str, api: str, steps: 
             pipe.step(*x, labels=label, criterion=mse_criterion)
 
         close = pipe.close
+    pool: list[int] = []  # small-message receive buffers ever allocated, after each step (native API)
     tensors: dict[int, int] = {}  # step -> live tensors after it (every 5th step: a gc scan costs ~0.1 s)
     rss: list[int] = []
     t0 = time.perf_counter()
@@ -275,10 +276,12 @@ def many_steps(rank: int, world_size: int, schedule_name: str, api: str, steps: 
             if i % 5 == 0:
                 tensors[i] = live_tensors()
             rss.append(rss_bytes())
+            if api != "compat":
+                pool.append(pipe.receive_buffers()[0])
     finally:
         close()
     dist.barrier()
-    return {"tensors": tensors, "rss": rss, "seconds": time.perf_counter() - t0}
+    return {"tensors": tensors, "rss": rss, "pool": pool, "seconds": time.perf_counter() - t0}
 
 
 def lifecycle(rank: int, world_size: int, steps: int) -> dict[str, Any]:

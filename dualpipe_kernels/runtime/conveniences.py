@@ -48,6 +48,7 @@ class PipelineConveniences:
     _transport: Transport
     _dp: Any
     _boundary: Any
+    _layouts: Any
     _loop: Any
 
     if TYPE_CHECKING:  # the builders below call ``cls(...)``: Pipeline's constructor (nn.Module's at runtime)
@@ -178,6 +179,12 @@ class PipelineConveniences:
         """``{"activations" | "gradients": (messages, data bytes)}`` this rank sent so far (metadata excluded)."""
         b = self._boundary
         return {name: (b.messages_sent[d], b.bytes_sent[d]) for d, name in enumerate(("activations", "gradients"))}
+
+    def receive_buffers(self) -> tuple[int, int]:
+        """``(allocated, pooled bytes)`` of the pool of small-message receive buffers (runtime/inline.py):
+        buffers ever allocated (flat after the first steps of a training loop) and the bytes held free now."""
+        pool = self._layouts.pool
+        return pool.allocations, pool.free_bytes()
 
     def _mean_loss(self, losses: Mapping[int, torch.Tensor], reduce: bool) -> torch.Tensor | None:
         """Mean of ``losses`` (this rank's, or every rank's with ``reduce``) as a 0-d float32 tensor."""
