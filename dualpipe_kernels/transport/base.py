@@ -32,8 +32,9 @@ everything else it posts accordingly (runtime/p2p.py ``wire_device``).
 Packed sends: ``isend_packed`` packs several tensors into one message of
 ``layout.nbytes`` uint8 bytes (:func:`dualpipe_kernels.kernels.pack`); the
 receiver posts an ordinary ``irecv`` of a uint8 tensor of that size and unpacks
-it.  A transport with staging memory of its own may override it to pack
-straight into that memory (one pass over the bytes); the default packs into
+it.  A transport with staging memory of its own overrides it to pack
+straight into that memory (one pass over the bytes: NativeTransport packs a
+message that fits one ring slot into a reserved slot); the default packs into
 a new buffer and sends that (which, on the native transport, the receiver
 reads in place when it is at least ``single_copy_min_bytes``).
 """
@@ -59,6 +60,7 @@ __all__ = [
     "check_timeout",
     "finite_timeout",
     "require_process_group",
+    "pack_as",
 ]
 if TYPE_CHECKING:
     from dualpipe_kernels.kernels import PackLayout
@@ -144,16 +146,8 @@ class Transport(abc.ABC):
         the receiver gets ``layout.nbytes`` bytes.  Default: pack into a buffer
         owned by the returned handle, then :meth:`isend` it.
         """
-        from dualpipe_kernels.kernels import pack
-
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=tensors[0].device)
-        fmt = layout.format
-        dtype = {"packed": None, "bf16": torch.bfloat16}.get(fmt, torch.float8_e4m3fn)
-        _, got = pack(tensors, dtype, out=buffer, pow2_scales=fmt == "fp8_pow2")
-        if got != layout:
-            raise ValueError(
-                f"isend_packed ({what}): the tensors do not match the layout ({got.signature} vs {layout.signature})"
-            )
+        pack_as(tensors, layout, buffer, what)
         return _HoldingHandle(self.isend(buffer, peer, tag, what), buffer)
 
     def close(self) -> None:
@@ -165,6 +159,22 @@ class Transport(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def pack_as(tensors: Sequence[torch.Tensor], layout: PackLayout, out: torch.Tensor, what: str = "") -> None:
+    """Pack ``tensors`` into the first ``layout.nbytes`` bytes of ``out`` (1-D uint8), in ``layout``'s format.
+
+    ValueError naming ``what`` if the tensors do not have ``layout``'s signature (nothing
+    useful is written then; a caller staging into shared memory must not publish it).
+    """
+    from dualpipe_kernels.kernels import pack
+
+    fmt = layout.format
+    dtype = {"packed": None, "bf16": torch.bfloat16}.get(fmt, torch.float8_e4m3fn)
+    got = (fmt, tuple((t.dtype, tuple(t.shape)) for t in tensors))
+    if got != layout.signature:  # equal signatures have equal layouts
+        raise ValueError(f"isend_packed ({what}): the tensors do not match the layout ({got} vs {layout.signature})")
+    pack(tensors, dtype, out=out, pow2_scales=fmt == "fp8_pow2")
 
 
 def finite_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
