@@ -31,6 +31,8 @@ _MANTISSA = 0x7FFFFF
 #: fp8 tensors of at least this many elements are (de)quantised in place, one by one
 DIRECT_MIN = 1 << 14
 _FP32_MIN_NORMAL = 2.0**-126
+#: scales below this may be multiplied by 2^8 without overflow (the dequantisation's fp16 route)
+_FP16_ROUTE_MAX_SCALE = 2.0**119
 
 
 def _region(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -96,14 +98,16 @@ def _dequantize_into(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tenso
     """Fill ``out`` (any shape/strides) with the fp32 values of ``codes`` (uint8) times ``scales`` (uint8 of fp32).
 
     Bit for bit ``codes.to(float32) * scale``: the fp16 route multiplies by ``scale * 2^8`` instead,
-    which is exact (|scale| < 2^120 since it is an fp32 absmax / 448) and rounds the same product once.
+    which is exact while |scale| < 2^119 and rounds the same product once.
     """
     s = scales.view(torch.float32)
     n = codes.numel()
     full = n - n % FP8_BLOCK
     direct = out.is_contiguous() and out.dtype == torch.float32
     flat = out.view(-1) if direct else torch.empty(n, dtype=torch.float32, device=out.device)
-    if n and int((codes & 0x7F).amax()) == 0x7F:  # NaN codes: torch's own cast keeps their bits
+    # NaN codes (torch's own cast keeps their bits) or a scale whose 2^8 multiple would overflow
+    # (a power-of-two scale rounded up to 2^120, or inf / NaN): the exact element-wise cast.
+    if n and (int((codes & 0x7F).amax()) == 0x7F or not bool(s.abs().amax() < _FP16_ROUTE_MAX_SCALE)):
         flat.copy_(codes.view(torch.float8_e4m3fn))
         factor = s
     else:
