@@ -5,11 +5,12 @@ holds the pipeline's ranks.  It builds the schedule's sleep chunks
 (:mod:`.sleep_stages`) and one :class:`~dualpipe_kernels.runtime.Pipeline` on a
 :class:`~.payload.PayloadSwitch` transport, then measures, in this order:
 
-1. ``warmup + steps`` steps with real activations (``T_step`` of each), the
-   busy time of each and the last step's timeline and received bytes;
-2. ``warmup + steps`` steps of the same pipeline with transfers cut to a few
-   bytes (``T_compute`` of each after the warm-up) and the last one's timeline;
-3. the link between ranks 0 and 1 at the activation size (``T_comm`` is
+1. ``warmup + steps`` pairs of steps, each a step with real activations
+   (``T_step``; its busy time; the last one's timeline and received bytes)
+   followed by a step of the same pipeline with transfers cut to a few bytes
+   (``T_compute``; the last one's timeline): alternating, both terms see the
+   same load of a shared machine;
+2. the link between ranks 0 and 1 at the activation size (``T_comm`` is
    then the recorded receives timed on that link).
 
 Every step starts after a barrier; a step's time is this rank's wall time of
@@ -180,11 +181,15 @@ def measure_sleep_pipeline(rank: int, run: SleepRun) -> RankMeasurement:
 
     try:
         switch.received_bytes.clear()
-        out.times = _timed_steps(pipe, x, labels, run.warmup + run.steps, real_step)[run.warmup :]
-        switch.tiny = True
-        # The same warm-up as the real steps: both terms are measured by one protocol.
-        out.compute_times = _timed_steps(pipe, x, labels, run.warmup + run.steps, probe_step)[run.warmup :]
+        # Real and cut steps alternate (the same warm-up for both), so the two terms see the same load:
+        # measured one run after the other, a load that grows on a shared machine inflated the second.
+        for k in range(run.warmup + run.steps):
+            switch.tiny = False
+            out.times += _timed_steps(pipe, x, labels, 1, lambda _i, res, k=k: real_step(k, res))
+            switch.tiny = True
+            out.compute_times += _timed_steps(pipe, x, labels, 1, lambda _i, res, k=k: probe_step(k, res))
         switch.tiny = False
+        out.times, out.compute_times = out.times[run.warmup :], out.compute_times[run.warmup :]
         link = link_timing(switch.inner, rank, run.ranks, run.activation_bytes, device=dev)
         out.link = asdict(link) if link is not None else None
         dist.barrier()
