@@ -64,6 +64,36 @@ std::unique_ptr<Engine> make_engine(int rank, std::uint32_t num_slots, std::uint
   return std::make_unique<Engine>(rank, std::move(c));  // std::invalid_argument -> ValueError
 }
 
+//! Engine::reserve for Python: the reservation, or None when wait_s passed (TimeoutError instead if asked).
+std::shared_ptr<SlotReservation> reserve(Engine& e, int peer, std::uint64_t nbytes, std::int64_t tag,
+                                         std::int32_t dtype, std::string what, double wait_s, bool raise_on_timeout) {
+  std::string why;
+  std::shared_ptr<SlotReservation> r;
+  {
+    py::gil_scoped_release nogil;
+    r = e.reserve(peer, nbytes, tag, dtype, std::move(what), wait_s, &why);
+  }
+  if (!r && raise_on_timeout) raise(PyExc_TimeoutError, why);
+  return r;
+}
+
+void register_reservation(py::module_& m) {
+  py::class_<SlotReservation, std::shared_ptr<SlotReservation>>(
+      m, "SlotReservation", py::buffer_protocol(),
+      "A ring slot reserved for one message: write it through the buffer protocol "
+      "(torch.frombuffer(r, dtype=torch.uint8)), then commit() or abort(). Drop every view before committing.")
+      .def_buffer([](SlotReservation& r) {
+        if (!r.open()) throw std::runtime_error(describe(r.info()) + ": the reservation is no longer open");
+        return py::buffer_info(r.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(r.nbytes())}, {static_cast<py::ssize_t>(1)}, false);
+      })
+      .def("commit", &SlotReservation::commit, "Publish the slot as one message (RuntimeError if the channel broke).")
+      .def("abort", &SlotReservation::abort, "Give the slot back unpublished (idempotent).")
+      .def_property_readonly("nbytes", &SlotReservation::nbytes)
+      .def_property_readonly("open", &SlotReservation::open)
+      .def("describe", [](const SlotReservation& r) { return describe(r.info()); });
+}
+
 }  // namespace
 
 void register_apis(py::module_& parent) {
@@ -73,6 +103,7 @@ void register_apis(py::module_& parent) {
              "'' if process pid is alive, else why not ('exited', 'exited (zombie)').");
   py::module_ m = parent.def_submodule("shm", "CPU shared-memory channels between processes on one host");
   const ChannelConfig defaults;
+  register_reservation(m);
 
   py::class_<Request, std::shared_ptr<Request>>(m, "Request", "A posted send or receive (an event).")
       .def("wait", &wait_or_raise, py::arg("timeout_s") = -1.0,
@@ -105,6 +136,22 @@ void register_apis(py::module_& parent) {
              std::string what) { return e.recv(peer, reinterpret_cast<void*>(ptr), nbytes, tag, dtype, what); },
           py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"), py::arg("dtype") = 0,
           py::arg("what") = "", "Post a receive of exactly nbytes into address ptr; returns a Request at once.")
+      .def("reserve", &reserve, py::arg("peer"), py::arg("nbytes"), py::arg("tag"), py::arg("dtype") = 0,
+           py::arg("what") = "", py::arg("wait_s") = 0.0, py::arg("raise_on_timeout") = false,
+           "Reserve the next ring slot to peer for one message of nbytes (<= slot_bytes): a SlotReservation, "
+           "or None if none was free within wait_s (TimeoutError naming the transfer if raise_on_timeout).")
+      .def(
+          "send_stats",
+          [](Engine& e, int peer) {
+            const SendStats s = e.send_stats(peer);
+            py::dict d;
+            d["copied_bytes"] = s.copied_bytes;
+            d["copied_messages"] = s.copied_messages;
+            d["reserved_bytes"] = s.reserved_bytes;
+            d["reserved_messages"] = s.reserved_messages;
+            return d;
+          },
+          py::arg("peer"), "Counters of the ring to peer: bytes the engine copied in vs bytes committed in place.")
       .def("single_copy_to", &Engine::single_copy_to, py::arg("peer"),
            "True if sends of >= single_copy_min_bytes to peer are read by the peer straight from our memory.")
       .def("has_send_channel", &Engine::has_send_channel)

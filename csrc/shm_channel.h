@@ -27,11 +27,21 @@
 // mismatch errors and liveness are the same as on the ring path; a sender that
 // dies mid-read is reported by pid, as is a receiver that dies before it acks.
 //
+// Reserved slots (zero staging). SendChannel::reserve() hands one caller the
+// next ring slot as writable memory: the caller writes the message there itself
+// (e.g. packs tensors straight into it) and SlotReservation::commit() publishes
+// it as one chunk, so no staging copy is made. The reservation holds the busy
+// token: sends posted meanwhile queue behind it, and it is granted only when no
+// send is queued or running (post order is the ring order). abort() (or the
+// destructor) gives the slot back unpublished.
+//
 // Liveness. While sleeping on the ring a worker re-checks every
 // `liveness_interval_s` whether the peer process still exists (pid in the ring
 // header), whether the peer closed its end and whether the ring is broken.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -133,6 +143,52 @@ class Channel {
   const int owner_pid_;            // a forked child inherits the object but not the thread or the ring role
 };
 
+class SendChannel;
+
+//! One ring slot held between SendChannel::reserve() and commit() / abort(). One owner,
+//! not thread-safe. It must not outlive its channel (Engine::reserve keeps the channel
+//! alive through keep_alive()); the slot memory stays mapped while it exists.
+class SlotReservation {
+ public:
+  SlotReservation(const SlotReservation&) = delete;
+  SlotReservation& operator=(const SlotReservation&) = delete;
+  ~SlotReservation();  //!< abort() unless committed or aborted
+
+  //! The slot's payload bytes (nbytes() of them), writable until commit() or abort().
+  unsigned char* data() const { return data_; }
+  std::uint64_t nbytes() const { return info_.nbytes; }
+  const TransferInfo& info() const { return info_; }
+  bool open() const { return open_; }
+  //! Publish the slot as one message. Throws std::runtime_error naming the transfer if the
+  //! channel was closed or broke meanwhile (nothing is published then). Releases the slot
+  //! either way; a second call throws std::logic_error.
+  void commit();
+  //! Give the slot back unpublished. Idempotent; no-op after commit().
+  void abort();
+  //! Keep `owner` (e.g. the channel's shared_ptr) alive as long as this reservation.
+  void keep_alive(std::shared_ptr<const void> owner) { owner_ = std::move(owner); }
+
+ private:
+  friend class SendChannel;
+  SlotReservation(SendChannel* ch, unsigned char* data, TransferInfo info)
+      : ch_(ch), data_(data), info_(std::move(info)) {}
+
+  SendChannel* ch_;
+  unsigned char* data_;
+  TransferInfo info_;
+  bool open_ = true;
+  std::shared_ptr<const void> owner_;
+};
+
+//! Counters of one send channel (bytes the engine itself copied into the ring vs bytes
+//! callers wrote into reserved slots), for tests and benchmarks.
+struct SendStats {
+  std::uint64_t copied_bytes = 0;       //!< memcpy'd into ring slots by post() / the worker
+  std::uint64_t copied_messages = 0;    //!< messages posted (ring or single-copy)
+  std::uint64_t reserved_bytes = 0;     //!< committed from reserved slots (no engine copy)
+  std::uint64_t reserved_messages = 0;  //!< reservations committed
+};
+
 class SendChannel final : public Channel {
  public:
   SendChannel(std::shared_ptr<ShmSegment> segment, int self_rank, int peer_rank, ChannelConfig cfg);
@@ -142,10 +198,29 @@ class SendChannel final : public Channel {
   //! unmodified until the request completes).
   std::shared_ptr<Request> post(const void* src, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
                                 std::string what = "");
+  //! Reserve the next ring slot for a one-chunk message of `nbytes` (<= slot_bytes, else
+  //! std::invalid_argument). Waits up to `wait_s` (0: only try) for the queued and running
+  //! sends to finish and for a free slot; returns nullptr if that time passed, with the
+  //! reason (naming the transfer and the peer's state) in `*why_not` if given. Throws
+  //! std::runtime_error naming the transfer if the channel is closed or broken or the peer died.
+  std::unique_ptr<SlotReservation> reserve(std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
+                                           std::string what, double wait_s, std::string* why_not = nullptr);
+  SendStats stats() const;
 
  private:
+  friend class SlotReservation;
   void worker_loop() override;
   void fail_pending_locked(const std::string& why) override;
+  //! Take the busy token once nothing is queued or running, by `deadline`; "" / "timeout" / the error.
+  std::string take_token_until(std::chrono::steady_clock::time_point deadline, const TransferInfo& info);
+  //! Give the busy token back and wake the worker and other reservers.
+  void release_token();
+  //! SlotReservation::commit(): publish the reserved slot; "" or the error. Releases the token.
+  std::string commit_reserved(const TransferInfo& info);
+  //! Fill the header of the slot of chunk head_ (a payload chunk of n bytes at `offset`).
+  void fill_header(const TransferInfo& info, std::uint64_t offset, std::uint64_t n, ChunkKind kind);
+  //! Publish chunk head_ (head_ + 1) and wake a sleeping receiver.
+  void publish();
   //! Copy the whole message into the ring; "" or the error. Caller owns the "busy" token.
   std::string run(Request& req);
   //! Write one chunk into the next slot (a free slot must exist) and publish it.
@@ -156,6 +231,7 @@ class SendChannel final : public Channel {
   std::deque<std::shared_ptr<Request>> queue_;  // guarded by mu_
   std::uint64_t head_ = 0;                      // chunks published (64-bit); owned by the busy-token holder
   std::uint64_t next_seq_ = 0;                  // owned by the busy-token holder
+  std::atomic<std::uint64_t> copied_bytes_{0}, copied_messages_{0}, reserved_bytes_{0}, reserved_messages_{0};
 };
 
 class RecvChannel final : public Channel, public std::enable_shared_from_this<RecvChannel> {

@@ -74,6 +74,17 @@ std::shared_ptr<Request> Engine::recv(int peer, void* dst, std::uint64_t nbytes,
   return recv_channel(peer)->post(dst, nbytes, tag, dtype, std::move(what));
 }
 
+std::shared_ptr<SlotReservation> Engine::reserve(int peer, std::uint64_t nbytes, std::int64_t tag,
+                                                 std::int32_t dtype, std::string what, double wait_s,
+                                                 std::string* why_not) {
+  std::shared_ptr<SendChannel> ch = send_channel(peer);
+  std::shared_ptr<SlotReservation> r = ch->reserve(nbytes, tag, dtype, std::move(what), wait_s, why_not);
+  if (r) r->keep_alive(std::move(ch));
+  return r;
+}
+
+SendStats Engine::send_stats(int peer) { return send_channel(peer)->stats(); }
+
 bool Engine::single_copy_to(int peer) { return send_channel(peer)->single_copy_active(); }
 
 bool Engine::has_send_channel(int peer) const {

@@ -38,6 +38,12 @@ class Engine {
   std::shared_ptr<Request> recv(int peer, void* dst, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
                                 std::string what = "");
 
+  //! SendChannel::reserve() on the ring to `peer`; the reservation keeps the channel alive.
+  std::shared_ptr<SlotReservation> reserve(int peer, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
+                                           std::string what, double wait_s, std::string* why_not = nullptr);
+  //! Counters of the ring to `peer` (see SendStats).
+  SendStats send_stats(int peer);
+
   //! Whether large sends to `peer` go single-copy (process_vm_readv; see shm_ring.h).
   bool single_copy_to(int peer);
 

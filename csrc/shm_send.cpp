@@ -37,6 +37,7 @@ std::shared_ptr<Request> SendChannel::post(const void* src, std::uint64_t nbytes
                                        const_cast<void*>(src), cfg_.spin_us);
   std::unique_lock<std::mutex> lk(mu_);
   if (fail_if_unusable_locked(*req)) return req;
+  copied_messages_.fetch_add(1, std::memory_order_relaxed);
   RingHeader* h = ring_.header();
   // Fast path: nothing ahead of us and the whole message fits in a free slot.
   if (queue_.empty() && !busy_ && nbytes <= cfg_.inline_max_bytes && nbytes <= ring_.slot_bytes() &&
@@ -50,25 +51,34 @@ std::shared_ptr<Request> SendChannel::post(const void* src, std::uint64_t nbytes
   post_count_.fetch_add(1, std::memory_order_relaxed);
   ensure_worker();
   lk.unlock();
-  cv_.notify_one();
+  cv_.notify_all();  // (a reserver may sleep on cv_ too)
   return req;
 }
 
-void SendChannel::write_chunk(const Request& req, std::uint64_t offset, std::uint64_t n) {
-  RingHeader* h = ring_.header();
+void SendChannel::fill_header(const TransferInfo& info, std::uint64_t offset, std::uint64_t n, ChunkKind kind) {
   SlotHeader* sh = ring_.slot_header(head_);
   sh->msg_seq = next_seq_;
-  sh->nbytes = req.info().nbytes;
+  sh->nbytes = info.nbytes;
   sh->offset = offset;
-  sh->tag = req.info().tag;
+  sh->tag = info.tag;
   sh->chunk_bytes = n;
-  sh->dtype = req.info().dtype;
-  sh->kind = static_cast<std::uint32_t>(ChunkKind::kPayload);
-  if (n != 0) std::memcpy(ring_.slot_data(head_), static_cast<const unsigned char*>(req.ptr()) + offset, n);
+  sh->dtype = info.dtype;
+  sh->kind = static_cast<std::uint32_t>(kind);
+}
+
+void SendChannel::publish() {
+  RingHeader* h = ring_.header();
   ++head_;
   // seq_cst (not just release): orders the store before our read of head_waiters (see shm_ring.h).
   h->head.store(static_cast<std::uint32_t>(head_), std::memory_order_seq_cst);
   wake_if_waiting(&h->head, &h->head_waiters);
+}
+
+void SendChannel::write_chunk(const Request& req, std::uint64_t offset, std::uint64_t n) {
+  fill_header(req.info(), offset, n, ChunkKind::kPayload);
+  if (n != 0) std::memcpy(ring_.slot_data(head_), static_cast<const unsigned char*>(req.ptr()) + offset, n);
+  copied_bytes_.fetch_add(n, std::memory_order_relaxed);
+  publish();
 }
 
 std::string SendChannel::run_single_copy(Request& req) {
@@ -78,21 +88,12 @@ std::string SendChannel::run_single_copy(Request& req) {
     return static_cast<std::uint32_t>(head_) - h->tail.load(std::memory_order_acquire) < slots;
   });
   if (!err.empty()) return err;
-  SlotHeader* sh = ring_.slot_header(head_);
-  sh->msg_seq = next_seq_;
-  sh->nbytes = req.info().nbytes;
-  sh->offset = 0;
-  sh->tag = req.info().tag;
-  sh->chunk_bytes = 0;
-  sh->dtype = req.info().dtype;
-  sh->kind = static_cast<std::uint32_t>(ChunkKind::kDescriptor);
+  fill_header(req.info(), 0, 0, ChunkKind::kDescriptor);
   RemoteDescriptor d{};
   d.address = reinterpret_cast<std::uintptr_t>(req.ptr());
   d.pid = static_cast<std::int32_t>(::getpid());
   std::memcpy(ring_.slot_data(head_), &d, sizeof d);
-  ++head_;
-  h->head.store(static_cast<std::uint32_t>(head_), std::memory_order_seq_cst);
-  wake_if_waiting(&h->head, &h->head_waiters);
+  publish();
   // The receiver releases the descriptor's slot only after its last read of our
   // buffer; it is the newest chunk, so tail == head means "read and done".
   err = wait_ring(&h->tail, &h->tail_waiters,
@@ -129,7 +130,8 @@ void SendChannel::worker_loop() {
     std::shared_ptr<Request> req;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      auto ready = [&] { return stop_.load(std::memory_order_relaxed) || !queue_.empty(); };
+      // !busy_: a slot reservation holds the token (see reserve()).
+      auto ready = [&] { return stop_.load(std::memory_order_relaxed) || (!queue_.empty() && !busy_); };
       if (!ready()) spin_for_post(lk);
       cv_.wait(lk, ready);
       if (stop_.load(std::memory_order_relaxed)) return;  // close() fails what is left
@@ -138,8 +140,9 @@ void SendChannel::worker_loop() {
       busy_ = true;
     }
     std::string err = run(*req);
-    std::lock_guard<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
     busy_ = false;
+    cv_.notify_all();  // a reserver may wait for the token
     if (err.empty()) {
       req->complete();
     } else {

@@ -146,6 +146,9 @@ def test_bench_transport_rows_carry_the_cross_core_ceiling(tmp_path: Path) -> No
         for k in ("native_gbps", "gloo_gbps", "cross_core_copy_gbps", "memcpy_gbps"):
             assert r[f"{k}_min"] <= r[k] <= r[f"{k}_max"], k
         assert r["native_bit_exact"] and r["gloo_bit_exact"]
+        # a packed message that fits a ring slot, packed in it and via a copy: both arrive intact
+        assert r["packed_in_place_bit_exact"] and r["packed_copy_bit_exact"]
+        assert r["packed_in_place_us"] > 0 and r["packed_copy_us"] > 0
     assert "bandwidth_vs_ceiling" in res["targets"]
 
 

@@ -352,6 +352,10 @@ class TestTritonInterpreter:
     def test_cases(self, name: str, fmt: str) -> None:
         _triton_vs_fallback(CASES[name], fmt)
 
+    @pytest.mark.parametrize("fmt", ["fp8", "fp8_pow2"])
+    def test_fp8_in_place_path(self, fmt: str) -> None:
+        _triton_vs_fallback(_direct_case(), fmt)
+
     @pytest.mark.parametrize("fmt", list(FORMATS))
     def test_special_values(self, fmt: str) -> None:
         ts = _special_values()
@@ -476,3 +480,55 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
             raise
         assert "ld.global.v4" in ptx and "st.global.v4" in ptx, kernel.__name__
         assert "div.full" not in ptx  # divisions are IEEE (div_rn), as torch's
+
+
+# ---------------------------------------------------------------- fp8 in place (large tensors)
+def _direct_case() -> list[torch.Tensor]:
+    """fp8-cast tensors of at least DIRECT_MIN elements (quantised straight into the buffer) beside small ones."""
+    from dualpipe_kernels.kernels.pack_torch import DIRECT_MIN
+
+    g = _gen(11)
+    n = DIRECT_MIN
+    specials = torch.cat(_special_values())
+    return [
+        _float((n + 129,), torch.float32, g),
+        _float((140, 130), torch.float16, g).t(),  # non-contiguous, a short last block
+        _float((2, n // 2), torch.bfloat16, g),
+        _float((300,), torch.float32, g),  # small: the batched path, between in-place ones
+        torch.zeros(n + 5),  # all-zero blocks
+        specials.repeat(n // specials.numel() + 1),  # ties, e4m3 subnormals, fp32-subnormal scales (the clamp)
+        torch.randint(-100, 100, (n,), generator=g, dtype=torch.int32),
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_pow2"])
+def test_fp8_in_place_path_matches_the_batched_path(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dualpipe_kernels.kernels import pack_torch
+
+    dtype, pow2 = FORMATS[fmt]
+    nan = _float((pack_torch.DIRECT_MIN,), torch.float32, _gen(3))
+    nan[5] = float("nan")  # a NaN block: NaN codes take torch's own cast on the way back
+    ts = [*_direct_case(), nan]
+    buf, layout = pack(ts, dtype, pow2_scales=pow2, backend="torch")
+    outs = unpack(buf, layout, backend="torch")
+    strided = unpack(buf, layout, out=[_transposed_empty(t) for t in ts], backend="torch")
+    monkeypatch.setattr(pack_torch, "DIRECT_MIN", 1 << 62)  # every fp8 tensor through the batched path
+    ref, _ = pack(ts, dtype, pow2_scales=pow2, backend="torch")
+    assert torch.equal(buf, ref)
+    _assert_same_bits(outs, unpack(ref, layout, backend="torch"))
+    _assert_same_bits(strided, outs)
+    for x, y in zip(ts[:3], outs[:3], strict=True):
+        _check_fp8_bound(x.float(), y.float())
+
+
+@pytest.mark.parametrize("big", [2.0**118, 2.0**120])  # below 2^119: the fp16 route; above: torch's cast
+def test_e4m3_fp16_route_equals_torch_cast_times_scale(big: float) -> None:
+    from dualpipe_kernels.kernels.pack_torch import _dequantize_into
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].repeat(64)[: 128 * 100]  # every non-NaN code, whole blocks
+    scales = torch.cat([torch.tensor([1.0, big, 3e-39, 1e-45, 0.0, 1.7]), torch.rand(94) * 1e3]).float()
+    got = torch.empty(codes.numel())
+    _dequantize_into(codes, scales.view(torch.uint8), got)
+    want = (codes.view(FP8).float().view(-1, FP8_BLOCK) * scales[:, None]).view(-1)
+    assert torch.equal(_bits(got), _bits(want))

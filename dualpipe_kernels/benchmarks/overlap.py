@@ -9,7 +9,9 @@ ranks measures the three terms of :mod:`.metrics` (see :mod:`.sleep_runs`):
 step's transfers alone, timed on the link measured in the same processes).
 ``exposed_comm_s = T_step - T_compute``; ``hidden_comm_share = 1 -
 exposed_comm_s / T_comm`` (null, flagged as noise, when the raw value leaves
-[0, 1]).  Beside it, the simulator's exposed communication for the same step
+[0, 1]).  Real and cut steps alternate; ``exposed_comm_paired_s`` is the median
+over steps of each real step minus the cut step beside it (a load that changes
+during the run cancels in each pair).  Beside it, the simulator's exposed communication for the same step
 with the measured link latency and bandwidth: what the schedule itself forces.
 Each figure is a median over steps of the slowest rank's step time.  With a
 packed format, packing and unpacking run in both ``T_step`` and ``T_compute``
@@ -186,6 +188,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"DualPipeV, {c.get('ranks')} ranks x {c.get('microbatches')} micro-batches, sleep-timed stages "
         f"F={c.get('f_s', 0) * 1e3:g} ms, B={c.get('b_s', 0) * 1e3:g} ms, W={c.get('w_s', 0) * 1e3:g} ms. "
         + METRIC_SENTENCE
+        + " Real and cut steps alternate; 'exposed, paired': median over steps of real minus the cut step "
+        "beside it (steadier under a changing load)."
         + " 'exposed simulated': the simulator with the measured link minus free communication (what the "
         "schedule itself forces); T_compute is also compared with the simulator fed the sleeps."
     )
@@ -201,6 +205,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("t_compute_s", "T_compute (s)"),
         ("t_comm_s", "T_comm (s)"),
         ("exposed_comm_s", "exposed (s)"),
+        ("exposed_comm_paired_s", "exposed, paired (s)"),
         ("simulated_exposed_comm_s", "exposed simulated (s)"),
         ("hidden_text", "comm hidden"),
         ("link_bandwidth_gbps", "link GB/s"),

@@ -8,8 +8,11 @@ bytes (both ends cut the same way: they hold tensors of the same size), so the
 same pipeline runs the same compute and the same bookkeeping with almost no
 data to move: that step's time is ``T_compute`` of :mod:`.metrics`.  The
 boundary metadata (1 KiB) is never cut, so the runtime's protocol is unchanged;
-the received data beyond the first bytes is whatever the buffer held, which
-only timing runs may use.  Toggle ``tiny`` only between steps, on every rank.
+the received data beyond the first bytes is zeros (set when the receive is
+posted, a memset charged to ``T_compute``), which only timing runs may use.
+Packed sends of real steps go through the inner transport's ``isend_packed``
+(the native transport packs into its ring slot); cut ones pack into a buffer.
+Toggle ``tiny`` only between steps, on every rank.
 
 :func:`link_timing` times one-way transfers between ranks 0 and 1 over the
 raw transport (ping-pong, median round trip / 2): latency from a tiny message,
@@ -21,12 +24,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dualpipe_kernels.transport.base import Handle, Transport
+
+if TYPE_CHECKING:
+    from dualpipe_kernels.kernels import PackLayout
 
 __all__ = ["PayloadSwitch", "LinkTiming", "link_timing", "TINY_BYTES", "KEEP_WHOLE_BYTES"]
 
@@ -70,10 +77,22 @@ class PayloadSwitch(Transport):
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
         if self._large(tensor):
             if self.tiny:
+                # Zeros beyond the cut, not whatever the allocator left: unpacking costs what it does on
+                # data (fp8 dequantisation takes a slower exact route for NaN codes and huge scales).
+                tensor.reshape(-1).view(torch.uint8)[TINY_BYTES:].zero_()
                 tensor = _cut(tensor)
             else:
                 self.received_bytes.append(tensor.numel() * tensor.element_size())
         return self.inner.irecv(tensor, peer, tag, what)
+
+    def isend_packed(
+        self, tensors: Sequence[torch.Tensor], layout: PackLayout, peer: int, tag: int, what: str = ""
+    ) -> Handle:
+        # Real steps pack the inner transport's way (NativeTransport packs into its ring slot); cut
+        # steps pack into a buffer (the same packing work) and send its first bytes through isend.
+        if self.tiny:
+            return super().isend_packed(tensors, layout, peer, tag, what)
+        return self.inner.isend_packed(tensors, layout, peer, tag, what)
 
     def close(self) -> None:
         self.inner.close()

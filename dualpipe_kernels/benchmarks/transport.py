@@ -19,8 +19,12 @@ Every figure is the median over repeats, with the spread (``*_min``,
 ``*_max``).  Every row carries the ratios the targets are stated in: native /
 gloo bandwidth (target >= 5 at >= 1 MiB), native / ceiling
 (``native_over_ceiling``, target >= 0.5 at >= 1 MiB) and native / gloo
-latency (target <= 0.2 for the smallest size).  Numbers from a shared
-machine are noisy.
+latency (target <= 0.2 for the smallest size).  For sizes that fit one ring
+slot, ``packed_in_place_us`` / ``packed_copy_us`` time a packed message
+(``isend_packed`` of four fp32 tensors, unpacked on arrival) with the native
+transport packing straight into the reserved ring slot vs packing into a
+buffer that the engine copies in (``pack_in_place=False``).  Numbers from a
+shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -157,6 +161,39 @@ def _pingpong(rank: int, send: Any, recv: Any, out_buf: torch.Tensor, in_buf: to
             recv(in_buf)
             send(in_buf)
     return times
+
+
+def _packed_pingpong(rank: int, native: Any, peer: int, size: int, reps: int) -> dict[str, Any]:
+    """One-way times (us) of a packed message of ``size`` bytes (4 fp32 tensors, lossless): ``isend_packed``
+    packing straight into the ring slot vs into a buffer the engine then copies in; the receiver unpacks
+    into preallocated tensors.  Both ranks send the same tensors, so rank 0 checks what came back."""
+    from dualpipe_kernels.kernels import plan_layout, unpack
+
+    g = torch.Generator().manual_seed(size)
+    ts = [torch.randn(size // 16, generator=g) for _ in range(4)]
+    layout = plan_layout([(t.dtype, t.shape) for t in ts], "packed")
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    outs = [torch.empty_like(t) for t in ts]
+
+    def send(_: torch.Tensor) -> None:
+        native.isend_packed(ts, layout, peer, 3).wait()
+
+    def recv(_: torch.Tensor) -> None:
+        native.irecv(buf, peer, 3).wait()
+        unpack(buf, layout, out=outs)
+
+    out: dict[str, Any] = {}
+    for key, in_place in (("in_place", True), ("copy", False)):
+        native.pack_in_place = in_place
+        dist.barrier()
+        one_way = [t / 2 for t in _pingpong(rank, send, recv, buf, buf, reps)]
+        if rank == 0:  # (rank 1 echoes and times nothing)
+            out[f"packed_{key}_us"] = statistics.median(one_way) * 1e6
+            out[f"packed_{key}_bit_exact"] = all(torch.equal(a, b) for a, b in zip(ts, outs, strict=True))
+    native.pack_in_place = True
+    if rank == 0:
+        out["packed_in_place_speedup"] = out["packed_copy_us"] / out["packed_in_place_us"]
+    return out
 
 
 def _memcpy_times(size: int, reps: int) -> list[float]:
@@ -298,6 +335,8 @@ def _worker(rank: int, world_size: int, cfg: TransportConfig) -> list[dict]:
             gloo_rtt = _pingpong(rank, gsend, grecv, out_buf, in_buf, n)
             if rank == 0:
                 row["gloo_bit_exact"] = bool(torch.equal(in_buf, out_buf))
+            if size <= cfg.slot_bytes and size % 64 == 0:  # a packed message that fits one ring slot
+                row.update(_packed_pingpong(rank, native, peer, size, n))
             dist.barrier()  # rank 1 idles while rank 0 measures the ceiling
             if rank == 0:
                 rows.append(_figures(row, size, n, native_rtt, gloo_rtt))
@@ -397,6 +436,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "native_latency_us_text",
         "gloo_latency_us_text",
         "latency_ratio",
+        "packed_in_place_us",
+        "packed_copy_us",
+        "packed_in_place_speedup",
     ]
     heads = [
         "size (B)",
@@ -410,6 +452,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "native latency (us)",
         "gloo latency (us)",
         "native / gloo latency",
+        "packed, in slot (us)",
+        "packed, via copy (us)",
+        "copy / in slot",
     ]
     lines = ["Medians over repeats, (min-max) in brackets.", "", markdown_table(rows, cols, heads), ""]
     for name, t in result.get("targets", {}).items():

@@ -212,16 +212,18 @@ def pack(
 
 
 def pack_as(tensors: Sequence[torch.Tensor], layout: PackLayout, out: torch.Tensor, what: str = "") -> torch.Tensor:
-    """Pack ``tensors`` into ``out`` as the given ``layout`` (a plan made earlier, e.g. by the receiver's side).
+    """Pack ``tensors`` into the first ``layout.nbytes`` bytes of ``out`` (1-D uint8), in ``layout``'s format
+    (a plan made earlier, e.g. by the receiving side); returns that part of ``out``.
 
-    ValueError (naming ``what``) when the tensors do not make that layout.  Returns ``out[:layout.nbytes]``.
+    ValueError naming ``what`` if the tensors do not have ``layout``'s signature; nothing is written
+    then (a caller staging into shared memory must not publish it).
     """
     fmt = layout.format
+    got = (fmt, tuple((t.dtype, tuple(t.shape)) for t in tensors))
+    if got != layout.signature:  # equal signatures have equal layouts
+        raise ValueError(f"pack ({what}): the tensors do not match the layout ({got} vs {layout.signature})")
     dtype = {"packed": None, "bf16": torch.bfloat16}.get(fmt, torch.float8_e4m3fn)
-    buffer, got = pack(tensors, dtype, out=out, pow2_scales=fmt == "fp8_pow2")
-    if got != layout:
-        raise ValueError(f"pack ({what}): the tensors do not match the layout ({got.signature} vs {layout.signature})")
-    return buffer
+    return pack(tensors, dtype, out=out, pow2_scales=fmt == "fp8_pow2")[0]
 
 
 def unpack(

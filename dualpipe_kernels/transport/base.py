@@ -32,8 +32,9 @@ everything else it posts accordingly (runtime/p2p.py ``wire_device``).
 Packed sends: ``isend_packed`` packs several tensors into one message of
 ``layout.nbytes`` uint8 bytes (:func:`dualpipe_kernels.kernels.pack`); the
 receiver posts an ordinary ``irecv`` of a uint8 tensor of that size and unpacks
-it.  A transport with staging memory of its own may override it to pack
-straight into that memory (one pass over the bytes); the default packs into
+it.  A transport with staging memory of its own overrides it to pack
+straight into that memory (one pass over the bytes: NativeTransport packs a
+message that fits one ring slot into a reserved slot); the default packs into
 a new buffer and sends that (which, on the native transport, the receiver
 reads in place when it is at least ``single_copy_min_bytes``).
 """
@@ -147,7 +148,7 @@ class Transport(abc.ABC):
         from dualpipe_kernels.kernels import pack_as
 
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=tensors[0].device)
-        pack_as(tensors, layout, buffer, f"isend_packed {what}")
+        pack_as(tensors, layout, buffer, what)
         return _HoldingHandle(self.isend(buffer, peer, tag, what), buffer)
 
     def close(self) -> None:

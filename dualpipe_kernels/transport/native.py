@@ -27,6 +27,18 @@ or a container policy may forbid it); if not, or if ``single_copy=False`` or the
 environment variable ``DUALPIPE_KERNELS_SINGLE_COPY=0``, every message uses the
 ring.  :meth:`NativeTransport.single_copy_peers` says which peers got it.
 
+Packed sends in place.  :meth:`NativeTransport.isend_packed` of a message that
+fits one ring slot (``slot_bytes``) reserves the next slot of the ring to the
+peer (:meth:`NativeTransport.reserve_send`), packs the tensors straight into it
+(the slot is a writable uint8 tensor viewing the shared memory; the pack
+kernel's ``out=``) and commits it: packing and staging are one pass over the
+bytes, and the send is complete on return.  The reservation is only a try: when
+sends are queued ahead, the ring is full or the message is larger than a slot,
+it packs into a buffer and posts that (the receiver reads a large one in place,
+see single copy).  An error while packing gives the slot back unpublished.
+:meth:`NativeTransport.send_stats` counts the bytes each path moved;
+``pack_in_place=False`` (or ``DUALPIPE_KERNELS_PACK_IN_PLACE=0``) turns it off.
+
 A dead peer (its pid gone) fails the waiting transfer within about
 ``liveness_interval_s``; a silent one times out after ``timeout_s``.
 """
@@ -53,9 +65,12 @@ from dualpipe_kernels.transport.hosts import host_id as default_host_id
 from dualpipe_kernels.wire_dtypes import WIRE_DTYPE_CODE, WIRE_DTYPES
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from dualpipe_kernels.kernels import PackLayout
     from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
-__all__ = ["NativeTransport", "NativeHandle", "DTYPES", "dtype_code", "load_engine_module"]
+__all__ = ["NativeTransport", "NativeHandle", "ReservedSlot", "DTYPES", "dtype_code", "load_engine_module"]
 
 #: dtypes with fixed codes in message headers (the package-wide wire table); others get a stable hash code.
 DTYPES = WIRE_DTYPES
@@ -65,6 +80,8 @@ DEFAULT_SLOT_BYTES = 256 * 1024
 DEFAULT_SINGLE_COPY_MIN_BYTES = 256 * 1024
 #: environment variable: "0" turns the single-copy path off (any other value or unset: on)
 SINGLE_COPY_ENV = "DUALPIPE_KERNELS_SINGLE_COPY"
+#: environment variable: "0" turns packing into reserved ring slots off (any other value or unset: on)
+PACK_IN_PLACE_ENV = "DUALPIPE_KERNELS_PACK_IN_PLACE"
 _STORE_PREFIX = "dpk/native"
 _MIN_SWEEP = 32  # unwaited finished transfers tolerated in the in-flight table before a sweep
 
@@ -131,6 +148,55 @@ class NativeHandle(Handle):
             self._owner._inflight.pop(id(self._request), None)
 
 
+class _DoneHandle(Handle):
+    """A send that completed when it was posted (its bytes are already in the ring)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class ReservedSlot:
+    """One reserved ring slot: write :attr:`tensor`, then :meth:`commit` (publish) or :meth:`abort`.
+
+    ``tensor`` is a 1-D uint8 view of the shared memory the receiver reads; it
+    is dropped on commit or abort (the bytes then belong to the ring).  As a
+    context manager it commits on a clean exit and aborts on an exception.
+    """
+
+    def __init__(self, reservation: Any, owner: NativeTransport) -> None:
+        self._reservation = reservation
+        self._owner = owner
+        self.nbytes = int(reservation.nbytes)
+        self.tensor: torch.Tensor | None = (
+            torch.frombuffer(reservation, dtype=torch.uint8) if self.nbytes else torch.empty(0, dtype=torch.uint8)
+        )
+
+    def commit(self) -> None:
+        """Publish the slot as one message; TransportError if the channel was closed or broke meanwhile."""
+        self.tensor = None
+        try:
+            self._reservation.commit()
+        except RuntimeError as exc:
+            raise TransportError(f"rank {self._owner.rank}: {exc}") from None
+
+    def abort(self) -> None:
+        """Give the slot back unpublished (idempotent)."""
+        self.tensor = None
+        self._reservation.abort()
+
+    def __enter__(self) -> ReservedSlot:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
 class NativeTransport(Transport):
     """Shared-memory transport between CPU processes of ``group`` (default: the default group).
 
@@ -160,6 +226,7 @@ class NativeTransport(Transport):
         single_copy: bool | None = None,
         single_copy_min_bytes: int = DEFAULT_SINGLE_COPY_MIN_BYTES,
         host_id: str | None = None,
+        pack_in_place: bool | None = None,
     ) -> None:
         super().__init__(timeout_s)
         require_process_group("NativeTransport", timeout_s)
@@ -171,6 +238,10 @@ class NativeTransport(Transport):
             raise ValueError(f"single_copy_min_bytes must be >= 1, got {single_copy_min_bytes}")
         if single_copy is None:
             single_copy = os.environ.get(SINGLE_COPY_ENV, "1").strip() != "0"
+        if pack_in_place is None:
+            pack_in_place = os.environ.get(PACK_IN_PLACE_ENV, "1").strip() != "0"
+        self.pack_in_place = bool(pack_in_place)
+        self.slot_bytes = int(slot_bytes)
         shm = load_engine_module()
         self.group = group if group is not None else dist.group.WORLD
         self._rank = dist.get_rank(self.group)
@@ -289,6 +360,61 @@ class NativeTransport(Transport):
         if code is None:
             code = dtype_code(tensor.dtype)
         return self._track(post(peer, tensor.data_ptr(), nbytes, tag, code, what), tensor)
+
+    # ------------------------------------------------------------------ packed sends in place
+
+    def reserve_send(
+        self, nbytes: int, peer: int, tag: int, what: str = "", timeout: float | None = None
+    ) -> ReservedSlot | None:
+        """Reserve the next ring slot to same-host ``peer`` for one uint8 message of ``nbytes`` (<= ``slot_bytes``).
+
+        Waits up to ``timeout`` seconds (None: the transport's ``timeout_s``) for the sends
+        queued ahead of it and for a free slot, then raises TransportTimeout naming the
+        transfer; ``timeout=0`` only tries and returns None when no slot is free at once.
+        The receiver posts an ordinary ``irecv`` of ``nbytes`` uint8 with the same tag.
+        """
+        if self._closed:
+            raise TransportError(f"rank {self._rank}: native transport is closed; cannot reserve {what!r}")
+        if peer not in self.local_peers:
+            raise ValueError(f"rank {self._rank}: peer {peer} is not a same-host peer; no ring to reserve ({what})")
+        limit = self.timeout_s if timeout is None else float(timeout)
+        try:
+            res = self._engine.reserve(
+                peer, int(nbytes), tag, dtype_code(torch.uint8), what, max(0.0, limit), limit > 0
+            )
+        except TimeoutError as exc:
+            raise TransportTimeout(str(exc)) from None
+        except RuntimeError as exc:
+            raise TransportError(str(exc)) from None
+        return None if res is None else ReservedSlot(res, self)
+
+    def isend_packed(
+        self, tensors: Sequence[torch.Tensor], layout: PackLayout, peer: int, tag: int, what: str = ""
+    ) -> Handle:
+        """Pack straight into a reserved ring slot when the message fits one and a slot is free at once
+        (one pass over the bytes; the send is complete on return); otherwise the base path."""
+        if (
+            self.pack_in_place
+            and not self._closed
+            and 0 < layout.nbytes <= self.slot_bytes
+            and peer in self.local_peers
+            and tensors[0].device.type == "cpu"
+        ):
+            slot = self.reserve_send(layout.nbytes, peer, tag, what, timeout=0)
+            if slot is not None:
+                from dualpipe_kernels.kernels import pack_as
+
+                with slot:
+                    assert slot.tensor is not None
+                    pack_as(tensors, layout, slot.tensor, what)
+                return _DoneHandle()
+        return super().isend_packed(tensors, layout, peer, tag, what)
+
+    def send_stats(self, peer: int) -> dict[str, int]:
+        """Counters of the ring to same-host ``peer``: ``copied_bytes`` / ``copied_messages`` (posted sends: the
+        engine copied the bytes into the ring, or the receiver read them single-copy) and ``reserved_bytes`` /
+        ``reserved_messages`` (packed in place into reserved slots, no engine copy)."""
+        return {k: int(v) for k, v in self._engine.send_stats(peer).items()}
 
     def close(self) -> None:
         """Stop the worker threads (unfinished transfers fail), unmap the rings. Idempotent."""
