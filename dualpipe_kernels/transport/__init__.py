@@ -45,7 +45,7 @@ def make_transport(
     (exporting buffers and events, opening the peers'), and otherwise warns
     which step failed on which rank and returns ``"torch"`` (see fallback.py).
     ``"torch"``: torch.distributed point-to-point over a gloo group (CUDA tensors
-    are staged through host memory; NCCL groups are refused, see torch_dist.py).
+    are staged through host memory; over an NCCL group transfers are sequenced per pair, see ordered.py).
     ``"native"``: the compiled engine (shared memory between CPU processes, CUDA
     IPC between GPU processes on one host); peers on other hosts fall back to
     torch.distributed.  An instance is returned as is.  Construction is
