@@ -24,11 +24,13 @@ Both ranks thus post the same sequence per pair.  Everything moves as uint8
 bytes (sender and receiver agree on the size through the entry; a mismatch
 fails the receive naming the tag).  Cost: about five store round trips per
 message (counter, entry, the receiver's wait, read and delete), which suits
-activation-sized messages, not tiny ones.  CUDA: the operations are posted
-from the posting thread or the worker, on that thread's current stream (the
-device's default stream on the worker), so data written on another stream must
-be synchronised with it before ``isend``; waiting on a handle makes the
-caller's current stream wait for the transfer (NCCL semantics).
+activation-sized messages, not tiny ones.  CUDA: a send may be posted later
+and from the worker thread, so ``isend`` records an event on the caller's
+current stream and the posting thread's stream waits for it first (the data
+is ready whichever stream wrote it); waiting on a handle makes the caller's
+current stream wait for the transfer (NCCL semantics).  A worker that loses
+the store (a peer or the store's host died) fails the receives it was
+serving, naming the error, instead of leaving them to time out.
 """
 
 from __future__ import annotations
@@ -131,9 +133,10 @@ class _Pair:
         self.key = key
         self.lock = threading.Lock()
         self.next_seq = 0  # the next sequence number this rank posts
-        self.sends: dict[int, tuple[torch.Tensor, OrderedHandle]] = {}
+        self.sends: dict[int, tuple[torch.Tensor, OrderedHandle, Any]] = {}  # seq -> (bytes, handle, CUDA event)
         self.recvs: dict[int, collections.deque[tuple[torch.Tensor, OrderedHandle]]] = {}
-        self.early: dict[int, collections.deque[tuple[torch.Tensor, Any]]] = {}
+        self.early: dict[int, collections.deque[tuple[torch.Tensor, Any]]] = {}  # (staging, work or its error)
+        self.failure: BaseException | None = None  # the worker lost the store: every later receive fails
 
 
 class OrderedP2P:
@@ -176,9 +179,13 @@ class OrderedP2P:
         pair = self._pairs[peer]
         buf = tensor.reshape(-1).view(torch.uint8)
         handle = OrderedHandle(self, peer, tag, what, sending=True)
+        ready = None
+        if buf.is_cuda:  # the send may be posted from another thread, on another stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(buf.device))
         seq = int(self.store.add(f"{pair.key}/count", 1)) - 1
         with pair.lock:
-            pair.sends[seq] = (buf, handle)
+            pair.sends[seq] = (buf, handle, ready)
             self._drain(pair, peer)
         self.store.set(f"{pair.key}/{seq}", f"{self.rank} {tag} {buf.numel()}")
         return handle
@@ -189,9 +196,13 @@ class OrderedP2P:
         handle = OrderedHandle(self, peer, tag, what, sending=False)
         with pair.lock:
             early = pair.early.get(tag)
-            if early:
+            if pair.failure is not None and not early:
+                handle._fail(pair.failure)
+            elif early:
                 staging, work = early.popleft()
-                if staging.numel() != buf.numel():
+                if isinstance(work, BaseException):
+                    handle._fail(work)
+                elif staging.numel() != buf.numel():
                     handle._fail(self._size_error(tag, staging.numel(), buf.numel()))
                 else:
                     handle._set(work, lambda: buf.copy_(staging))
@@ -205,9 +216,11 @@ class OrderedP2P:
     def _drain(self, pair: _Pair, peer: int) -> None:
         """Post this rank's own sends that are next in the pair's sequence (caller holds ``pair.lock``)."""
         while pair.next_seq in pair.sends:
-            buf, handle = pair.sends.pop(pair.next_seq)
+            buf, handle, ready = pair.sends.pop(pair.next_seq)
             pair.next_seq += 1
             try:
+                if ready is not None:
+                    torch.cuda.current_stream(buf.device).wait_event(ready)
                 handle._set(self._post_send(buf, peer))
             except Exception as exc:  # noqa: BLE001 - reported through the handle
                 handle._fail(exc)
@@ -223,21 +236,45 @@ class OrderedP2P:
             key = f"{pair.key}/{seq}"
             try:  # close() wakes this wait by writing the key (a long wait logs nothing while idle)
                 store.wait([key], timedelta(seconds=max(self.timeout_s, 1.0)))
-            except Exception:  # noqa: BLE001 - a store wait times out with several exception types
-                continue
-            with pair.lock:
-                if pair.next_seq != seq:
-                    continue  # our own send, already posted by its thread
-                entry = store.get(key).decode()
-                if entry == _CLOSE:
-                    return  # this rank or the peer closed: the pair carries nothing more
-                src, tag, nbytes = (int(v) for v in entry.split())
-                if src == self.rank:
-                    continue  # registered before its entry was published: _drain posts it
-                self._receive(pair, peer, tag, nbytes)
-                store.delete_key(key)
-                pair.next_seq += 1
-                self._drain(pair, peer)
+            except Exception as exc:  # noqa: BLE001 - stores raise several types
+                if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                    continue
+                self._lost(pair, peer, exc)
+                return
+            try:
+                if not self._step(store, pair, peer, seq, key):
+                    return
+            except Exception as exc:  # noqa: BLE001 - the store or the backend failed under this worker
+                self._lost(pair, peer, exc)
+                return
+
+    def _lost(self, pair: _Pair, peer: int, exc: BaseException) -> None:
+        if self._stop.is_set():
+            return
+        error = TransportError(f"rank {self.rank}: ordering of transfers with peer rank {peer} failed: {exc}")
+        with pair.lock:
+            pair.failure = error
+            for waiting in pair.recvs.values():
+                for _, handle in waiting:
+                    handle._fail(error)
+            pair.recvs.clear()
+
+    def _step(self, store: Any, pair: _Pair, peer: int, seq: int, key: str) -> bool:
+        """Post entry ``seq`` of the pair if it is the peer's; False when the pair is closed."""
+        with pair.lock:
+            if pair.next_seq != seq:
+                return True  # our own send, already posted by its thread
+            entry = store.get(key).decode()
+            if entry == _CLOSE:
+                return False  # this rank or the peer closed: the pair carries nothing more
+            src, tag, nbytes = (int(v) for v in entry.split())
+            if src == self.rank:
+                return True  # registered before its entry was published: _drain posts it
+            self._receive(pair, peer, tag, nbytes)
+            store.delete_key(key)
+            pair.next_seq += 1
+            self._drain(pair, peer)
+        return True
 
     def _receive(self, pair: _Pair, peer: int, tag: int, nbytes: int) -> None:
         waiting = pair.recvs.get(tag)
@@ -254,7 +291,11 @@ class OrderedP2P:
                 handle._fail(exc)
             return
         staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        pair.early.setdefault(tag, collections.deque()).append((staging, self._post_recv(staging, peer)))
+        try:
+            work: Any = self._post_recv(staging, peer)
+        except Exception as exc:  # noqa: BLE001 - handed to the receive that comes for it
+            work = exc
+        pair.early.setdefault(tag, collections.deque()).append((staging, work))
 
     def close(self) -> None:
         """Stop the workers: each one's next entry becomes "close" unless a sender wrote it.  Idempotent."""
