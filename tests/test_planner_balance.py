@@ -117,7 +117,6 @@ BALANCE = 0.10
 DEMO = ("dualpipev", 2)
 #: sleeping copy: scale so that the mean layer sleeps this long per micro-batch (forward + backward)
 SLEEP_MEAN_LAYER_S = 0.012
-GPT_STEPS = 4
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +178,7 @@ def test_demo_gpt_planned_step_beats_the_even_split(gpt_table) -> None:
     The default partition of ``from_sequential`` ([3, 3, 2, 2]) gives rank 1
     five blocks and rank 0 three plus the (light) embedding and head; the plan
     balances them.  Asserted: the profile predicts a gain of at least 10%, and
-    the measured step (median of GPT_STEPS, slowest rank) of the planned cut is
+    the measured step (median of STEPS, slowest rank) of the planned cut is
     faster.
     """
     schedule, ranks = DEMO
