@@ -17,8 +17,9 @@
 #   transport  pytest tests/test_cuda_ipc.py (per-test timeouts below the step's; JUnit XML)
 #   runtime    the demo on the GPU: two processes on GPU 0, --device cuda, transport auto
 #   compat     pytest -m gpu tests/test_compat.py (the reference's API on CUDA; JUnit XML)
-#   gpu        pytest -m gpu on the other GPU tests: the Triton pack kernels against the CPU fallback, and
-#              the CUDA IPC engine's zero-copy views, small rings and teardown order (JUnit XML)
+#   gpu        pytest -m gpu on the other GPU tests: the Triton pack kernels against the CPU fallback,
+#              the CUDA IPC engine's zero-copy views, small rings and teardown order, and the per-peer
+#              transport choice (CUDA IPC same host, torch across faked hosts; NCCL with 2+ GPUs) (JUnit XML)
 #   bench      dualpipe-kernels bench cuda_ipc --quick (IPC at >= 64 MiB vs a same-GPU copy, us per
 #              message, compute and transfer together); the kernels and memory suites where they exist
 #
@@ -44,11 +45,11 @@ T_START=$(date +%s)
 
 # step limits (seconds); their sum stays within the budget, so the last steps are never starved
 LIMIT_SMOKE=25
-LIMIT_BUILD=70
+LIMIT_BUILD=55
 LIMIT_TRANSPORT=185
 LIMIT_RUNTIME=50
 LIMIT_COMPAT=55
-LIMIT_GPU=40
+LIMIT_GPU=55
 LIMIT_BENCH=50
 
 if [[ -n "${PYTHON:-}" ]]; then
@@ -186,7 +187,8 @@ run_step runtime "$LIMIT_RUNTIME" bash -c "set -o pipefail; '$PY' -m dualpipe_ke
   | tee '$WORK/demo.json'"
 run_step compat "$LIMIT_COMPAT" "$PY" -m pytest -m gpu tests/test_compat.py -v -rA -p no:cacheprovider \
   --timeout 40 --junitxml="$OUTDIR/junit-compat.xml"
-run_step gpu "$LIMIT_GPU" "$PY" -m pytest -m gpu tests/test_kernels_pack.py tests/test_cuda_ipc_engine.py -v -rA \
+run_step gpu "$LIMIT_GPU" "$PY" -m pytest -m gpu tests/test_kernels_pack.py tests/test_cuda_ipc_engine.py \
+  tests/test_transport_per_peer_gpu.py -v -rA \
   -p no:cacheprovider --timeout 30 --junitxml="$OUTDIR/junit-gpu.xml"
 run_step bench "$LIMIT_BENCH" bash -c "$(declare -f bench); PY='$PY' WORK='$WORK' bench"
 

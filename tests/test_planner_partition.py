@@ -28,7 +28,13 @@ def _brute(costs, placement):
 
 
 _LAYOUTS = [("1f1b", 1), ("1f1b", 3), ("zb1p", 4), ("dualpipe", 2), ("dualpipe", 4), ("dualpipev", 1),
-            ("dualpipev", 2), ("dualpipev", 3), ("interleaved1f1b", 2)]  # fmt: skip
+            ("dualpipev", 2), ("dualpipev", 3), ("interleaved1f1b", 2), ("interleaved1f1b", 3),
+            ("interleaved1f1b", 4), ("interleaved1f1b", (2, 3)), ("interleaved1f1b", (3, 3))]  # fmt: skip
+
+
+def _placement(schedule, ranks):
+    """``ranks`` is R, or (R, stages per rank) for interleaving deeper than the default two."""
+    return placement_of(schedule, *ranks) if isinstance(ranks, tuple) else placement_of(schedule, ranks)
 
 
 def test_placements_follow_the_schedules():
@@ -37,13 +43,15 @@ def test_placements_follow_the_schedules():
     assert v.kind == "nested" and v.groups == ((0, 5), (1, 4), (2, 3)) and v.weights == (1.0,) * 6
     d = placement_of("dualpipe", 4)  # two copies: ranks r and R-1-r hold model stages r and R-1-r, half the mbs each
     assert d.kind == "nested" and d.groups == ((0, 3), (1, 2)) and d.weights == (0.5,) * 4
-    assert placement_of("interleaved1f1b", 2).kind == "per_stage"
+    i = placement_of("interleaved1f1b", 3)  # round robin: rank r holds stages r and R + r
+    assert i.kind == "round_robin" and i.groups == ((0, 3), (1, 4), (2, 5))
+    assert placement_of("interleaved1f1b", 2, 3).groups == ((0, 2, 4), (1, 3, 5))
 
 
 @pytest.mark.parametrize("schedule,ranks", _LAYOUTS)
 def test_exact_optimum_on_random_costs(schedule, ranks):
     rng = random.Random(f"{schedule}{ranks}")
-    placement = placement_of(schedule, ranks)
+    placement = _placement(schedule, ranks)
     for _ in range(25):
         n = rng.randint(placement.num_stages, placement.num_stages + 5)
         costs = [rng.randint(0, 30) for _ in range(n)]
@@ -64,7 +72,9 @@ def test_exact_optimum_on_random_costs(schedule, ranks):
     ],
 )
 def test_exact_optimum_on_adversarial_costs(schedule, ranks, costs):
-    placement = placement_of(schedule, ranks)
+    placement = _placement(schedule, ranks)
+    if len(costs) < placement.num_stages:
+        costs = costs + costs[::-1]  # 9 interleaved stages need more layers
     part = partition_layers(costs, placement)
     assert part.max_load == pytest.approx(_brute(costs, placement), rel=1e-9)
 
@@ -97,3 +107,27 @@ def test_stage_modules_share_the_layers():
     assert torch.equal(y, nn.Sequential(*layers)(x))
     with pytest.raises(ValueError, match="sum to 5 layers"):
         stage_modules(layers, [2, 2])
+
+
+def test_interleaving_balances_ranks_not_stages():
+    # Light embedding, heavy head, R = 2: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (the head's).
+    # Balancing the 4 stages alone (7, 7, 1, 1) gives rank 0 seven blocks + the embedding (17); the
+    # rank-aware cut reaches the mean, 14.
+    costs = [4] + [1] * 14 + [10]
+    robin = placement_of("interleaved1f1b", 2)
+    part = partition_layers(costs, robin)
+    per_stage = partition_layers(costs, placement_of("1f1b", 4))
+    assert part.max_load == _brute(costs, robin) == sum(costs) / 2
+    assert max(rank_loads(per_stage.sizes, costs, robin)) == 17
+
+
+def test_interleaved_partition_of_a_large_table_is_quick():
+    import time
+
+    rng = random.Random(7)
+    costs = [rng.uniform(0.5, 1.5) for _ in range(64)]
+    t0 = time.perf_counter()
+    part = partition_layers(costs, placement_of("interleaved1f1b", 8))
+    assert time.perf_counter() - t0 < 60  # generous: a loaded 2-core machine
+    loads = rank_loads(part.sizes, costs, part.placement)
+    assert max(loads) == pytest.approx(part.max_load) and max(loads) <= sum(costs) / 8 + 2 * max(costs)

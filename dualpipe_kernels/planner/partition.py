@@ -13,8 +13,16 @@ through that stage) x (the stage's layer costs).  The schedule's placement
   micro-batches): a threshold dynamic programme over (left cut, right cut)
   states, bisected to the optimum (exact up to floating-point rounding of the
   threshold: relative 1e-12; exact for integer costs);
-* anything else (interleaved1f1b's round-robin chunks): the slowest model
-  stage is minimised (exact for that objective, not for the per-rank sum).
+* round robin, model stage ``s`` on rank ``s mod R`` (interleaved1f1b's
+  virtual stages, every stage carrying every micro-batch): with two stages per
+  rank, a threshold dynamic programme over (cut in the first half, cut in the
+  second half) states for every position of the middle cut, bisected to the
+  optimum (exact like the nested one); with more stages per rank, a search over
+  cuts keeping per (stage, cut) only the Pareto-minimal per-rank load vectors
+  (exact; its cost grows with the number of ranks, fine for the small problems
+  such placements come with);
+* anything else: the slowest model stage is minimised (exact for that
+  objective, not for the per-rank sum).
 
 Every model stage gets at least one layer.  Embedding and head imbalance need
 no special case: the optimum simply gives a heavy first or last layer a stage
@@ -46,7 +54,7 @@ class Placement:
 
     ``groups[g]`` lists the model stages whose loads add up on one rank;
     ``weights[m]`` is model stage ``m``'s share of micro-batches on that rank.
-    ``kind`` is ``"linear"``, ``"nested"`` or ``"per_stage"`` (see module docstring).
+    ``kind`` is ``"linear"``, ``"nested"``, ``"round_robin"`` or ``"per_stage"`` (see module docstring).
     """
 
     num_stages: int
@@ -103,8 +111,13 @@ def _kind(groups: list[tuple[int, ...]], weights: list[float], num_model: int) -
     if all(len(g) == 1 for g in groups) and len(groups) == num_model:
         return "linear"
     nested = num_model % 2 == 0 and sorted(groups) == [(k, num_model - 1 - k) for k in range(num_model // 2)]
-    if nested and max(weights) - min(weights) <= 1e-12:
+    even = max(weights) - min(weights) <= 1e-12
+    if nested and even:
         return "nested"
+    ranks = len(groups)
+    robin = num_model % ranks == 0 and sorted(groups) == [tuple(range(r, num_model, ranks)) for r in range(ranks)]
+    if robin and even:
+        return "round_robin"
     return "per_stage"
 
 
@@ -125,6 +138,10 @@ def partition_layers(costs: Sequence[float], placement: Placement) -> Partition:
     c = [float(x) for x in costs]
     if placement.kind == "nested":
         sizes = _nested(c, m)
+    elif placement.kind == "round_robin" and m == 2 * len(placement.groups):
+        sizes = _robin_two(c, len(placement.groups))
+    elif placement.kind == "round_robin":
+        sizes = _robin_pareto(c, len(placement.groups), m)
     else:
         sizes = _linear(c, m)
     loads = rank_loads(sizes, c, placement)
@@ -249,6 +266,163 @@ def _nested(c: list[float], m: int) -> list[int]:
         else:
             best, hi = cuts, achieved(cuts)
     return [best[t + 1] - best[t] for t in range(m)]
+
+
+# ---- round robin, two stages per rank: threshold DP over (first-half cut, second-half cut) ----
+def _robin_two_feasible(prefix: np.ndarray, ranks: int, limit: float) -> tuple[list[int] | None, float]:
+    """``(cuts x_0..x_2R, inf)`` with every rank's load ``<= limit``, or ``(None, next)``.
+
+    Rank ``k`` holds stages ``k`` and ``R + k``: the first half of the stages
+    cuts ``[0, x)`` and the second half ``[x, n)``, walked in lockstep.  State
+    after ``k`` ranks: ``(x, i, j) = (x_R, x_k, x_{R+k})``, from ``(x, 0, x)``
+    to ``(x, x, n)``; a step to ``(i', j')`` loads ``P[i'] - P[i] + P[j'] -
+    P[j]``, so a target is reachable when the running maximum of ``P[i] +
+    P[j]`` over reachable states with ``i < i'`` and ``j < j'`` is at least
+    ``P[i'] + P[j'] - limit``.  Arrays hold every ``x`` at once, in offsets
+    ``(q, u, v) = (x - R, i - k, j - x - k)``: each stage takes at least one
+    layer, so ``0 <= u <= q``, ``0 <= v <= W - 1 - q`` (``W = n - 2R + 1``), and
+    ``i < i'`` becomes ``u <= u'``.  When infeasible, ``next`` is the least
+    limit at which any comparison made here would turn: every limit below it is
+    infeasible too (the reachable sets stay the same), so the search can jump.
+    """
+    n = len(prefix) - 1
+    w = n - 2 * ranks + 1
+    q = np.arange(w)
+    valid = (q[None, :] <= q[:, None])[:, :, None] & (q[None, :] <= w - 1 - q[:, None])[:, None, :]
+    second = q[:, None] + q[None, :] + ranks  # x + v without k, clipped where invalid
+    tol = limit * _REL_TOL * 1e-3
+
+    def pair(k: int) -> np.ndarray:  # P[i] + P[j] at level k, shape (w, w, w)
+        return prefix[q + k][None, :, None] + prefix[np.minimum(second + k, n)][:, None, :]
+
+    def running_best(reach: np.ndarray, k: int) -> np.ndarray:
+        best = np.where(reach, pair(k), -np.inf)
+        return np.maximum.accumulate(np.maximum.accumulate(best, axis=1), axis=2)
+
+    reach = np.zeros((w, w, w), dtype=bool)
+    reach[:, 0, 0] = True
+    levels, nxt = [reach], np.inf
+    for k in range(1, ranks):
+        need = np.where(valid, pair(k) - running_best(reach, k - 1), np.inf)
+        reach = need <= limit + tol
+        missed = need[~reach]
+        nxt = min(nxt, float(missed.min())) if missed.size else nxt
+        if not reach.any():
+            return None, nxt
+        levels.append(reach)
+    xs = q + ranks
+    need_end = prefix[xs] + prefix[n] - running_best(reach, ranks - 1)[q, q, w - 1 - q]
+    end = need_end <= limit + tol
+    if not end.any():
+        return None, min(nxt, float(need_end.min()))
+    t = int(np.argmax(end))
+    x = t + ranks
+    i, j = x, n
+    first, last = [x], [n]
+    for k in range(ranks - 1, 0, -1):
+        ii = (q + k)[:, None]
+        jj = (x + q + k)[None, :]
+        ok = levels[k][t] & (ii < i) & (jj < j)
+        ok &= prefix[i] + prefix[j] - (prefix[ii] + prefix[np.minimum(jj, n)]) <= limit + tol
+        u, v = map(int, np.argwhere(ok)[0])
+        i, j = u + k, x + v + k
+        first.append(i)
+        last.append(j)
+    return [0, *reversed(first), *reversed(last)], np.inf
+
+
+def _robin_two(c: list[float], ranks: int) -> list[int]:
+    prefix = np.concatenate([[0.0], np.cumsum(c)])
+    m = 2 * ranks
+
+    def achieved(cuts: list[int]) -> float:
+        seg = [prefix[cuts[t + 1]] - prefix[cuts[t]] for t in range(m)]
+        return max(seg[k] + seg[ranks + k] for k in range(ranks))
+
+    # Lower bound: the mean rank load and the heaviest layer; on even costs it is often the optimum.
+    lo = max(float(prefix[-1]) / ranks, max(c))
+    best, lo = _robin_two_feasible(prefix, ranks, lo)
+    if best is not None:
+        return [best[t + 1] - best[t] for t in range(m)]
+    # A first solution: the best cut of the stages alone (cheap), counted per rank.
+    linear = _linear(c, m)
+    best = [0, *np.cumsum(linear).tolist()]
+    hi = achieved(best)
+    # Invariant: every limit below ``lo`` is infeasible, ``hi`` is achieved.  Probing ``lo`` itself ends
+    # the search when it is feasible (often, after a jump); bisection keeps the probes logarithmic.
+    for step in range(200):
+        if lo >= hi * (1 - _REL_TOL):
+            break
+        mid = lo if step % 3 == 2 else (lo + hi) / 2
+        cuts, nxt = _robin_two_feasible(prefix, ranks, mid)
+        if cuts is None:
+            lo = max(lo, nxt)
+        else:
+            best, hi = cuts, min(hi, achieved(cuts))
+    return [best[t + 1] - best[t] for t in range(m)]
+
+
+# ---- round robin, any number of stages per rank: Pareto-pruned search over cuts -------
+def _pareto(entries: list[tuple[tuple[float, ...], object]]) -> list[tuple[tuple[float, ...], object]]:
+    """The entries whose load vectors no other entry's is componentwise <= (one of equal vectors kept)."""
+    entries = sorted(entries, key=lambda e: (sum(e[0]), e[0]))
+    kept: list[tuple[tuple[float, ...], object]] = []
+    for vec, parent in entries:
+        if not any(all(a <= b for a, b in zip(k, vec, strict=True)) for k, _ in kept):
+            kept.append((vec, parent))
+    return kept
+
+
+def _robin_pareto(c: list[float], ranks: int, m: int) -> list[int]:
+    """Exact: the best cut among those whose every rank load is ``<= limit``, for growing limits from the
+    lower bound up to a known solution's load (the first limit that admits a cut gives the optimum)."""
+    robin = Placement(m, tuple(tuple(range(r, m, ranks)) for r in range(ranks)), (1.0,) * m, "round_robin")
+    linear = _linear(c, m)
+    bound = max(rank_loads(linear, c, robin))
+    limit = max(sum(c) / ranks, max(c))
+    while True:
+        limit = min(limit, bound) * (1 + _REL_TOL)
+        cuts = _robin_pareto_within(c, ranks, m, limit)
+        if cuts is not None:
+            return cuts
+        limit *= 1.05  # tight limits prune most partial cuts, so start low and grow
+
+
+def _robin_pareto_within(c: list[float], ranks: int, m: int, limit: float) -> list[int] | None:
+    """The best cut with every rank load ``<= limit`` (None if there is none).
+
+    A partial cut is dropped when its slowest rank exceeds ``limit``, or when
+    another one ending at the same layer and stage has per-rank loads at most
+    its own everywhere (any completion of it is then no better): exact.
+    """
+    n = len(c)
+    prefix = [0.0]
+    for x in c:
+        prefix.append(prefix[-1] + x)
+    # front[i]: (loads per rank, (previous cut, previous loads)) for partial cuts ending at layer i.
+    front: dict[int, list[tuple[tuple[float, ...], object]]] = {0: [((0.0,) * ranks, None)]}
+    history = [front]
+    for s in range(m):
+        r, nxt = s % ranks, {}
+        for i, entries in front.items():
+            for e in range(i + 1, n - (m - s - 1) + 1):
+                seg = prefix[e] - prefix[i]
+                for vec, _ in entries:
+                    load = vec[r] + seg
+                    if load <= limit:
+                        nxt.setdefault(e, []).append((vec[:r] + (load,) + vec[r + 1 :], (i, vec)))
+        front = {e: _pareto(v) for e, v in nxt.items()}
+        history.append(front)
+    if n not in front:
+        return None
+    vec, parent = min(front[n], key=lambda e: max(e[0]))
+    cuts = [n]
+    for s in range(m, 0, -1):
+        i, prev = parent  # type: ignore[misc]
+        cuts.append(i)
+        parent = next(p for v, p in history[s - 1][i] if v == prev)
+    cuts.reverse()
+    return [cuts[t + 1] - cuts[t] for t in range(m)]
 
 
 # ---- from a partition to modules ------------------------------------------------

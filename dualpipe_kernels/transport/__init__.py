@@ -45,17 +45,24 @@ def make_transport(
     (exporting buffers and events, opening the peers'), and otherwise warns
     which step failed on which rank and returns ``"torch"`` (see fallback.py).
     ``"torch"``: torch.distributed point-to-point over a gloo group (CUDA tensors
-    are staged through host memory; NCCL groups are refused, see torch_dist.py).
+    are staged through host memory; over an NCCL group transfers are sequenced per pair, see ordered.py).
     ``"native"``: the compiled engine (shared memory between CPU processes, CUDA
-    IPC between GPU processes on one host); peers on other hosts fall back to
-    torch.distributed.  An instance is returned as is.  Construction is
-    collective: every rank of ``group`` must call it with the same ``kind``.
+    IPC between GPU processes on one host); peers on other hosts (host ids:
+    transport/hosts.py) go through torch.distributed, chosen per peer (CPU:
+    inside NativeTransport; GPU: per_peer.RoutedTransport, CUDA IPC to
+    same-host peers and the torch transport, NCCL or gloo, to the others).
+    An instance is returned as is.  Construction is collective: every rank of
+    ``group`` must call it with the same ``kind``.
     """
     if isinstance(kind, Transport):
         return kind
     import torch
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    if kind in ("auto", "native") and dev.type == "cuda" and native_available(dev):
+        routed = _routed_by_host(kind, group, dev, timeout_s)
+        if routed is not None:
+            return routed
     if kind == "auto" and dev.type == "cuda" and native_available(dev):
         from dualpipe_kernels.transport.fallback import cuda_ipc_or_none
 
@@ -80,6 +87,38 @@ def make_transport(
     raise ValueError(
         f"unknown transport {kind!r}; expected one of {', '.join(TRANSPORT_NAMES)} or a Transport instance"
     )
+
+
+def _routed_by_host(
+    kind: str, group: dist.ProcessGroup | None, dev: torch.device, timeout_s: float
+) -> Transport | None:
+    """GPUs on several hosts: CUDA IPC to same-host peers, torch to the others; None when all share one host."""
+    import torch.distributed as dist
+
+    from dualpipe_kernels.transport.hosts import host_id
+    from dualpipe_kernels.transport.per_peer import RoutedTransport, exchange_hosts, peer_routes
+    from dualpipe_kernels.transport.torch_dist import TorchDistTransport
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    hosts = exchange_hosts(group, rank, world, host_id(), timeout_s)
+    if len(set(hosts)) == 1:
+        return None
+    routes = peer_routes(hosts, rank, "cuda")
+    local = [p for p, k in routes.items() if k == "cuda_ipc"]
+    transports: dict[str, Transport] = {"torch": TorchDistTransport(group, device=dev, timeout_s=timeout_s)}
+    if kind == "auto":  # every rank votes, also those without a same-host peer (the vote is collective)
+        from dualpipe_kernels.transport.fallback import cuda_ipc_or_none
+
+        ipc = cuda_ipc_or_none(group, dev, timeout_s, peers=local)
+    else:
+        from dualpipe_kernels.transport.cuda_ipc import CudaIpcTransport
+
+        ipc = CudaIpcTransport(group, device=dev, timeout_s=timeout_s, peers=local)
+    if ipc is None:  # CUDA IPC failed somewhere: every peer through torch (cuda_ipc_or_none warned)
+        routes = {p: "torch" for p in routes}
+    else:
+        transports["cuda_ipc"] = ipc
+    return RoutedTransport(rank, routes, transports, timeout_s)
 
 
 def native_available(device: torch.device | str | None = None) -> bool:

@@ -106,8 +106,11 @@ def negotiate(
     return built, ""
 
 
-def cuda_ipc_or_none(group: Any, device: Any, timeout_s: float) -> Transport | None:
-    """A CudaIpcTransport for ``group`` on ``device`` if CUDA IPC fully works on every rank; else warn, None."""
+def cuda_ipc_or_none(group: Any, device: Any, timeout_s: float, peers: list[int] | None = None) -> Transport | None:
+    """A CudaIpcTransport for ``group`` on ``device`` if CUDA IPC fully works on every rank; else warn, None.
+
+    ``peers``: the group ranks to open channels with (default: all others; per_peer.py passes the same-host ones).
+    """
     import torch.distributed as dist
 
     from dualpipe_kernels.transport.cuda_ipc import CudaIpcTransport
@@ -119,7 +122,8 @@ def cuda_ipc_or_none(group: Any, device: Any, timeout_s: float) -> Transport | N
     prefix = f"dpk/auto/{name}/{generation}"
 
     def build() -> Transport:
-        t = CudaIpcTransport(group, device=device, timeout_s=min(timeout_s, AUTO_RENDEZVOUS_S))
+        only = {} if peers is None else {"peers": peers}  # default: every other rank of the group
+        t = CudaIpcTransport(group, device=device, timeout_s=min(timeout_s, AUTO_RENDEZVOUS_S), **only)
         t.timeout_s = timeout_s  # the rendezvous is bounded; every later wait gets the caller's timeout
         return t
 

@@ -1,9 +1,13 @@
-"""Transport over ``torch.distributed`` point-to-point on a gloo group (CPU tensors; CUDA ones host-staged).
+"""Transport over ``torch.distributed`` point-to-point: gloo (CPU tensors; CUDA ones host-staged) or NCCL.
 
 Peers are *group ranks* of ``group``.  Tags keep several transfers between the
 same pair apart; gloo matches on them.  NCCL ignores tags (it matches a pair's
-transfers in posting order), which the runtime's early, tag-addressed receives
-do not follow, so NCCL groups are refused with a ValueError.
+transfers in posting order, both directions on one stream), which the
+runtime's early, tag-addressed receives do not follow: over an NCCL group
+every transfer therefore goes through :class:`~.ordered.OrderedP2P`, which
+numbers a pair's transfers in the order their senders post them and posts
+them in that order on both ranks (``ordered=True`` does the same over gloo,
+which is how the ordering is tested on CPU).
 
 gloo's send/recv work objects only report completion from ``wait()``
 (``is_completed()`` stays False until then), and a gloo wait that times out
@@ -51,8 +55,10 @@ from dualpipe_kernels.transport.base import (
     Transport,
     TransportError,
     TransportTimeout,
+    group_store,
     require_process_group,
 )
+from dualpipe_kernels.transport.ordered import OrderedP2P
 
 __all__ = ["TorchDistTransport"]
 
@@ -268,29 +274,27 @@ class TorchDistTransport(Transport):
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        ordered: bool | None = None,
     ) -> None:
+        """``ordered``: sequence every pair's transfers (see ordered.py); default: exactly for NCCL groups."""
         super().__init__(timeout_s)
         require_process_group("TorchDistTransport", timeout_s)
         self.group = group if group is not None else dist.group.WORLD
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._rank = dist.get_rank(self.group)
         self._size = dist.get_world_size(self.group)
-        backend = str(dist.get_backend(self.group)).lower()
-        if "nccl" in backend:
-            # NCCL matches point-to-point transfers between a pair in posting
-            # order and ignores tags; the runtime posts receives early and by
-            # tag (metadata ahead of data, several micro-batches in flight), so
-            # over NCCL transfers could pair up wrongly.  Refuse rather than
-            # corrupt: use a gloo group (CUDA tensors are staged through the
-            # host) or the native transport (CUDA IPC) on one host.
-            raise ValueError(
-                "TorchDistTransport does not support NCCL groups (NCCL ignores tags); use a gloo group "
-                "or transport='native'"
-            )
+        nccl = "nccl" in str(dist.get_backend(self.group)).lower()
+        if nccl and self.device.type != "cuda":
+            raise ValueError(f"an NCCL group moves CUDA tensors; got device {self.device}")
+        if nccl and ordered is False:
+            raise ValueError("NCCL ignores tags: its transfers must be ordered (ordered=False is gloo only)")
         # gloo moves host memory only: CUDA tensors are staged through the host.
-        self.device_native = self.device.type == "cpu"
+        self.device_native = nccl or self.device.type == "cpu"
         # The waiters' own limit is generous: a caller's wait enforces its timeout.
         self.waiters = _WaiterPool(max(timeout_s, 1.0) * 4)
+        self._ordered: OrderedP2P | None = None
+        if nccl or ordered:
+            self._ordered = self._make_ordered(nccl)
         # Transfers posted and not seen finished (one whose handle was dropped unwaited stays counted).
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
@@ -299,9 +303,28 @@ class TorchDistTransport(Transport):
         self._exit_hook = _exit_hook(weakref.ref(self))
         atexit.register(self._exit_hook)
 
+    def _make_ordered(self, nccl: bool) -> OrderedP2P:
+        group = self.group
+
+        def post_send(buf: torch.Tensor, peer: int) -> dist.Work:
+            return dist.isend(buf, group=group, group_dst=peer)
+
+        def post_recv(buf: torch.Tensor, peer: int) -> dist.Work:
+            return dist.irecv(buf, group=group, group_src=peer)
+
+        # An NCCL work's completion can be queried; a gloo one's only waited on (by a waiter thread).
+        watch = None if nccl else self.waiters.submit
+        return OrderedP2P(group_store(group), self._rank, self._size, self.device, post_send, post_recv, watch,
+                          self.timeout_s)  # fmt: skip
+
     @property
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def ordered(self) -> bool:
+        """Whether transfers are sequenced per pair (NCCL), not matched by tag."""
+        return self._ordered is not None
 
     def _track(self, delta: int) -> None:
         with self._in_flight_lock:
@@ -317,6 +340,8 @@ class TorchDistTransport(Transport):
         self._check_peer(peer, what)
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self._rank}: isend needs a contiguous tensor ({what})")
+        if self._ordered is not None:
+            return self._ordered.isend(tensor, peer, tag, what)
         buf = tensor if (tensor.device.type == "cpu" or self.device_native) else tensor.to("cpu")
         try:
             work = dist.isend(buf, group=self.group, group_dst=peer, tag=tag)
@@ -329,6 +354,8 @@ class TorchDistTransport(Transport):
         self._check_peer(peer, what)
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self._rank}: irecv needs a contiguous tensor ({what})")
+        if self._ordered is not None:
+            return self._ordered.irecv(tensor, peer, tag, what)
         staged = not (tensor.device.type == "cpu" or self.device_native)
         buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if staged else tensor
         try:
@@ -349,6 +376,8 @@ class TorchDistTransport(Transport):
             return
         self._closed = True
         atexit.unregister(self._exit_hook)
+        if self._ordered is not None:
+            self._ordered.close()
         if self._in_flight or self.waiters.busy():
             self._cancel_in_flight()
         self.waiters.close(_JOIN_S)
