@@ -28,6 +28,12 @@ metadata first, data receives posted the moment it arrives (from the
 transport's completion callback where it has one, otherwise from
 :meth:`BoundaryRecv.progress` between actions).
 
+Small messages (runtime/inline.py): when the remembered layout's data is at
+most ``INLINE_MAX_BYTES`` and the transport moves host memory, the receiver
+posts one buffer for metadata and data together and the sender fills it: one
+transfer per boundary instead of two or more (a changed layout: metadata and
+zeros in that buffer, the data to the fresh tags).
+
 Devices: every tensor handed to the transport lives on the transport's
 device (:func:`wire_device`): the metadata, the placeholders and payloads
 that come from elsewhere (e.g. a CPU mask) are staged there first, and
