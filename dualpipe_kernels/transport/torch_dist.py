@@ -344,7 +344,8 @@ class TorchDistTransport(Transport):
             return self._ordered.isend(tensor, peer, tag, what)
         buf = tensor if (tensor.device.type == "cpu" or self.device_native) else tensor.to("cpu")
         try:
-            work = dist.isend(buf, group=self.group, group_dst=peer, tag=tag)
+            # The group's own send (what dist.isend calls after its per-call argument checks).
+            work = self.group.send([buf], peer, tag)
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
@@ -359,7 +360,7 @@ class TorchDistTransport(Transport):
         staged = not (tensor.device.type == "cpu" or self.device_native)
         buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if staged else tensor
         try:
-            work = dist.irecv(buf, group=self.group, group_src=peer, tag=tag)
+            work = self.group.recv([buf], peer, tag)
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
