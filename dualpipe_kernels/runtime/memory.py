@@ -6,7 +6,9 @@ with the step.  The stage compute opens :meth:`ActivationMemory.saving` around a
 stage's forward (``torch.autograd.graph.saved_tensors_hooks``), calls
 :meth:`~ActivationMemory.before_backward` at the start of that micro-batch's
 backward and :meth:`~ActivationMemory.release` when autograd no longer needs the
-tensors (after B, or after the W of an I/W split); the action loop calls
+tensors (after B, or after the W of an I/W split); under recompute it also
+calls :meth:`~ActivationMemory.after_input` after the I of a graph split and
+:meth:`~ActivationMemory.before_weight` before its W; the action loop calls
 :meth:`~ActivationMemory.at_action` before each action, which starts the reloads
 the plan puts there.
 
@@ -71,6 +73,7 @@ class _Record:
     replay: Callable[[], None] | None = None
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
     recomputed: list[torch.Tensor] | None = None
+    recounted: dict[int, int] = field(default_factory=dict)  # storages the recompute counted -> their bytes
 
 
 @dataclass
@@ -295,7 +298,35 @@ class ActivationMemory:
         rec.recomputed = captured
         for i in rec.dropped:
             t = captured[i]
-            self._count(sm, rec, storage_ptr(t), storage_bytes(t))
+            ptr = storage_ptr(t)
+            if ptr not in rec.counted:
+                rec.recounted[ptr] = storage_bytes(t)
+                self._count(sm, rec, ptr, storage_bytes(t))
+
+    def after_input(self, sm: StepMemory, s: int, mb: int) -> None:
+        """The I of a graph-split backward of (s, mb) is done: a recomputed forward's tensors go now.
+
+        The graph split's W re-walks the stage's graph from its cut nodes to the
+        parameters and reads the saved tensors of every node on the way (for a
+        chain of parametrised ops, nearly all of them), so holding the
+        recomputation from I to W would hold keep's bytes for every key between
+        its I and its W.  :meth:`before_weight` recomputes again instead (one
+        more F, same RNG state, so the same tensors bit for bit).
+        """
+        rec = sm.records.get((s, mb))
+        if rec is None or rec.recomputed is None:
+            return
+        rec.recomputed = None
+        for ptr, n in rec.recounted.items():
+            rec.counted.discard(ptr)
+            sm.add(rec, -n)
+        rec.recounted.clear()
+
+    def before_weight(self, sm: StepMemory, s: int, mb: int) -> None:
+        """Right before a W that reads the saved tensors of (s, mb): recompute what :meth:`after_input` dropped."""
+        rec = sm.records.get((s, mb))
+        if rec is not None and rec.replay is not None and rec.recomputed is None:
+            self._recompute(sm, rec)
 
     def release(self, sm: StepMemory, s: int, mb: int) -> None:
         """Autograd is done with (s, mb): its records (and accounting) go."""
@@ -303,6 +334,7 @@ class ActivationMemory:
         if rec is not None:
             sm.add(rec, -rec.nbytes)
             rec.recomputed = None
+            rec.recounted.clear()
             rec.entries.clear()
 
 

@@ -11,12 +11,15 @@ stage's inputs and labels; ``compressed``: their packed size):
 
 * keep: ``saved`` from its F until its B (or until its W after an I);
 * compress: ``compressed`` over the same span;
-* recompute: ``kept`` from the F; from the B/I (which recomputes) ``saved``;
+* recompute: ``kept`` from the F; ``saved`` during the B/I (which recomputes);
+  after an I only ``kept`` again, and ``saved`` from the W (which recomputes
+  again: the runtime's graph-split W reads the saved tensors, see
+  ``runtime/memory.py``) until it ends;
 * offload: ``saved`` during the F, then ``kept``; from the reload (``lookahead``
   compute actions before its B/I) ``saved`` again.  Keys consumed within
   ``max(2, lookahead)`` compute actions of their F are never offloaded.
 
-Time: recompute adds an F to each B and I (and to a pair's backward half);
+Time: recompute adds an F to each B, I and W (and to a pair's backward half);
 compress adds ``compress_s_per_byte`` per saved byte to F and to the backward;
 offload delays a backward only by what its reload (moved bytes over the host
 link) cannot hide behind the ``lookahead`` compute actions before it.
@@ -38,6 +41,7 @@ __all__ = [
     "reload_points",
     "peak_saved_bytes",
     "policy_costs",
+    "PolicyCostModel",
     "predict",
 ]
 
@@ -149,7 +153,11 @@ def peak_saved_bytes(
                         reloaded.add(key)
                     if sub.type is T_B:
                         release(key)
+                    elif policy == "recompute":
+                        add(key, -(c.saved - c.kept))  # dropped after the I, recomputed at the W
                 elif sub.type is T_W:
+                    if policy == "recompute":
+                        add(key, c.saved - c.kept)
                     release(key)
         peaks.append(now[1])
     return peaks
@@ -185,7 +193,7 @@ def policy_costs(
     compress_s_per_byte: Num = 0,
     lookahead: int = 2,
 ) -> CostModel:
-    """``costs`` with the policy's extra time folded into each stage's F, B and W (see the module docstring)."""
+    """``costs`` with the policy's extra time folded into each stage's F, B, I and W (see the module docstring)."""
     _check_policy(policy)
     sc = costs.resolve(schedule)
     n = schedule.num_stages
@@ -202,12 +210,44 @@ def policy_costs(
             c = _bytes_of(sizes, s)
             extra_b[s] = max(0, (c.saved - c.kept) / host_bandwidth - window)
     fb = None if sc.fb is None else [sc.fb[s] + extra_f[s] + extra_b[s] for s in range(n)]
-    return CostModel(
+    return PolicyCostModel(
         f=[sc.f[s] + extra_f[s] for s in range(n)],
         b=[sc.b[s] + extra_b[s] for s in range(n)],
         w=list(sc.w),
         fb=fb,
+        extra_w=tuple(sc.f) if policy == "recompute" else (),
     )
+
+
+@dataclass(frozen=True)
+class PolicyCostModel(CostModel):
+    """A :class:`CostModel` whose W actions also cost ``extra_w[stage]`` (recompute's second forward).
+
+    ``b``, ``w`` and ``fb`` are those of the plain model with the extra of a
+    B (or I) already in ``b`` (so I = B - W carries it too); the extra of a W
+    cannot be folded into ``w`` as well, since I = B - W would then lose it.
+    """
+
+    extra_w: tuple[Num, ...] = ()
+
+    def resolve(self, schedule: Schedule) -> StageCosts:
+        sc = super().resolve(schedule)
+        if not self.extra_w:
+            return sc
+        w = tuple(sc.w[s] + self.extra_w[s] for s in range(schedule.num_stages))
+        return _WeightExtraCosts(sc.f, sc.b, w, sc.i, sc.fb, tuple(self.extra_w))
+
+
+@dataclass(frozen=True)
+class _WeightExtraCosts(StageCosts):
+    """Resolved costs whose ``w`` carries ``extra_w``, which an F&B pair's I half must not lose."""
+
+    extra_w: tuple[Num, ...] = ()
+
+    def pair(self, f_stage: int, b_stage: int, full_backward: bool) -> Num:
+        cost = super().pair(f_stage, b_stage, full_backward)
+        # Given F&B costs, an I half costs fb - w: add back the W's extra that ``w`` now holds.
+        return cost if full_backward or self.fb is None else cost + self.extra_w[b_stage]
 
 
 @dataclass(frozen=True)
