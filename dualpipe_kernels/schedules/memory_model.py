@@ -192,15 +192,23 @@ def policy_costs(
     host_bandwidth: Num = math.inf,
     compress_s_per_byte: Num = 0,
     lookahead: int = 2,
+    recompute_s: Sequence[Num] | None = None,
 ) -> CostModel:
-    """``costs`` with the policy's extra time folded into each stage's F, B, I and W (see the module docstring)."""
+    """``costs`` with the policy's extra time folded into each stage's F, B, I and W (see the module docstring).
+
+    ``recompute_s``: what re-running a stage's forward costs, per stage (default its F; a measured F
+    may also carry the runtime's work around the action, which a replay does not repeat).
+    """
     _check_policy(policy)
     sc = costs.resolve(schedule)
     n = schedule.num_stages
     extra_f: list[Num] = [0] * n
     extra_b: list[Num] = [0] * n
+    if recompute_s is not None and len(recompute_s) != n:
+        raise ValueError(f"recompute_s needs one cost per stage ({n}), got {len(recompute_s)}")
+    replay = list(sc.f) if recompute_s is None else list(recompute_s)
     if policy == "recompute":
-        extra_b = list(sc.f)
+        extra_b = list(replay)
     elif policy.startswith("compress"):
         extra_f = [_bytes_of(sizes, s).saved * compress_s_per_byte for s in range(n)]
         extra_b = list(extra_f)
@@ -215,7 +223,7 @@ def policy_costs(
         b=[sc.b[s] + extra_b[s] for s in range(n)],
         w=list(sc.w),
         fb=fb,
-        extra_w=tuple(sc.f) if policy == "recompute" else (),
+        extra_w=tuple(replay) if policy == "recompute" else (),
     )
 
 
@@ -269,10 +277,13 @@ def predict(
     host_bandwidth: Num = math.inf,
     compress_s_per_byte: Num = 0,
     lookahead: int = 2,
+    recompute_s: Sequence[Num] | None = None,
 ) -> MemoryPrediction:
     """Peak saved bytes per rank and the simulated step time of ``schedule`` under ``policy``."""
     from .simulator import simulate
 
-    pc = policy_costs(schedule, costs or CostModel(), policy, sizes, host_bandwidth, compress_s_per_byte, lookahead)
+    pc = policy_costs(
+        schedule, costs or CostModel(), policy, sizes, host_bandwidth, compress_s_per_byte, lookahead, recompute_s
+    )
     res = simulate(schedule, pc, comm)
     return MemoryPrediction(policy, peak_saved_bytes(schedule, policy, sizes, lookahead), res.makespan)
