@@ -164,6 +164,7 @@ def _rank(rank: int, world: int, cfg: MemoryConfig) -> dict[str, Any]:
             out[f"{name}/{policy}"] = {
                 "peak": mem.last_peak_bytes,
                 "forward_bytes": dict(mem.forward_bytes),
+                "forward_peak_bytes": dict(mem.forward_peak_bytes),
                 "times": times,
                 "timelines": timelines,
                 "grads": {s: m.scale_grad() for s, m in modules.items()},
@@ -186,15 +187,19 @@ def _predict(
 
     sched = build_schedule(name, cfg.ranks, cfg.microbatches)
 
-    def per_stage(pol: str) -> dict[int, int]:
+    def per_stage(pol: str, what: str = "forward_bytes") -> dict[int, int]:
         merged: dict[int, int] = {}
         for r in by_policy[pol]:
-            merged.update({int(s): b for s, b in r["forward_bytes"].items()})
+            merged.update({int(s): b for s, b in r[what].items()})
         return merged
 
     saved, kept = per_stage("keep"), per_stage("recompute")
-    packed = per_stage(policy) if policy.startswith("compress") else {}
-    sizes = [ChunkBytes(saved[s], min(kept[s], saved[s]), packed.get(s)) for s in range(sched.num_stages)]
+    compress = policy.startswith("compress")
+    packed = per_stage(policy) if compress else {}
+    during = per_stage(policy, "forward_peak_bytes") if compress else {}
+    sizes = [
+        ChunkBytes(saved[s], min(kept[s], saved[s]), packed.get(s), during.get(s)) for s in range(sched.num_stages)
+    ]
     costs, per_byte = measured
     per = per_byte.get(policy, 0.0)
     alone = predict(sched, policy, sizes, costs, compress_s_per_byte=per).makespan

@@ -10,7 +10,8 @@ Lifetimes of one (stage, micro-batch)'s saved activations on its rank, by policy
 stage's inputs and labels; ``compressed``: their packed size):
 
 * keep: ``saved`` from its F until its B (or until its W after an I);
-* compress: ``compressed`` over the same span;
+* compress: ``compressed`` over the same span (``in_forward`` at the end of the
+  F, when given: a stage input is packed only once the forward is done with it);
 * recompute: ``kept`` from the F; ``saved`` during the B/I (which recomputes);
   after an I only ``kept`` again, and ``saved`` from the W (which recomputes
   again: the runtime's graph-split W reads the saved tensors, see
@@ -55,11 +56,13 @@ Key = tuple[int, int]  # (stage, micro-batch)
 @dataclass(frozen=True)
 class ChunkBytes:
     """Saved activations of one stage chunk for one micro-batch (bytes).  ``compressed=None``:
-    ``kept`` plus the policy's ratio of the rest (fp32 activations)."""
+    ``kept`` plus the policy's ratio of the rest (fp32 activations).  ``in_forward``: what
+    compress holds at the end of the F, before the stage input is packed (None: ``compressed``)."""
 
     saved: Num
     kept: Num = 0
     compressed: Num | None = None
+    in_forward: Num | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.kept <= self.saved:
@@ -144,9 +147,13 @@ def peak_saved_bytes(
                 c = _bytes_of(sizes, sub.stage)
                 if sub.type is T_F:
                     offloaded = policy == "offload" and key not in resident
-                    add(key, c.saved if policy == "keep" or offloaded or key in resident else c.under(policy))
+                    settled = c.saved if policy == "keep" or offloaded or key in resident else c.under(policy)
+                    during = c.in_forward if policy.startswith("compress") and c.in_forward is not None else settled
+                    add(key, during)
                     if offloaded:
                         add(key, -(c.saved - c.kept))
+                    elif during != settled:
+                        add(key, settled - during)
                 elif sub.type is T_B or sub.type is T_I:
                     if policy == "recompute" or (policy == "offload" and key not in resident and key not in reloaded):
                         add(key, c.saved - c.kept)
