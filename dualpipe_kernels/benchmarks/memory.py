@@ -147,16 +147,17 @@ def _rank(rank: int, world: int, cfg: MemoryConfig) -> dict[str, Any]:
             x = torch.randn(
                 sleep_batch(cfg.microbatches, cfg.activation_bytes).shape, generator=torch.Generator().manual_seed(0)
             )
-            times, timelines = [], []
+            times, timelines, cpu = [], [], []
             try:
                 for step in range(cfg.steps + 1):
                     for m in modules.values():
                         m.zero_grad(set_to_none=True)
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     res = pipe.step(x, criterion=sleep_criterion)
                     if step:
                         times.append(time.perf_counter() - t0)
+                        cpu.append(time.process_time() - c0)
                         timelines.append((res.timeline, res.step_time_s))
             finally:
                 pipe.close()
@@ -167,6 +168,7 @@ def _rank(rank: int, world: int, cfg: MemoryConfig) -> dict[str, Any]:
                 "forward_peak_bytes": dict(mem.forward_peak_bytes),
                 "times": times,
                 "timelines": timelines,
+                "cpu": cpu,
                 "grads": {s: m.scale_grad() for s, m in modules.items()},
             }
     return out
@@ -267,6 +269,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         keep = by_policy["keep"]
         keep_peak = max(r["peak"] for r in keep)
         keep_step = statistics.median(max(ts) for ts in zip(*(r["times"] for r in keep), strict=True))
+        keep_cpu = statistics.median(c for r in keep for c in r["cpu"])
         sched = build_schedule(name, cfg.ranks, cfg.microbatches)
         n = sched.num_stages
         in_situ = in_situ_costs(zip(*(r["timelines"] for r in keep), strict=True), n)
@@ -277,6 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pred, alone = _predict(cfg, name, policy, by_policy, measured, in_situ)
             pred_step = float(pred.makespan) + in_situ.fixed_s
             step = statistics.median(max(ts) for ts in zip(*(r["times"] for r in got), strict=True))
+            cpu = statistics.median(c for r in got for c in r["cpu"])
             peak = max(r["peak"] for r in got)
             exact = all(
                 torch.equal(g["grads"][s], k["grads"][s]) for g, k in zip(got, keep, strict=True) for s in k["grads"]
@@ -302,6 +306,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "measured_over_predicted_peak": peak / pred_peak if pred_peak else None,
                     "measured_over_predicted_step": step / pred_step,
                     "step_over_keep": step / keep_step,
+                    # CPU seconds of one rank process per step (all its threads), median over ranks and steps:
+                    # what the policy adds in work, whatever the machine's load does to the wall time.
+                    "cpu_s": cpu,
+                    "cpu_s_keep": keep_cpu,
+                    "extra_cpu_over_keep_step": (cpu - keep_cpu) / keep_step,
                     "target_step_over_keep": STEP_TARGETS.get(policy),
                     "predicted_step_s_alone": alone,
                     "measured_over_predicted_step_alone": step / alone,
@@ -320,15 +329,17 @@ def to_markdown(result: dict[str, Any]) -> str:
     cols = ["schedule", "policy", "peak_saved_bytes", "share_of_keep", "target_share_of_keep"]
     cols += ["predicted_peak_saved_bytes", "measured_over_predicted_peak", "step_s", "step_over_keep"]
     cols += ["target_step_over_keep", "predicted_step_s", "measured_over_predicted_step"]
-    cols += ["measured_over_predicted_step_alone", "bit_exact"]
+    cols += ["measured_over_predicted_step_alone", "extra_cpu_over_keep_step", "bit_exact"]
     heads = ["schedule", "policy", "peak saved B", "/ keep", "target", "predicted B", "meas/pred"]
-    heads += ["step (s)", "/ keep", "target", "predicted (s)", "meas/pred", "meas/pred (chunk alone)", "bit-exact"]
+    heads += ["step (s)", "/ keep", "target", "predicted (s)", "meas/pred", "meas/pred (chunk alone)"]
+    heads += ["extra CPU / keep step", "bit-exact"]
     cfg = result["config"]
     lines = [
         f"{cfg['ranks']} CPU ranks x {cfg['microbatches']} micro-batches; peak over ranks of device-resident "
         "saved bytes (runtime accounting), step time median of the slowest rank.  Predicted step: the "
         "simulator on keep's measured per-action costs (runtime work around each action included) plus the "
-        "policy's modelled extra; 'chunk alone': on one chunk timed alone in one process instead.",
+        "policy's modelled extra; 'chunk alone': on one chunk timed alone in one process instead.  Extra CPU: "
+        "the policy's CPU seconds per step and rank process over keep's, as a share of keep's step time.",
         "",
         markdown_table(result["rows"], cols, heads),
     ]

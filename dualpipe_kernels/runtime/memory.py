@@ -139,6 +139,7 @@ class ActivationMemory:
     # ---- step ---------------------------------------------------------------
     def begin_step(self, training: bool) -> StepMemory:
         """A fresh step: reset the arena (sized from the previous steps) and note the parameters' storages."""
+        self.side.drain()  # no copy of the last step still writes into the arena
         self.arena.reset()
         if training:
             self.forward_bytes = {}
