@@ -138,37 +138,42 @@ def _rank(rank: int, world: int, cfg: MemoryConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in cfg.schedules:
         sched = build_schedule(name, world, cfg.microbatches)
-        for policy in cfg.policies:
-            modules = {s: MemStage(cfg.f_s, cfg.depth) for s in sched.stages_of_rank(rank)}
-            pipe = Pipeline(
-                sched, modules, transport="torch", memory_policy=policy, timeout_s=120.0, record_timeline=True
-            )
-            pipe.activation_memory.track = True  # keep's peak is the reference
-            x = torch.randn(
-                sleep_batch(cfg.microbatches, cfg.activation_bytes).shape, generator=torch.Generator().manual_seed(0)
-            )
-            times, timelines, cpu = [], [], []
-            try:
-                for step in range(cfg.steps + 1):
+        x = torch.randn(
+            sleep_batch(cfg.microbatches, cfg.activation_bytes).shape, generator=torch.Generator().manual_seed(0)
+        )
+        runs: dict[str, tuple[Any, dict[int, MemStage]]] = {}
+        got: dict[str, dict[str, list[Any]]] = {p: {"times": [], "timelines": [], "cpu": []} for p in cfg.policies}
+        try:
+            for policy in cfg.policies:
+                modules = {s: MemStage(cfg.f_s, cfg.depth) for s in sched.stages_of_rank(rank)}
+                pipe = Pipeline(
+                    sched, modules, transport="torch", memory_policy=policy, timeout_s=120.0, record_timeline=True
+                )
+                pipe.activation_memory.track = True  # keep's peak is the reference
+                runs[policy] = (pipe, modules)
+            # Steps of the policies take turns (one warm-up each first), so a change in the machine's load
+            # during the run reaches every policy alike: keep is the reference of every ratio.
+            for step in range(cfg.steps + 1):
+                for policy, (pipe, modules) in runs.items():
                     for m in modules.values():
                         m.zero_grad(set_to_none=True)
                     dist.barrier()
                     t0, c0 = time.perf_counter(), time.process_time()
                     res = pipe.step(x, criterion=sleep_criterion)
                     if step:
-                        times.append(time.perf_counter() - t0)
-                        cpu.append(time.process_time() - c0)
-                        timelines.append((res.timeline, res.step_time_s))
-            finally:
+                        got[policy]["times"].append(time.perf_counter() - t0)
+                        got[policy]["cpu"].append(time.process_time() - c0)
+                        got[policy]["timelines"].append((res.timeline, res.step_time_s))
+        finally:
+            for pipe, _ in runs.values():
                 pipe.close()
+        for policy, (pipe, modules) in runs.items():
             mem = pipe.activation_memory
             out[f"{name}/{policy}"] = {
                 "peak": mem.last_peak_bytes,
                 "forward_bytes": dict(mem.forward_bytes),
                 "forward_peak_bytes": dict(mem.forward_peak_bytes),
-                "times": times,
-                "timelines": timelines,
-                "cpu": cpu,
+                **got[policy],
                 "grads": {s: m.scale_grad() for s, m in modules.items()},
             }
     return out
