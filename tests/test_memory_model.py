@@ -126,3 +126,54 @@ def test_policy_arguments_are_checked_and_named():
         MemoryPolicy.parse("offload:fp8")
     with pytest.raises(ValueError, match="lookahead >= 1"):
         MemoryPolicy("offload", lookahead=0)
+
+
+def test_recompute_under_the_iw_split_holds_inputs_between_i_and_w():
+    # DualPipeV's split backwards: the recomputation goes after the I and comes back for the W.
+    sched = build_schedule("dualpipev", 4, 16)
+    sizes = ChunkBytes(17, 1)  # the memory bench's chunk: 16 saved blocks plus its input
+    keep = max(peak_saved_bytes(sched, "keep", sizes))
+    assert max(peak_saved_bytes(sched, "recompute", sizes)) <= 0.40 * keep
+
+
+def test_recompute_adds_an_f_to_b_i_and_w_also_inside_a_pair():
+    from dualpipe_kernels.schedules.memory_model import policy_costs
+
+    sched = build_schedule("zbv", 2, 4)
+    sizes = ChunkBytes(10, 1)
+    sc = policy_costs(sched, CostModel(f=2, b=5, w=3, fb=6), "recompute", sizes).resolve(sched)
+    assert (sc.b[0], sc.i[0], sc.w[0]) == (7, 4, 5)
+    assert sc.pair(0, 1, True) == 8 and sc.pair(0, 1, False) == 8 - 3  # F&B + F; its I half: F&B + F - W
+    replay = policy_costs(sched, CostModel(f=2, b=5, w=3), "recompute", sizes, recompute_s=[1] * 4).resolve(sched)
+    assert (replay.b[0], replay.i[0], replay.w[0], replay.f[0]) == (6, 3, 4, 2)
+    with pytest.raises(ValueError, match="one cost per stage"):
+        policy_costs(sched, CostModel(), "recompute", sizes, recompute_s=[1])
+
+
+def test_compress_peak_counts_the_whole_input_until_the_end_of_the_forward():
+    sched = build_schedule("1f1b", 2, 4)
+    settled = max(peak_saved_bytes(sched, "compress:fp8", ChunkBytes(17, 1, 4)))
+    during = max(peak_saved_bytes(sched, "compress:fp8", ChunkBytes(17, 1, 4, in_forward=5)))
+    assert during == settled + 1  # one forward in flight at the peak holds its whole input
+
+
+def test_in_situ_costs_charge_the_runtime_work_and_not_the_waits():
+    from dualpipe_kernels.benchmarks.in_situ_costs import in_situ_costs
+
+    # rank 0: F0 at 1-11 ms, F1 at 12-30 ms with a receive wait of 8 ms inside; step 40 ms
+    r0 = [(0, "0F0", 0.001, 0.011), (0, "0F1", 0.012, 0.030), (0, "0RECV_F1", 0.012, 0.020)]
+    got = in_situ_costs([[(r0, 0.040)]], 1)
+    assert got.f[0] == pytest.approx(0.0105)  # median of 10 ms and (18 - 8) + 1 ms of runtime work
+    assert got.forward_s[0] == pytest.approx(0.010)  # the spans alone
+    assert got.fixed_s == pytest.approx(0.001 + 0.010)  # before the first compute and after the last
+
+
+def test_fit_latency_finds_the_latency_a_step_was_simulated_with():
+    from dualpipe_kernels.benchmarks.in_situ_costs import InSituCosts, fit_latency
+    from dualpipe_kernels.schedules.costs import CommModel
+
+    sched = build_schedule("dualpipev", 4, 8)
+    costs = InSituCosts([0.01] * 8, [0.02] * 8, [0.01] * 8, [0.03] * 8, [0.01] * 8, fixed_s=0.002)
+    step = simulate(sched, costs.cost_model(), CommModel(latency=0.003)).makespan + 0.002
+    assert fit_latency(costs, sched, step).latency_s == pytest.approx(0.003, abs=1e-6)
+    assert fit_latency(costs, sched, 0.0).latency_s == 0.0

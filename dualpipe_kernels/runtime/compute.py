@@ -244,12 +244,14 @@ class StageCompute:
             with store.enabled_for(True):
                 st.deferred[(s, mb)] = backward_input(roots, leaves, params)
             store.flush((s, mb))
+            mem.after_input(st.mem, s, mb)  # type: ignore[union-attr]  # recompute: W recomputes again
         self._after_backward(st, s, mb)
 
     def weight(self, st: ComputeState, s: int, mb: int) -> None:
         """W of stage ``s`` for ``mb``: the weight-gradient work its I deferred."""
         deferred = st.deferred.pop((s, mb), None)
-        if deferred is not None:
+        if deferred:
+            self.memory.before_weight(st.mem, s, mb)  # type: ignore[union-attr]  # what after_input dropped
             deferred.run()
         self.store.pop((s, mb))
         self.memory.release(st.mem, s, mb)  # type: ignore[union-attr]  # the I kept the graph for this W

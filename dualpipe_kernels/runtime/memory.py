@@ -6,14 +6,18 @@ with the step.  The stage compute opens :meth:`ActivationMemory.saving` around a
 stage's forward (``torch.autograd.graph.saved_tensors_hooks``), calls
 :meth:`~ActivationMemory.before_backward` at the start of that micro-batch's
 backward and :meth:`~ActivationMemory.release` when autograd no longer needs the
-tensors (after B, or after the W of an I/W split); the action loop calls
+tensors (after B, or after the W of an I/W split); under recompute it also
+calls :meth:`~ActivationMemory.after_input` after the I of a graph split and
+:meth:`~ActivationMemory.before_weight` before its W; the action loop calls
 :meth:`~ActivationMemory.at_action` before each action, which starts the reloads
 the plan puts there.
 
 Accounting: every saved tensor's *storage* is counted once per (stage, mb) while
-it is device-resident (parameters never count: they are not activations; a
-stage input or label counts its own bytes, as it may be a slice of the caller's
-batch); the step's peak of the sum over this rank is :attr:`StepMemory.peak`.
+it is device-resident.  Parameters never count (they are not activations), nor
+does a stage input or label whose storage something else also holds (a slice of
+the caller's batch is resident before and after the step under any policy); a
+stage input this runtime alone holds (a received one) counts its own bytes.
+The step's peak of the sum over this rank is :attr:`StepMemory.peak`.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class _Record:
     replay: Callable[[], None] | None = None
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
     recomputed: list[torch.Tensor] | None = None
+    recounted: dict[int, int] = field(default_factory=dict)  # storages the recompute counted -> their bytes
+    inputs: list[_Input] = field(default_factory=list)  # compressed stage inputs of the open forward
 
 
 @dataclass
@@ -126,13 +132,18 @@ class ActivationMemory:
         # Per stage: the largest resident bytes one micro-batch's record held at the end of its
         # forward in the last training step (what a policy keeps per chunk; benchmarks feed it to the model).
         self.forward_bytes: dict[int, int] = {}
+        # Per stage: the same at the last moment of the forward, before a compressed stage input is packed
+        # and its whole copy freed (what the record holds while the forward still reads its input).
+        self.forward_peak_bytes: dict[int, int] = {}
 
     # ---- step ---------------------------------------------------------------
     def begin_step(self, training: bool) -> StepMemory:
         """A fresh step: reset the arena (sized from the previous steps) and note the parameters' storages."""
+        self.side.drain()  # no copy of the last step still writes into the arena
         self.arena.reset()
         if training:
             self.forward_bytes = {}
+            self.forward_peak_bytes = {}
         params = {storage_ptr(p) for m in self.modules.values() for p in m.parameters()} if training else set()
         return StepMemory(training=training, params=params)
 
@@ -193,13 +204,23 @@ class ActivationMemory:
             if ptr in sm.params:
                 return same(t)
             if ptr in rec.pinned:
-                # A stage input may be a slice of the caller's whole batch: count the slice, not its storage.
-                self._count(sm, rec, ptr, t.numel() * t.element_size())
+                if not _sole_holder(t):
+                    # The caller's batch (or another record's saved tensor): held there whatever this
+                    # record does, so not this record's bytes.
+                    return same(t)
+                if (
+                    kind == "compress"
+                    and t.grad_fn is None
+                    and t.is_floating_point()
+                    and _nbytes(t) >= rec.policy.min_bytes
+                ):
+                    return self._compress_input(sm, rec, t)
+                self._count(sm, rec, ptr, _nbytes(t))
                 return same(t)
             if kind == "recompute":
                 rec.dropped.append(index)
                 return _Dropped(rec, index)
-            if kind == "compress" and t.is_floating_point() and t.numel() * t.element_size() >= rec.policy.min_bytes:
+            if kind == "compress" and t.is_floating_point() and _nbytes(t) >= rec.policy.min_bytes:
                 return self._compress(sm, rec, t)
             if rec.offload and storage_bytes(t) >= rec.policy.min_bytes:
                 return self._offload(sm, rec, t)
@@ -224,6 +245,17 @@ class ActivationMemory:
             sm.add(rec, buf.numel())
         return _Compressed(got[0], got[1], t.requires_grad)
 
+    def _compress_input(self, sm: StepMemory, rec: _Record, t: torch.Tensor) -> _Input:
+        """A stage input this runtime alone holds, under compress: whole during the forward (which reads
+        it), packed at its end (:meth:`_close`)."""
+        ident = ("input", storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        got = rec.seen.get(ident)
+        if got is None:
+            got = rec.seen[ident] = _Input(t, rec.policy.dtype)
+            rec.inputs.append(got)
+            self._count(sm, rec, storage_ptr(t), _nbytes(t))
+        return got
+
     def _offload(self, sm: StepMemory, rec: _Record, t: torch.Tensor) -> _View:
         ptr = storage_ptr(t)
         entry = rec.seen.get(ptr)
@@ -236,13 +268,18 @@ class ActivationMemory:
         return _View(rec, entry, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def _close(self, sm: StepMemory, rec: _Record) -> None:
-        """End of the forward: offloaded sources leave the device (the copy keeps what it reads)."""
+        """End of the forward: offloaded sources leave the device (the copy keeps what it reads); a
+        compressed stage input keeps one copy (see :class:`_Input`)."""
         rec.open = False
         for entry in rec.entries:
             if entry.release_source(self.side):
                 sm.add(rec, -entry.nbytes)
         rec.seen.clear()
         s = rec.key[0]
+        self.forward_peak_bytes[s] = max(self.forward_peak_bytes.get(s, 0), rec.nbytes)
+        for held in rec.inputs:
+            sm.add(rec, held.settle())
+        rec.inputs.clear()
         self.forward_bytes[s] = max(self.forward_bytes.get(s, 0), rec.nbytes)
 
     # ---- reload, recompute, release ---------------------------------------------
@@ -295,7 +332,35 @@ class ActivationMemory:
         rec.recomputed = captured
         for i in rec.dropped:
             t = captured[i]
-            self._count(sm, rec, storage_ptr(t), storage_bytes(t))
+            ptr = storage_ptr(t)
+            if ptr not in rec.counted:
+                rec.recounted[ptr] = storage_bytes(t)
+                self._count(sm, rec, ptr, storage_bytes(t))
+
+    def after_input(self, sm: StepMemory, s: int, mb: int) -> None:
+        """The I of a graph-split backward of (s, mb) is done: a recomputed forward's tensors go now.
+
+        The graph split's W re-walks the stage's graph from its cut nodes to the
+        parameters and reads the saved tensors of every node on the way (for a
+        chain of parametrised ops, nearly all of them), so holding the
+        recomputation from I to W would hold keep's bytes for every key between
+        its I and its W.  :meth:`before_weight` recomputes again instead (one
+        more F, same RNG state, so the same tensors bit for bit).
+        """
+        rec = sm.records.get((s, mb))
+        if rec is None or rec.recomputed is None:
+            return
+        rec.recomputed = None
+        for ptr, n in rec.recounted.items():
+            rec.counted.discard(ptr)
+            sm.add(rec, -n)
+        rec.recounted.clear()
+
+    def before_weight(self, sm: StepMemory, s: int, mb: int) -> None:
+        """Right before a W that reads the saved tensors of (s, mb): recompute what :meth:`after_input` dropped."""
+        rec = sm.records.get((s, mb))
+        if rec is not None and rec.replay is not None and rec.recomputed is None:
+            self._recompute(sm, rec)
 
     def release(self, sm: StepMemory, s: int, mb: int) -> None:
         """Autograd is done with (s, mb): its records (and accounting) go."""
@@ -303,6 +368,7 @@ class ActivationMemory:
         if rec is not None:
             sm.add(rec, -rec.nbytes)
             rec.recomputed = None
+            rec.recounted.clear()
             rec.entries.clear()
 
 
@@ -311,6 +377,57 @@ class _Compressed:
     buffer: torch.Tensor
     layout: Any
     requires_grad: bool
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _sole_holder(t: torch.Tensor) -> bool:
+    """True when no tensor but ``t`` uses its storage (False where torch cannot tell)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    # The probe counts the same way (its own tensor plus the temporary storage object of the call).
+    probe = torch.empty(0)
+    return bool(use_count(t.untyped_storage()._cdata) <= use_count(probe.untyped_storage()._cdata))
+
+
+class _Input:
+    """A stage input saved under compress that only this runtime holds (a received tensor).
+
+    After the forward the runtime needs the input's tensor object (for its
+    ``.grad``), not its bytes: :meth:`settle` packs it and frees its storage,
+    so the backward reads the packed copy and the input costs what any
+    compressed activation costs.  If something took a reference to the storage
+    during the forward (a view saved as is), it stays whole.
+    """
+
+    def __init__(self, full: torch.Tensor, dtype: torch.dtype) -> None:
+        self.full: torch.Tensor | None = full  # a leaf or detached (sole holder), so no grad_fn cycle
+        self.dtype = dtype
+        self.buffer: torch.Tensor | None = None
+        self.layout: Any = None
+
+    def settle(self) -> int:
+        """End of the forward: pack and free the whole copy if still alone; the change of resident bytes."""
+        from dualpipe_kernels.kernels import pack
+
+        full = self.full
+        assert full is not None
+        if not _sole_holder(full):
+            return 0
+        self.buffer, self.layout = pack([full.detach()], dtype=self.dtype)
+        self.full = None
+        full.untyped_storage().resize_(0)
+        return self.buffer.numel() - _nbytes(full)
+
+    def get(self) -> torch.Tensor:
+        if self.full is not None:
+            return self.full
+        from dualpipe_kernels.kernels import unpack
+
+        return unpack(self.buffer, self.layout)[0]  # type: ignore[arg-type]
 
 
 def _unpack(x: Any) -> torch.Tensor:
@@ -327,6 +444,8 @@ def _unpack(x: Any) -> torch.Tensor:
         return rec.recomputed[x.index]
     if isinstance(x, _View):
         return x.entry.view(x.dtype, x.size, x.stride, x.offset)
+    if isinstance(x, _Input):
+        return x.get()
     if isinstance(x, _Compressed):
         from dualpipe_kernels.kernels import unpack
 

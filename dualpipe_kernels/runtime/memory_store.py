@@ -2,15 +2,20 @@
 
 On a GPU the arena is pinned and copies run on a side stream ordered by
 events (the compute stream never waits on the host).  On CPU the same code
-runs with an accounting arena: the offload copies into it synchronously, a
-reload only marks the bytes resident again and the backward reads the arena
-(valid until the next step's reset), so the offload/reload scheduling and the
-resident-byte accounting are tested without a GPU.
+runs with an accounting arena: the offload copies into it on a worker thread
+(the CPU's side stream: the compute thread goes on, and waits for a copy only
+when the backward reads it), a reload only marks the bytes resident again and
+the backward reads the arena (valid until the next step's reset), so the
+offload/reload scheduling and the resident-byte accounting are tested without
+a GPU.
 """
 
 from __future__ import annotations
 
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,12 +73,19 @@ class HostArena:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
 
+#: seconds a backward waits for a CPU offload copy before it names the failure
+COPY_TIMEOUT_S = 120.0
+
+
 class SideStream:
-    """The copy stream of a CUDA device (created on first use); None-like on CPU."""
+    """The copy stream of a CUDA device, or on CPU one worker thread that runs copies in order
+    (both created on first use; the thread ends when this object is collected)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream: torch.cuda.Stream | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._last: Future[Any] | None = None
 
     @property
     def cuda(self) -> bool:
@@ -83,6 +95,27 @@ class SideStream:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future[Any]:
+        """``dst.copy_(src)`` on the worker thread (the job holds ``src`` until it has run)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dualpipe-offload")
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        self._last = self._pool.submit(dst.copy_, src)
+        return self._last
+
+    def drain(self) -> None:
+        """Wait for every copy started so far (they run in order: the last one is enough)."""
+        if self._last is not None:
+            wait_copy(self._last, "a previous step's offload copy")
+            self._last = None
+
+
+def wait_copy(job: Future[Any], what: str) -> None:
+    try:
+        job.result(timeout=COPY_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise TimeoutError(f"offload: {what} did not finish within {COPY_TIMEOUT_S} s (worker thread stuck?)") from exc
 
 
 @dataclass
@@ -95,13 +128,14 @@ class Offloaded:
     source: torch.Tensor | None
     device: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
+    copying: Future[Any] | None = None  # CPU: the device->host copy on the worker thread
 
     @classmethod
     def start(cls, t: torch.Tensor, arena: HostArena, side: SideStream) -> Offloaded:
         """Start the device->host copy of ``t``'s whole storage (views of it share the entry)."""
         src = _bytes_of(t.untyped_storage(), t.device)
         host = arena.alloc(src.numel())
-        event = None
+        event = copying = None
         if side.cuda and t.device.type == "cuda":
             s = side.stream()
             s.wait_stream(torch.cuda.current_stream(t.device))  # the forward made t on the compute stream
@@ -111,8 +145,8 @@ class Offloaded:
                 event.record(s)
             src.record_stream(s)  # the allocator keeps the source until the copy is done
         else:
-            host.copy_(src)
-        return cls(src.numel(), host, src, event=event)
+            copying = side.copy(host, src)
+        return cls(src.numel(), host, src, event=event, copying=copying)
 
     def release_source(self, side: SideStream) -> bool:
         """Drop the device source (end of the forward); True if it was held."""
@@ -147,6 +181,9 @@ class Offloaded:
             raise RuntimeError("offloaded activation read before its reload was started (or after its release)")
         if self.source is None and self.event is not None:
             torch.cuda.current_stream(flat.device).wait_event(self.event)
+        if self.source is None and self.copying is not None:
+            wait_copy(self.copying, f"the copy of {self.nbytes} offloaded bytes")
+            self.copying = None
         # ``flat`` may be a slice of the arena: its start (in bytes, 64-aligned) shifts the view's offset.
         start = flat.storage_offset() // dtype.itemsize + offset
         return torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), start, size, stride)

@@ -10,13 +10,17 @@ Lifetimes of one (stage, micro-batch)'s saved activations on its rank, by policy
 stage's inputs and labels; ``compressed``: their packed size):
 
 * keep: ``saved`` from its F until its B (or until its W after an I);
-* compress: ``compressed`` over the same span;
-* recompute: ``kept`` from the F; from the B/I (which recomputes) ``saved``;
+* compress: ``compressed`` over the same span (``in_forward`` at the end of the
+  F, when given: a stage input is packed only once the forward is done with it);
+* recompute: ``kept`` from the F; ``saved`` during the B/I (which recomputes);
+  after an I only ``kept`` again, and ``saved`` from the W (which recomputes
+  again: the runtime's graph-split W reads the saved tensors, see
+  ``runtime/memory.py``) until it ends;
 * offload: ``saved`` during the F, then ``kept``; from the reload (``lookahead``
   compute actions before its B/I) ``saved`` again.  Keys consumed within
   ``max(2, lookahead)`` compute actions of their F are never offloaded.
 
-Time: recompute adds an F to each B and I (and to a pair's backward half);
+Time: recompute adds an F to each B, I and W (and to a pair's backward half);
 compress adds ``compress_s_per_byte`` per saved byte to F and to the backward;
 offload delays a backward only by what its reload (moved bytes over the host
 link) cannot hide behind the ``lookahead`` compute actions before it.
@@ -38,6 +42,7 @@ __all__ = [
     "reload_points",
     "peak_saved_bytes",
     "policy_costs",
+    "PolicyCostModel",
     "predict",
 ]
 
@@ -51,11 +56,13 @@ Key = tuple[int, int]  # (stage, micro-batch)
 @dataclass(frozen=True)
 class ChunkBytes:
     """Saved activations of one stage chunk for one micro-batch (bytes).  ``compressed=None``:
-    ``kept`` plus the policy's ratio of the rest (fp32 activations)."""
+    ``kept`` plus the policy's ratio of the rest (fp32 activations).  ``in_forward``: what
+    compress holds at the end of the F, before the stage input is packed (None: ``compressed``)."""
 
     saved: Num
     kept: Num = 0
     compressed: Num | None = None
+    in_forward: Num | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.kept <= self.saved:
@@ -140,16 +147,24 @@ def peak_saved_bytes(
                 c = _bytes_of(sizes, sub.stage)
                 if sub.type is T_F:
                     offloaded = policy == "offload" and key not in resident
-                    add(key, c.saved if policy == "keep" or offloaded or key in resident else c.under(policy))
+                    settled = c.saved if policy == "keep" or offloaded or key in resident else c.under(policy)
+                    during = c.in_forward if policy.startswith("compress") and c.in_forward is not None else settled
+                    add(key, during)
                     if offloaded:
                         add(key, -(c.saved - c.kept))
+                    elif during != settled:
+                        add(key, settled - during)
                 elif sub.type is T_B or sub.type is T_I:
                     if policy == "recompute" or (policy == "offload" and key not in resident and key not in reloaded):
                         add(key, c.saved - c.kept)
                         reloaded.add(key)
                     if sub.type is T_B:
                         release(key)
+                    elif policy == "recompute":
+                        add(key, -(c.saved - c.kept))  # dropped after the I, recomputed at the W
                 elif sub.type is T_W:
+                    if policy == "recompute":
+                        add(key, c.saved - c.kept)
                     release(key)
         peaks.append(now[1])
     return peaks
@@ -184,15 +199,23 @@ def policy_costs(
     host_bandwidth: Num = math.inf,
     compress_s_per_byte: Num = 0,
     lookahead: int = 2,
+    recompute_s: Sequence[Num] | None = None,
 ) -> CostModel:
-    """``costs`` with the policy's extra time folded into each stage's F, B and W (see the module docstring)."""
+    """``costs`` with the policy's extra time folded into each stage's F, B, I and W (see the module docstring).
+
+    ``recompute_s``: what re-running a stage's forward costs, per stage (default its F; a measured F
+    may also carry the runtime's work around the action, which a replay does not repeat).
+    """
     _check_policy(policy)
     sc = costs.resolve(schedule)
     n = schedule.num_stages
     extra_f: list[Num] = [0] * n
     extra_b: list[Num] = [0] * n
+    if recompute_s is not None and len(recompute_s) != n:
+        raise ValueError(f"recompute_s needs one cost per stage ({n}), got {len(recompute_s)}")
+    replay = list(sc.f) if recompute_s is None else list(recompute_s)
     if policy == "recompute":
-        extra_b = list(sc.f)
+        extra_b = list(replay)
     elif policy.startswith("compress"):
         extra_f = [_bytes_of(sizes, s).saved * compress_s_per_byte for s in range(n)]
         extra_b = list(extra_f)
@@ -202,12 +225,44 @@ def policy_costs(
             c = _bytes_of(sizes, s)
             extra_b[s] = max(0, (c.saved - c.kept) / host_bandwidth - window)
     fb = None if sc.fb is None else [sc.fb[s] + extra_f[s] + extra_b[s] for s in range(n)]
-    return CostModel(
+    return PolicyCostModel(
         f=[sc.f[s] + extra_f[s] for s in range(n)],
         b=[sc.b[s] + extra_b[s] for s in range(n)],
         w=list(sc.w),
         fb=fb,
+        extra_w=tuple(replay) if policy == "recompute" else (),
     )
+
+
+@dataclass(frozen=True)
+class PolicyCostModel(CostModel):
+    """A :class:`CostModel` whose W actions also cost ``extra_w[stage]`` (recompute's second forward).
+
+    ``b``, ``w`` and ``fb`` are those of the plain model with the extra of a
+    B (or I) already in ``b`` (so I = B - W carries it too); the extra of a W
+    cannot be folded into ``w`` as well, since I = B - W would then lose it.
+    """
+
+    extra_w: tuple[Num, ...] = ()
+
+    def resolve(self, schedule: Schedule) -> StageCosts:
+        sc = super().resolve(schedule)
+        if not self.extra_w:
+            return sc
+        w = tuple(sc.w[s] + self.extra_w[s] for s in range(schedule.num_stages))
+        return _WeightExtraCosts(sc.f, sc.b, w, sc.i, sc.fb, tuple(self.extra_w))
+
+
+@dataclass(frozen=True)
+class _WeightExtraCosts(StageCosts):
+    """Resolved costs whose ``w`` carries ``extra_w``, which an F&B pair's I half must not lose."""
+
+    extra_w: tuple[Num, ...] = ()
+
+    def pair(self, f_stage: int, b_stage: int, full_backward: bool) -> Num:
+        cost = super().pair(f_stage, b_stage, full_backward)
+        # Given F&B costs, an I half costs fb - w: add back the W's extra that ``w`` now holds.
+        return cost if full_backward or self.fb is None else cost + self.extra_w[b_stage]
 
 
 @dataclass(frozen=True)
@@ -229,10 +284,13 @@ def predict(
     host_bandwidth: Num = math.inf,
     compress_s_per_byte: Num = 0,
     lookahead: int = 2,
+    recompute_s: Sequence[Num] | None = None,
 ) -> MemoryPrediction:
     """Peak saved bytes per rank and the simulated step time of ``schedule`` under ``policy``."""
     from .simulator import simulate
 
-    pc = policy_costs(schedule, costs or CostModel(), policy, sizes, host_bandwidth, compress_s_per_byte, lookahead)
+    pc = policy_costs(
+        schedule, costs or CostModel(), policy, sizes, host_bandwidth, compress_s_per_byte, lookahead, recompute_s
+    )
     res = simulate(schedule, pc, comm)
     return MemoryPrediction(policy, peak_saved_bytes(schedule, policy, sizes, lookahead), res.makespan)
