@@ -403,7 +403,8 @@ def _robin_pareto_within(c: list[float], ranks: int, m: int, limit: float) -> li
     front: dict[int, list[tuple[tuple[float, ...], object]]] = {0: [((0.0,) * ranks, None)]}
     history = [front]
     for s in range(m):
-        r, nxt = s % ranks, {}
+        r = s % ranks
+        nxt: dict[int, list[tuple[tuple[float, ...], object]]] = {}
         for i, entries in front.items():
             for e in range(i + 1, n - (m - s - 1) + 1):
                 seg = prefix[e] - prefix[i]
@@ -418,7 +419,8 @@ def _robin_pareto_within(c: list[float], ranks: int, m: int, limit: float) -> li
     vec, parent = min(front[n], key=lambda e: max(e[0]))
     cuts = [n]
     for s in range(m, 0, -1):
-        i, prev = parent  # type: ignore[misc]
+        assert isinstance(parent, tuple)
+        i, prev = parent
         cuts.append(i)
         parent = next(p for v, p in history[s - 1][i] if v == prev)
     cuts.reverse()

@@ -122,8 +122,8 @@ def cuda_ipc_or_none(group: Any, device: Any, timeout_s: float, peers: list[int]
     prefix = f"dpk/auto/{name}/{generation}"
 
     def build() -> Transport:
-        only = {} if peers is None else {"peers": peers}  # default: every other rank of the group
-        t = CudaIpcTransport(group, device=device, timeout_s=min(timeout_s, AUTO_RENDEZVOUS_S), **only)
+        # default: every other rank of the group
+        t = CudaIpcTransport(group, device=device, timeout_s=min(timeout_s, AUTO_RENDEZVOUS_S), peers=peers)
         t.timeout_s = timeout_s  # the rendezvous is bounded; every later wait gets the caller's timeout
         return t
 

@@ -36,6 +36,7 @@ serving, naming the error, instead of leaving them to time out.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -205,7 +206,7 @@ class OrderedP2P:
                 elif staging.numel() != buf.numel():
                     handle._fail(self._size_error(tag, staging.numel(), buf.numel()))
                 else:
-                    handle._set(work, lambda: buf.copy_(staging))
+                    handle._set(work, functools.partial(_copy, buf, staging))
             else:
                 pair.recvs.setdefault(tag, collections.deque()).append((buf, handle))
         return handle
@@ -311,3 +312,7 @@ class OrderedP2P:
                 pass
         for t in self._workers:
             t.join(_JOIN_S)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)

@@ -279,7 +279,9 @@ class TorchDistTransport(Transport):
         """``ordered``: sequence every pair's transfers (see ordered.py); default: exactly for NCCL groups."""
         super().__init__(timeout_s)
         require_process_group("TorchDistTransport", timeout_s)
-        self.group = group if group is not None else dist.group.WORLD
+        world = dist.group.WORLD
+        assert group is not None or world is not None  # require_process_group: a default group exists
+        self.group: dist.ProcessGroup = group if group is not None else world  # type: ignore[assignment]
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._rank = dist.get_rank(self.group)
         self._size = dist.get_world_size(self.group)
@@ -307,10 +309,14 @@ class TorchDistTransport(Transport):
         group = self.group
 
         def post_send(buf: torch.Tensor, peer: int) -> dist.Work:
-            return dist.isend(buf, group=group, group_dst=peer)
+            work = dist.isend(buf, group=group, group_dst=peer)
+            assert work is not None
+            return work
 
         def post_recv(buf: torch.Tensor, peer: int) -> dist.Work:
-            return dist.irecv(buf, group=group, group_src=peer)
+            work = dist.irecv(buf, group=group, group_src=peer)
+            assert work is not None
+            return work
 
         # An NCCL work's completion can be queried; a gloo one's only waited on (by a waiter thread).
         watch = None if nccl else self.waiters.submit
