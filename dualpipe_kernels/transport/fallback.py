@@ -122,8 +122,11 @@ def cuda_ipc_or_none(group: Any, device: Any, timeout_s: float, peers: list[int]
     prefix = f"dpk/auto/{name}/{generation}"
 
     def build() -> Transport:
-        # default: every other rank of the group
-        t = CudaIpcTransport(group, device=device, timeout_s=min(timeout_s, AUTO_RENDEZVOUS_S), peers=peers)
+        bounded = min(timeout_s, AUTO_RENDEZVOUS_S)
+        if peers is None:  # every other rank of the group
+            t = CudaIpcTransport(group, device=device, timeout_s=bounded)
+        else:
+            t = CudaIpcTransport(group, device=device, timeout_s=bounded, peers=peers)
         t.timeout_s = timeout_s  # the rendezvous is bounded; every later wait gets the caller's timeout
         return t
 
