@@ -104,14 +104,23 @@ class MessageCodec:
         """Whether a tensor is carried bit for bit although the format is lossy (see the module docstring)."""
         return self._lossy and self.direction != _GRADIENTS and not requires_grad and dtype.is_floating_point
 
+    # (Loops, not generator expressions: these run for every boundary message.)
     def layout(self, tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool]) -> Layout:
-        return tuple(
-            None if t is None else (t.dtype, tuple(t.shape), self.exact(t.dtype, bool(g)))
-            for t, g in zip(tensors, grad_flags, strict=False)
-        )
+        lossy = self._lossy
+        out: list[tuple[torch.dtype, tuple[int, ...], bool] | None] = []
+        for t, g in zip(tensors, grad_flags, strict=False):
+            if t is None:
+                out.append(None)
+            else:
+                out.append((t.dtype, tuple(t.shape), lossy and self.exact(t.dtype, bool(g))))
+        return tuple(out)
 
     def layout_of(self, metas: Sequence[TensorMeta | None]) -> Layout:
-        return tuple(None if m is None else (m.dtype, m.shape, self.exact(m.dtype, m.requires_grad)) for m in metas)
+        lossy = self._lossy
+        out: list[tuple[torch.dtype, tuple[int, ...], bool] | None] = []
+        for m in metas:
+            out.append(None if m is None else (m.dtype, m.shape, lossy and self.exact(m.dtype, m.requires_grad)))
+        return tuple(out)
 
     def pack_layout(self, layout: Layout) -> PackLayout | None:
         """The packed buffer's layout for a message of ``layout`` (None when unpacked or no tensor)."""

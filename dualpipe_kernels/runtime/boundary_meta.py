@@ -125,6 +125,13 @@ class LayoutMemory:
         self.pool = BufferPool()  # inline receive buffers
         self.inline_plans: dict[tuple[object, ...], InlinePlan] = {}  # (format code, direction, layout) -> plan
         self.codecs: dict[tuple[str, int], MessageCodec] = {}  # (format, direction) -> codec
+        self._wire: tuple[Transport, torch.device] | None = None
+
+    def wire_device(self, transport: Transport) -> torch.device:
+        """:func:`wire_device` of ``transport``, worked out once (a pipeline has one transport)."""
+        if self._wire is None or self._wire[0] is not transport:
+            self._wire = (transport, wire_device(transport))
+        return self._wire[1]
 
     def codec(self, fmt: str, direction: int) -> MessageCodec:
         """The (stateless, shared) codec of messages of ``fmt`` in ``direction``."""
@@ -206,14 +213,10 @@ def meta_signature(
     tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool], speculative: bool, format_code: int
 ) -> tuple[object, ...]:
     """Everything :func:`encode_meta` reads, as a hashable key (for the metadata cache)."""
-    return (
-        speculative,
-        format_code,
-        tuple(
-            None if t is None else (t.dtype, tuple(t.shape), bool(g)) for t, g in zip(tensors, grad_flags, strict=False)
-        ),
-        len(tensors),
-    )
+    entries: list[object] = []
+    for t, g in zip(tensors, grad_flags, strict=False):  # a loop, not a generator: per boundary message
+        entries.append(None if t is None else (t.dtype, tuple(t.shape), bool(g)))
+    return (speculative, format_code, tuple(entries), len(tensors))
 
 
 def decode_meta(meta: torch.Tensor) -> tuple[list[TensorMeta | None], bool, int]:

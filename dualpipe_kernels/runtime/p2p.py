@@ -128,7 +128,7 @@ class BoundarySend:
         direction, stage, mb = key
         self.what = what
         codec = memory.codec(fmt, direction) if memory is not None else MessageCodec(fmt, direction)
-        wire = wire_device(transport)
+        wire = memory.wire_device(transport) if memory is not None else wire_device(transport)
         layout = codec.layout(tensors, grad_flags)
         guess = memory.sent.get(key) if memory is not None else None
         hit = guess is not None and guess == layout
@@ -243,7 +243,7 @@ class BoundaryRecv:
         self._spec_handles: list[Handle] = []
         #: the data receives wait for the metadata and for :meth:`progress` calls to post them
         self.needs_progress = False
-        wire = wire_device(transport)
+        wire = memory.wire_device(transport) if memory is not None else wire_device(transport)
         meta_tag = tags.tag(key[0], key[1], key[2], 0)
         self._inline = memory.inline(self._codec, self._guess) if memory is not None and wire.type == "cpu" else None
         if self._inline is not None:

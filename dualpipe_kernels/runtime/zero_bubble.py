@@ -170,12 +170,18 @@ def _backward(
     output, or the loss seed), so the public function's checks are skipped
     when every gradient is a tensor; the engine call is the same.
     """
-    edges = tuple(e for e, _ in roots)
-    grads = tuple(g for _, g in roots)
-    if _ENGINE_RUN is None or any(g is None for g in grads):
+    edges, grads = zip(*roots, strict=True)  # no generator expressions: this runs for every backward
+    if _ENGINE_RUN is None or _has_none(grads):
         torch.autograd.backward(list(edges), list(grads), retain_graph=retain_graph, inputs=list(inputs) or None)
         return
     _ENGINE_RUN(edges, grads, retain_graph, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True)
+
+
+def _has_none(items: Sequence[object]) -> bool:
+    for x in items:
+        if x is None:
+            return True
+    return False
 
 
 def backward_full(roots: Sequence[tuple[GradientEdge, torch.Tensor | None]]) -> None:

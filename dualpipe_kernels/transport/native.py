@@ -350,8 +350,9 @@ class NativeTransport(Transport):
 
     def _post(self, is_send: bool, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Handle:
         """Check, then hand the transfer to the engine (to the fallback for a peer on another host)."""
-        self._check(tensor, peer, what)
-        if peer not in self._local:
+        if self._closed or peer not in self._local or not tensor.is_cpu or not tensor.is_contiguous():
+            # Anything unusual (an error to name, a peer on another host): the full checks first.
+            self._check(tensor, peer, what)
             assert self._fallback is not None
             return (self._fallback.isend if is_send else self._fallback.irecv)(tensor, peer, tag, what)
         nbytes = tensor.numel() * tensor.element_size()
