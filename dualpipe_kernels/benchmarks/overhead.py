@@ -57,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-torch", dest="no_torch", action="store_true", help="skip torch.distributed.pipelining")
     p.add_argument("--profile-schedule", default="dualpipev", help="schedule profiled on native (default dualpipev)")
     p.add_argument("--profile-top", type=int, default=25, help="profile entries kept (default 25)")
+    p.add_argument(
+        "--no-pin",
+        dest="no_pin",
+        action="store_true",
+        help="leave the rank processes unpinned (default: each rank on its own core, ours and torch's alike)",
+    )
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class OverheadConfig:
     profile_schedule: str
     profile_top: int
     ranks: int = 2
+    pin: bool = True  # each rank process on its own core (when there are enough)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OverheadConfig:
@@ -86,6 +93,7 @@ class OverheadConfig:
             torch_peers=not getattr(args, "no_torch", False),
             profile_schedule=str(getattr(args, "profile_schedule", "dualpipev")),
             profile_top=int(getattr(args, "profile_top", 25)),
+            pin=not getattr(args, "no_pin", False),
         )
         cfg.check()
         return cfg
@@ -266,10 +274,31 @@ def _short(path: str) -> str:
     return path
 
 
+def pin_to_core(rank: int) -> int | None:
+    """Pin this process to its own core (rank-th of the allowed ones); the core, or None when the ranks
+    outnumber the cores or the platform cannot pin.
+
+    Why: with two busy processes on two cores, a transfer's wake-up of the peer (a futex or a socket)
+    may run the woken process on the waker's core and preempt the waker mid-step; one process per core
+    is how pipeline ranks are deployed anyway (one per GPU, bound to its NUMA node).
+    """
+    import os
+
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if rank >= len(cores):  # more ranks than cores: pinning would pile them up
+        return None
+    os.sched_setaffinity(0, {cores[rank]})
+    return cores[rank]
+
+
 def _worker(rank: int, world: int, cfg: OverheadConfig) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
+    if cfg.pin:
+        pin_to_core(rank)
     out: dict[str, Any] = {}
     for case in cfg.cases():
         try:
@@ -378,7 +407,12 @@ def to_markdown(result: dict[str, Any]) -> str:
     head = (
         f"{c.get('ranks')} ranks x {c.get('microbatches')} micro-batches, every stage chunk one Linear(8, 8) on "
         f"1x8 rows; median (min, max) of {c.get('steps')} steps of the slowest rank. per action: step / compute "
-        "actions of the busiest rank. 'ours/torch': our step on gloo over torch's on gloo."
+        "actions of the busiest rank. 'ours/torch': our step on gloo over torch's on gloo. "
+        + (
+            "Each rank process pinned to its own core (ours and torch's alike; --no-pin: not)."
+            if c.get("pin")
+            else "Rank processes not pinned (--no-pin)."
+        )
     )
     cols = [
         ("impl", "impl"),
