@@ -70,8 +70,9 @@ def inline_plan(codec: MessageCodec, layout: Layout) -> InlinePlan:
         if n == 0:
             offsets.append(None)
             continue
+        pos = -(-pos // _ALIGN) * _ALIGN  # each tensor starts aligned (its bits are viewed in place)
         offsets.append(pos)
-        pos += -(-n // _ALIGN) * _ALIGN
+        pos += n
     return InlinePlan(pos, tuple(offsets), None)
 
 
@@ -94,6 +95,11 @@ def build(
     ``layout`` None: zeros after the metadata (the receiver's posted buffer of
     a layout the sender no longer has; the data goes to the fresh tags).
     """
+    if layout is not None and plan.pack is None and len(tensors) == 1 and plan.offsets == (0,):
+        t = tensors[0]
+        assert t is not None
+        if t.is_cpu:  # the common message, one tensor: one concatenation
+            return torch.cat((meta.view(torch.uint8), t.detach().reshape(-1).view(torch.uint8)))
     buf = torch.empty(META_BYTES + plan.nbytes, dtype=torch.uint8, device=_HOST)
     buf[:META_BYTES].copy_(meta.view(torch.uint8))
     data = buf[META_BYTES:]
@@ -114,8 +120,8 @@ def read(
     buf: torch.Tensor, codec: MessageCodec, layout: Layout, plan: InlinePlan, device: torch.device
 ) -> list[torch.Tensor | None]:
     """The message's tensors, new on ``device`` (copied out of ``buf``, which is free again afterwards)."""
-    data = buf[META_BYTES : META_BYTES + plan.nbytes]
     if plan.pack is not None:
+        data = buf[META_BYTES : META_BYTES + plan.nbytes]
         tensors: list[torch.Tensor | None] = [
             None if e is None else torch.empty(e[1], dtype=e[0], device=_HOST) for e in layout
         ]
@@ -128,6 +134,7 @@ def read(
         elif off is None:
             out.append(torch.empty(e[1], dtype=e[0], device=device))
         else:
-            view = data[off : off + _nbytes(e[0], e[1])].view(e[0]).view(e[1])
+            start = META_BYTES + off
+            view = buf[start : start + _nbytes(e[0], e[1])].view(e[0]).view(e[1])
             out.append(view.clone() if device.type == "cpu" else view.to(device))
     return out
