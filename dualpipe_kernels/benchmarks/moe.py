@@ -78,6 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cost-repeats", type=int, default=None, help="rounds of each cost timed alone (default 7; quick 2)"
     )
     p.add_argument("--transport", choices=("auto", "torch", "native"), default=None, help="our pipeline transport")
+    p.add_argument(
+        "--a2a",
+        choices=("native", "gloo"),
+        default=None,
+        help="what moves the expert all_to_all's bytes, for every contender: our shared-memory engine "
+        "(default) or gloo over TCP loopback",
+    )
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,7 @@ class MoeConfig:
             warmup=int(pick("warmup", 1, 1)),
             cost_repeats=int(pick("cost_repeats", 7, 2)),
             transport=str(pick("transport", "auto", "auto")),
+            a2a=str(pick("a2a", "native", "native")),
         )
         if run.pp < 1 or run.ep < 1:
             raise ValueError(f"--pp and --ep must be >= 1, got {run.pp}, {run.ep}")
@@ -282,6 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": cfg.as_dict(),
         "layout": f"pipeline {r.pp} x expert-parallel {r.ep} = {r.pp * r.ep} CPU processes (gloo)",
+        "a2a_backend": r.a2a,
         "rows": rows,
         "grads": _grad_check(per_rank),
         "overlapped_pairs": pairs,
@@ -306,14 +315,20 @@ _COLUMNS = [
 ]
 
 
+_A2A_TEXT = {
+    "native": "our shared-memory engine (a send and a receive per peer block, one copy each)",
+    "gloo": "gloo over TCP loopback",
+}
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     c, t, g = result["config"], result["targets"], result["grads"]
     lines = [
         f"{result['layout']}; DualPipeV, {c['microbatches']} micro-batches; chunk compute F {c['f_s'] * 1e3:g} ms, "
-        f"B {c['b_s'] * 1e3:g} ms (W {c['w_s'] * 1e3:g} ms), sleep-timed; all_to_all: gloo, dispatch + combine in "
-        "forward and backward. `ratio_vs_ours` = our step / theirs (below 1: we are faster); `exposed_a2a_s` = "
-        "step minus the same contender at the smallest size; `simulated_s`: our simulator fed the measured F, B, W "
-        "and this contender's pair cost.",
+        f"B {c['b_s'] * 1e3:g} ms (W {c['w_s'] * 1e3:g} ms), sleep-timed; all_to_all: {_A2A_TEXT[c['a2a']]}, "
+        "dispatch + combine in forward and backward. `ratio_vs_ours` = our step / theirs (below 1: we are faster); "
+        "`exposed_a2a_s` = step minus the same contender at the smallest size; `simulated_s`: our simulator fed "
+        "the measured F, B, W and this contender's pair cost.",
         "",
         markdown_table(result["rows"], _COLUMNS),
         "",

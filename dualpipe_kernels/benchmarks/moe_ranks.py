@@ -64,6 +64,7 @@ class MoeRun:
     warmup: int
     cost_repeats: int
     transport: str = "auto"
+    a2a: str = "native"  # what moves the all_to_all's bytes: "native" (shared memory) or "gloo" (TCP loopback)
 
 
 def pad_for_bytes(run: MoeRun, a2a_bytes: int) -> int:
@@ -261,7 +262,7 @@ def rank_main(rank: int, world: int, run: MoeRun) -> dict[str, Any]:
         raise ValueError(f"moe bench: {world} processes but pp {run.pp} x ep {run.ep} = {run.pp * run.ep}")
     p_rank, e_rank = rank // run.ep, rank % run.ep
     pp_group, g_f, g_b = pipeline_expert_groups(run.pp, run.ep)
-    group = ExpertGroup(g_f, g_b, run.ep)
+    group = ExpertGroup(g_f, g_b, run.ep, native=_a2a_transport(run, g_f))
     contenders: dict[str, _Ours | _Torch] = {
         "ours": _Ours(run, True, group, pp_group, p_rank, e_rank),
         "ours-hook-off": _Ours(run, False, group, pp_group, p_rank, e_rank),
@@ -292,4 +293,16 @@ def rank_main(rank: int, world: int, run: MoeRun) -> dict[str, Any]:
     finally:
         for c in contenders.values():
             c.close()
+        group.close()
     return out
+
+
+def _a2a_transport(run: MoeRun, expert_group: Any) -> Any:
+    """The expert group's NativeTransport for ``run.a2a == "native"`` (collective over the group), else None."""
+    if run.a2a == "gloo":
+        return None
+    if run.a2a != "native":
+        raise ValueError(f"moe bench: all_to_all backend must be 'native' or 'gloo', got {run.a2a!r}")
+    from dualpipe_kernels.transport.native import NativeTransport
+
+    return NativeTransport(expert_group)
