@@ -336,9 +336,14 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"- overlapped pairs run by the hook: {result['overlapped_pairs']}",
         f"- first-step gradients equal across contenders: {'yes' if g['equal'] else 'NO'} "
         f"({g['compared']} tensors; {g['rule']}){'' if g['mismatch'] is None else '; ' + g['mismatch']}",
-        "- why: in the hook each all_to_all is in flight while the other chunk computes one phase (F/2 or B/2); "
-        "while an all_to_all is shorter than that phase it is hidden, beyond it the excess is exposed in every pair, "
-        "and the sequential pairs (hook off, torch) expose all four all_to_alls of a pair at every size",
+        "- why: in the hook each all_to_all is in flight while the other chunk computes one phase (F/2 or B/2), "
+        "and the sequential pairs (hook off, torch) expose all four all_to_alls of a pair at every size. Here an "
+        "all_to_all is copies done by the CPU, so a hooked pair takes at least its four all_to_alls back to back "
+        "(4 x a2a_s) and at least its compute (F + B of sleep): below a chunk's compute the all_to_alls hide, "
+        "above it the pair is bound by them. The native engine runs a rank's exchanges in posting order, so "
+        "the one a compute phase waits for finishes first; gloo over TCP loopback copies each byte in the "
+        "kernel on both sides and runs the pair's two in-flight all_to_alls side by side, sharing the cores, "
+        "so both finish late (`--a2a gloo`)",
         f"- targets at a2a {t['a2a_bytes']} B (one all_to_all {t['a2a_s'] * 1e3:.3g} ms vs a chunk's forward "
         f"compute {t['chunk_forward_compute_s'] * 1e3:g} ms):",
     ]
