@@ -79,6 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--transport", choices=("auto", "torch", "native"), default=None, help="our pipeline transport")
     p.add_argument(
+        "--comm-nice",
+        type=int,
+        default=None,
+        help="niceness of each process's communication threads, below its compute thread (default 10; 0: equal)",
+    )
+    p.add_argument(
         "--a2a",
         choices=("native", "gloo"),
         default=None,
@@ -117,7 +123,10 @@ class MoeConfig:
             cost_repeats=int(pick("cost_repeats", 7, 2)),
             transport=str(pick("transport", "auto", "auto")),
             a2a=str(pick("a2a", "native", "native")),
+            comm_nice=int(pick("comm_nice", 10, 10)),
         )
+        if not 0 <= run.comm_nice <= 19:
+            raise ValueError(f"--comm-nice must be in [0, 19], got {run.comm_nice}")
         if run.pp < 1 or run.ep < 1:
             raise ValueError(f"--pp and --ep must be >= 1, got {run.pp}, {run.ep}")
         if run.rows < 1 or run.cols < 1 or run.rows % run.ep:
@@ -300,6 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": cfg.as_dict(),
         "layout": f"pipeline {r.pp} x expert-parallel {r.ep} = {r.pp * r.ep} CPU processes (gloo)",
         "a2a_backend": r.a2a,
+        "comm_threads_lowered": [p.get("comm_threads_lowered", 0) for p in per_rank],
         "rows": rows,
         "grads": _grad_check(per_rank),
         "overlapped_pairs": pairs,
