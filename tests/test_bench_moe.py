@@ -58,6 +58,9 @@ def test_moe_quick_json_contract(quick: tuple[dict[str, Any], float, Path, str])
             assert r["exposed_a2a_s"] == 0.0  # the baseline against itself
     assert res["config"]["processes"] == 4 and "4 CPU processes" in res["layout"]
     assert res["reference"]["skipped"].startswith("reference skipped:")
+    assert res["a2a_backend"] == "native"
+    if sys.platform == "linux":  # every process lowered its communication threads below its compute thread
+        assert len(res["comm_threads_lowered"]) == 4 and min(res["comm_threads_lowered"]) > 0
     assert set(res["targets"]["values"]) == set(res["targets"]["limits"])
     assert (out / "moe.json").is_file() and (out / "moe.md").is_file() and (out / "moe_step_vs_a2a.png").is_file()
     # CI budget: the whole quick run, process start included (generous on a shared machine).

@@ -354,6 +354,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         f"- {result['reference']['skipped']}",
         f"- overlapped pairs run by the hook: {result['overlapped_pairs']}",
+        f"- communication threads of each process at niceness {c['comm_nice']}, below its compute thread (threads "
+        f"set per process: {result.get('comm_threads_lowered')}): on a GPU the copies do not take the compute's "
+        "cores; here, at equal priority, a compute thread woken from its sleep waited behind them",
         f"- first-step gradients equal across contenders: {'yes' if g['equal'] else 'NO'} "
         f"({g['compared']} tensors; {g['rule']}){'' if g['mismatch'] is None else '; ' + g['mismatch']}",
         "- why: in the hook each all_to_all is in flight while the other chunk computes one phase (F/2 or B/2), "
