@@ -58,6 +58,9 @@ def test_moe_quick_json_contract(quick: tuple[dict[str, Any], float, Path, str])
             assert r["exposed_a2a_s"] == 0.0  # the baseline against itself
     assert res["config"]["processes"] == 4 and "4 CPU processes" in res["layout"]
     assert res["reference"]["skipped"].startswith("reference skipped:")
+    assert res["a2a_backend"] == "native"
+    if sys.platform == "linux":  # every process lowered its communication threads below its compute thread
+        assert len(res["comm_threads_lowered"]) == 4 and min(res["comm_threads_lowered"]) > 0
     assert set(res["targets"]["values"]) == set(res["targets"]["limits"])
     assert (out / "moe.json").is_file() and (out / "moe.md").is_file() and (out / "moe_step_vs_a2a.png").is_file()
     # CI budget: the whole quick run, process start included (generous on a shared machine).
@@ -90,3 +93,18 @@ def test_moe_bad_options_fail_clearly() -> None:
         moe.MoeConfig.from_args(p.parse_args(["--rows", "7"]))
     with pytest.raises(ValueError, match="0 < W < B"):
         moe.MoeConfig.from_args(p.parse_args(["--w-ms", "30"]))
+
+
+@pytest.mark.timeout(120)
+def test_native_all_to_all_delivers_what_gloo_does() -> None:
+    """The suite's default all_to_all (native shared memory) is a true all_to_all: equal to gloo's, bit for bit."""
+    import torch
+    from moe_workers import native_vs_gloo_all_to_all
+
+    from dualpipe_kernels.runtime.launch import spawn
+
+    # Padded peer blocks of 280 KB: the engine's single-copy path (>= 256 KiB) as well as its ring.
+    for r in spawn(native_vs_gloo_all_to_all, 2, 6, 5, 70_000, timeout_s=100.0):
+        assert r["backend"] == "native"
+        for want, nat, glo in zip(r["expected"], r["native"], r["gloo"], strict=True):
+            assert torch.equal(nat, want) and torch.equal(glo, want)

@@ -31,15 +31,31 @@ Values are small integers (see :func:`init_chunk` and the data the suite
 makes), so every product and sum is exact in float32 and gradients are
 bit-identical whatever order a schedule accumulates them in.
 
-Forward all_to_alls run on ``group_f`` and backward ones on ``group_b`` (two
-process groups over the same ranks): inside a pair one of each is in flight
-at once, each group sees its collectives in the same order on every expert
-rank because every expert rank runs the same schedule.
+Two implementations of the all_to_all (:class:`ExpertGroup`), both real
+collectives over the expert group, with the same bytes and results:
+
+* ``native`` (given a :class:`~dualpipe_kernels.transport.native.NativeTransport`
+  over the expert group): each peer block is one send and one receive on the
+  shared-memory engine, whose per-peer worker threads move it (a single
+  ``process_vm_readv`` copy for large blocks) while the posting thread goes on;
+  the own block is a local copy on the group's copy thread (off the compute
+  thread, as a GPU all_to_all copies it on its communication stream).  Forward and backward exchanges share the
+  transport, so a rank's exchanges run in posting order, like collectives on
+  one communication stream: the one posted first finishes first instead of two
+  sharing the copy bandwidth and both finishing late.
+* ``gloo``: ``all_to_all_single`` on ``group_f`` (forward) or ``group_b``
+  (backward), two process groups over the same ranks; inside a pair one of
+  each is in flight at once, each group sees its collectives in the same order
+  on every expert rank because every expert rank runs the same schedule.  Over
+  TCP loopback every byte is copied by the kernel on both sides, several times
+  the CPU work of the native path per byte.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +99,23 @@ class ExpertGroup:
     group_b: Any
     size: int
     pad_elems: int = 0
+    native: Any = None  # a NativeTransport over the expert group (its ranks = expert ranks), else gloo
     _buffers: dict[bool, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _tags: Any = field(default_factory=itertools.count, repr=False)
+    _copier: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        """Stop the copy thread and close the native transport (idempotent); the groups stay the caller's."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+        if self.native is not None:
+            self.native.close()
+
+    @property
+    def backend(self) -> str:
+        """``native`` or ``gloo``: what moves the all_to_all's bytes."""
+        return "gloo" if self.native is None else "native"
 
     def a2a_bytes(self, rows: int, cols: int) -> int:
         """Bytes of one rank's send buffer in one all_to_all of a ``[rows, cols]`` token block."""
@@ -106,15 +138,52 @@ class ExpertGroup:
         block = rows // self.size * cols
         send, recv = self._pair(backward, block)
         send[:, :block].copy_(x.detach().reshape(self.size, block))
-        work = dist.all_to_all_single(
-            recv.view(-1), send.view(-1), group=self.group_b if backward else self.group_f, async_op=True
-        )
-        yield work
+        if self.native is not None:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(1, thread_name_prefix="moe-a2a-copy")
+            yield _native_all_to_all(self.native, self._copier, recv, send, next(self._tags))
+        else:
+            group = self.group_b if backward else self.group_f
+            yield dist.all_to_all_single(recv.view(-1), send.view(-1), group=group, async_op=True)
         return recv[:, :block].reshape(rows, cols).clone()
 
     def exchange(self, x: torch.Tensor, backward: bool) -> torch.Tensor:
         """The same all_to_all, waited at once."""
         return run_phases(self.post(x, backward))[0]
+
+
+class _NativeAllToAll:
+    """The work of one all_to_all posted on the native transport: its per-peer transfers and its local copy."""
+
+    def __init__(self, handles: list[Any], local: Future[Any]) -> None:
+        self._handles = handles
+        self._local = local
+
+    def wait(self) -> None:
+        """Every transfer done (each wait bounded by the transport's timeout, whose error names the peer)."""
+        for h in self._handles:
+            h.wait()
+        self._local.result()
+
+
+def _native_all_to_all(
+    transport: Any, copier: ThreadPoolExecutor, recv: torch.Tensor, send: torch.Tensor, tag: int
+) -> _NativeAllToAll:
+    """Post block ``p`` of ``send [size, n]`` to expert rank ``p`` and receive its block for us into ``recv[p]``.
+
+    The receives go first, so a peer's large send finds its receive posted; the own block is copied on
+    ``copier`` (torch's copy releases the GIL), so posting returns at once.  ``tag``: the same sequence
+    number on every expert rank.
+    """
+    me = transport.rank
+    handles = []
+    for p in range(send.shape[0]):
+        if p != me:
+            handles.append(transport.irecv(recv[p], p, tag, f"all_to_all {tag}: block from expert rank {p}"))
+    for p in range(send.shape[0]):
+        if p != me:
+            handles.append(transport.isend(send[p], p, tag, f"all_to_all {tag}: block to expert rank {p}"))
+    return _NativeAllToAll(handles, copier.submit(recv[me].copy_, send[me]))
 
 
 def run_phases(*programs: Phases) -> list[Any]:
