@@ -3,11 +3,12 @@
 :class:`PayloadSwitch` wraps the transport a :class:`~dualpipe_kernels.runtime.Pipeline`
 is given.  With ``tiny`` off it passes every transfer through and records the
 bytes of each large receive (what the step moves).  With ``tiny`` on, every
-transfer larger than ``KEEP_WHOLE_BYTES`` moves only its first ``TINY_BYTES``
+transfer larger than ``KEEP_WHOLE_BYTES + TINY_BYTES`` moves only its first that many
 bytes (both ends cut the same way: they hold tensors of the same size), so the
 same pipeline runs the same compute and the same bookkeeping with almost no
 data to move: that step's time is ``T_compute`` of :mod:`.metrics`.  The
-boundary metadata (1 KiB) is never cut, so the runtime's protocol is unchanged;
+boundary metadata (1 KiB, alone or at the head of a small message's one
+transfer) is never cut, so the runtime's protocol is unchanged;
 the received data beyond the first bytes is zeros (set when the receive is
 posted, a memset charged to ``T_compute``), which only timing runs may use.
 Packed sends of real steps go through the inner transport's ``isend_packed``
@@ -43,8 +44,13 @@ TINY_BYTES = 64
 KEEP_WHOLE_BYTES = 1024
 
 
+#: what a cut transfer keeps: a small message travels as metadata + data in one transfer
+#: (runtime/inline.py), so its first KiB, the metadata, is never cut either
+_KEPT = KEEP_WHOLE_BYTES + TINY_BYTES
+
+
 def _cut(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)[:TINY_BYTES]
+    return tensor.reshape(-1).view(torch.uint8)[:_KEPT]
 
 
 class PayloadSwitch(Transport):
@@ -67,7 +73,7 @@ class PayloadSwitch(Transport):
         return self.inner.rank
 
     def _large(self, tensor: torch.Tensor) -> bool:
-        return tensor.numel() * tensor.element_size() > KEEP_WHOLE_BYTES
+        return tensor.numel() * tensor.element_size() > _KEPT
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
         if self.tiny and self._large(tensor):
@@ -79,7 +85,7 @@ class PayloadSwitch(Transport):
             if self.tiny:
                 # Zeros beyond the cut, not whatever the allocator left: unpacking costs what it does on
                 # data (fp8 dequantisation takes a slower exact route for NaN codes and huge scales).
-                tensor.reshape(-1).view(torch.uint8)[TINY_BYTES:].zero_()
+                tensor.reshape(-1).view(torch.uint8)[_KEPT:].zero_()
                 tensor = _cut(tensor)
             else:
                 self.received_bytes.append(tensor.numel() * tensor.element_size())
