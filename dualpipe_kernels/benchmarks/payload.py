@@ -88,7 +88,11 @@ class PayloadSwitch(Transport):
                 tensor.reshape(-1).view(torch.uint8)[_KEPT:].zero_()
                 tensor = _cut(tensor)
             else:
-                self.received_bytes.append(tensor.numel() * tensor.element_size())
+                from dualpipe_kernels.runtime.boundary_meta import META_LEN, TagSpace
+
+                nbytes = tensor.numel() * tensor.element_size()
+                # a small message's one transfer (runtime/inline.py): its data follows the metadata
+                self.received_bytes.append(nbytes - META_LEN * 8 if TagSpace.is_metadata(tag) else nbytes)
         return self.inner.irecv(tensor, peer, tag, what)
 
     def isend_packed(

@@ -92,6 +92,11 @@ class TagSpace:
     def tag(self, direction: int, stage: int, microbatch: int, index: int) -> int:
         return ((direction * self.num_stages + stage) * self.num_microbatches + microbatch) * _SLOTS + index
 
+    @staticmethod
+    def is_metadata(tag: int) -> bool:
+        """Whether ``tag`` is a message's slot 0: its metadata, alone or at the head of a small message."""
+        return tag % _SLOTS == 0
+
 
 Layout = tuple[tuple[torch.dtype, tuple[int, ...], bool] | None, ...]
 """What must match for a speculative receive: per tensor None or (dtype, shape, exact).
