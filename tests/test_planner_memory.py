@@ -36,11 +36,12 @@ def test_peaks_saturate_from_2pp(name: str, pp: int, policy: str) -> None:
 
 def test_1f1b_peaks_by_hand() -> None:
     # 1F1B on 4 ranks: rank r holds at most 4 - r micro-batches in flight.
+    # The first stage's input (the caller's batch, 1.0 here) counts nowhere: its chunk is 10 - 1 = 9.
     sizes = chunk_bytes([10.0, 20.0, 30.0, 40.0], [1.0, 2.0, 3.0, 4.0])
     sched = build_schedule("1f1b", 4, 8)
-    assert activation_peaks(sched, "keep", sizes, sched.model_stage) == [40.0, 60.0, 60.0, 40.0]
-    # recompute: the inputs of the (4 - r) in flight, plus one chunk's recomputed rest
-    assert activation_peaks(sched, "recompute", sizes, sched.model_stage) == [13.0, 24.0, 33.0, 40.0]
+    assert activation_peaks(sched, "keep", sizes, sched.model_stage) == [36.0, 60.0, 60.0, 40.0]
+    # recompute: the inputs of the (4 - r) in flight (none on rank 0), plus one chunk's recomputed rest
+    assert activation_peaks(sched, "recompute", sizes, sched.model_stage) == [9.0, 24.0, 33.0, 40.0]
 
 
 def test_zero_bubble_frees_at_w() -> None:

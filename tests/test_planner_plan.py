@@ -79,7 +79,10 @@ def _brute(table, cluster, batch):
         lat = cluster.inter_latency if spans_nodes else cluster.intra_latency
         grad = max(sum(h) for h in held)
         allreduce = 0.0 if members == 1 else 2 * (members - 1) / members * grad / bw + 2 * (members - 1) * lat
-        act = [_sums(table, c.partition, "activation_bytes", scale)[m] for m in sched.model_stage]
+        per_stage = _sums(table, c.partition, "activation_bytes", scale)
+        # the first stage's input is the caller's batch, counted nowhere (its first layer's output stands in)
+        per_stage[0] = max(per_stage[0] - table.layers[0].boundary_bytes * scale, 0.0)
+        act = [per_stage[m] for m in sched.model_stage]
         mem = max(MULT * sum(h) + p for h, p in zip(held, _walk_peak(sched, act), strict=True))
         out.append((makespan + allreduce, mem, c))
     return out

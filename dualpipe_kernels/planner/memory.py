@@ -10,8 +10,10 @@
   as documented there).  The planner only adapts its per-stage sums to that
   model's :class:`ChunkBytes`: ``saved`` = the stage's activation bytes,
   ``kept`` (what recompute/offload never drop) = the stage input, i.e. the
-  boundary bytes of the layer before the stage (the first stage: its first
-  layer's output, the table has no input size), capped at ``saved``.
+  boundary bytes of the layer before the stage, capped at ``saved``.  The
+  first stage's input is the caller's batch, which the runtime counts under no
+  policy: that stage keeps nothing, and its saved bytes leave out its input
+  (the table has no input size: its first layer's output stands in).
 
 Peaks are linear in the chunk sizes, so the planner computes them once per
 (schedule, ranks, micro-batches, policy) at the profiled micro-batch size and
@@ -34,8 +36,16 @@ PLAN_MEMORY_POLICIES = ("keep", "recompute", "offload")
 
 
 def chunk_bytes(saved: Sequence[float], stage_input: Sequence[float]) -> list[ChunkBytes]:
-    """Per model stage: the memory model's sizes from the planner's sums (``kept`` = the input, <= saved)."""
-    return [ChunkBytes(s, min(k, s)) for s, k in zip(saved, stage_input, strict=True)]
+    """Per model stage: the memory model's sizes from the planner's sums (``kept`` = the input, <= saved).
+
+    The first model stage's input is the caller's batch, which the runtime never counts as saved
+    activations (the caller holds it anyway), under any policy: that stage keeps nothing of its own,
+    and its saved bytes leave out its input (``stage_input[0]``, the table's stand-in for it).
+    """
+    out = []
+    for m, (s, k) in enumerate(zip(saved, stage_input, strict=True)):
+        out.append(ChunkBytes(max(s - k, 0.0), 0.0) if m == 0 else ChunkBytes(s, min(k, s)))
+    return out
 
 
 def activation_peaks(
