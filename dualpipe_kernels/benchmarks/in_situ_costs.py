@@ -86,7 +86,7 @@ def in_situ_costs(
     Stages with no sample of a kind fall back as :func:`runtime.timeline.measured_stage_costs` does
     (B = I + W, W = B / 2, F&B = F + B clamped to [max(F, B), F + B]).
     """
-    from dualpipe_kernels.runtime.timeline import schedule_entries
+    from dualpipe_kernels.runtime.timeline import costs_from_samples, schedule_entries
 
     samples: dict[tuple[str, int], list[float]] = {}
     fixed: list[float] = []
@@ -94,23 +94,8 @@ def in_situ_costs(
         per_rank = [_rank_samples(schedule_entries(tl), s, samples) for tl, s in ranks]
         fixed.append(statistics.median(per_rank))
 
-    def med(kind: str, s: int) -> float | None:
-        xs = samples.get((kind, s))
-        return float(statistics.median(xs)) if xs else None
-
-    tiny = 1e-7
-    f, b, w, fb, fwd = [], [], [], [], []
-    for s in range(num_stages):
-        fs = max(med("F", s) or tiny, tiny)
-        ws, is_ = med("W", s), med("I", s)
-        bs = max(med("B", s) or ((is_ or 0.0) + (ws or 0.0)), 2 * tiny)
-        if ws is None or not 0 < ws < bs:
-            ws = bs / 2
-        f.append(fs)
-        b.append(bs)
-        w.append(ws)
-        fb.append(min(max(med("FB", s) or fs + bs, max(fs, bs)), fs + bs))
-        fwd.append(med("F0", s) or fs)
+    f, b, w, fb = costs_from_samples(samples, num_stages)
+    fwd = [float(statistics.median(samples[("F0", s)])) if samples.get(("F0", s)) else f[s] for s in range(num_stages)]
     return InSituCosts(f, b, w, fb, fwd, float(statistics.median(fixed)) if fixed else 0.0)
 
 

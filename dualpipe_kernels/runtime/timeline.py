@@ -30,6 +30,7 @@ __all__ = [
     "busy_time",
     "MeasuredStageCosts",
     "measured_stage_costs",
+    "costs_from_samples",
 ]
 
 TimelineEntry = tuple[int, str, float, float]
@@ -140,9 +141,17 @@ def measured_stage_costs(timeline: Iterable[tuple[int, Any, float, float]], num_
         if act.is_compute:
             kind = "FB" if act.type is ActionType.OVERLAP_F_B else act.type.value
             by.setdefault((kind, act.stage), []).append(t1 - t0)
+    return MeasuredStageCosts(*costs_from_samples(by, num_stages))
+
+
+def costs_from_samples(
+    samples: dict[tuple[str, int], list[float]], num_stages: int
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per-stage ``(f, b, w, fb)``: medians of the ``(kind, stage)`` duration samples, gaps filled as
+    :func:`measured_stage_costs` documents (kinds "F", "B", "I", "W", "FB")."""
 
     def med(kind: str, s: int) -> float | None:
-        xs = by.get((kind, s))
+        xs = samples.get((kind, s))
         return float(statistics.median(xs)) if xs else None
 
     tiny = 1e-7
@@ -158,4 +167,4 @@ def measured_stage_costs(timeline: Iterable[tuple[int, Any, float, float]], num_
         b.append(bs)
         w.append(ws)
         fb.append(min(max(fbs, max(fs, bs)), fs + bs))
-    return MeasuredStageCosts(f, b, w, fb)
+    return f, b, w, fb
