@@ -368,3 +368,20 @@ class ActivationMeter:
         import torch
 
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+def pin_to_core(rank: int) -> int | None:
+    """Bind the calling thread to the ``rank``-th allowed core; the core, or None when there are fewer
+    than two cores or than ``rank + 1`` (pinning would pile the ranks up) or the platform cannot.
+
+    On Linux the affinity is per thread: threads started afterwards (a transport's) inherit it,
+    threads started before keep theirs.  Why benchmarks pin: with busy processes on few cores, a
+    transfer's wake-up of a peer may run the woken process on the waker's core and preempt it.
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or rank >= len(cpus):
+        return None
+    os.sched_setaffinity(0, {cpus[rank]})  # pid 0: on Linux, this thread only
+    return cpus[rank]

@@ -274,31 +274,14 @@ def _short(path: str) -> str:
     return path
 
 
-def pin_to_core(rank: int) -> int | None:
-    """Pin this process to its own core (rank-th of the allowed ones); the core, or None when the ranks
-    outnumber the cores or the platform cannot pin.
-
-    Why: with two busy processes on two cores, a transfer's wake-up of the peer (a futex or a socket)
-    may run the woken process on the waker's core and preempt the waker mid-step; one process per core
-    is how pipeline ranks are deployed anyway (one per GPU, bound to its NUMA node).
-    """
-    import os
-
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    if rank >= len(cores):  # more ranks than cores: pinning would pile them up
-        return None
-    os.sched_setaffinity(0, {cores[rank]})
-    return cores[rank]
-
-
 def _worker(rank: int, world: int, cfg: OverheadConfig) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
     if cfg.pin:
-        pin_to_core(rank)
+        from dualpipe_kernels.benchmarks.common import pin_to_core
+
+        pin_to_core(rank)  # before any transport starts its threads: they inherit the core
     out: dict[str, Any] = {}
     for case in cfg.cases():
         try:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dualpipe_kernels.benchmarks.common import markdown_table
+from dualpipe_kernels.benchmarks.common import markdown_table, pin_to_core
 
 NAME = "transport"
 KIB = 1024
@@ -273,20 +273,6 @@ def _spread(prefix: str, size: int, one_way_s: list[float]) -> dict[str, float]:
     }
 
 
-def _pin_this_thread(rank: int) -> int | None:
-    """Bind the calling thread to the ``rank``-th allowed core; the core, or None with fewer than two."""
-    import os
-
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None
-    cpu = cpus[rank % len(cpus)]
-    os.sched_setaffinity(0, {cpu})  # pid 0: on Linux, this thread only; threads started earlier keep theirs
-    return cpu
-
-
 def _worker(rank: int, world_size: int, cfg: TransportConfig) -> list[dict]:
     from dualpipe_kernels.transport.native import NativeTransport
 
@@ -307,7 +293,7 @@ def _worker(rank: int, world_size: int, cfg: TransportConfig) -> list[dict]:
             warm_in,
             0,
         )
-        core = _pin_this_thread(rank) if cfg.pin else None
+        core = pin_to_core(rank) if cfg.pin else None
         for size, n in zip(cfg.sizes, cfg.reps, strict=True):
             out_buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
             in_buf = torch.zeros(size, dtype=torch.uint8)
