@@ -174,12 +174,11 @@ class ActionLoop:
 
     def __init__(self, actions: Sequence[Action], recv_lookahead: int) -> None:
         self.actions = list(actions)
-        self.window_end = window_ends(self.actions, recv_lookahead)
         self.labels = [str(a) for a in self.actions]  # timeline labels, built once
         # posts[i]: the RECV actions whose receives are posted right before action i runs
         self.posts: list[tuple[int, ...]] = []
         done = 0
-        for end in self.window_end:
+        for end in window_ends(self.actions, recv_lookahead):
             self.posts.append(tuple(j for j in range(done, end) if self.actions[j].type in _RECVS))
             done = max(done, end)
         self.kinds = [_kind(a.type) for a in self.actions]
