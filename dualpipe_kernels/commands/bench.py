@@ -39,6 +39,7 @@ SUITES: dict[str, str] = {
     "cuda_ipc": "CUDA IPC between two processes on one GPU vs a same-GPU copy: GB/s, us per message, overlap",
     "overhead": "runtime cost per compute action on tiny Linear stages: ours (native, gloo) vs torch, cProfile",
     "memory": "peak saved-activation bytes and step time of each memory policy vs the simulator's prediction",
+    "memory_gpu": "memory policies on a GPU (2 ranks, real matrix products): offload's step time and memory vs keep",
 }
 
 _COMMON = ("json", "out", "quick", "no_plots")
