@@ -1,6 +1,7 @@
 #include "shm_engine.h"
 
 #include <stdexcept>
+#include <utility>
 
 namespace dualpipe::shm {
 

@@ -2,6 +2,7 @@
 
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "common/liveness.h"
 #include "common/poll.h"

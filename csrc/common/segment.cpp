@@ -7,10 +7,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 
 #include "common/errors.h"
 #include "common/liveness.h"

@@ -3,6 +3,7 @@
 // receiver's mappings of them, with the shared-memory handshake that lets the
 // sender drop a keep-alive only once the receiver has unmapped it. See
 // "Keep-alive" in ipc_engine.h.
+#include <stdexcept>
 #include <string>
 #include <utility>
 

@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps after one warm-up (default 5; quick 3)")
     p.add_argument("--policies", default=None, help=f"comma list (default {','.join(POLICIES)}); keep always runs")
     p.add_argument("--transport", default="auto", choices=("auto", "torch", "native"))
+    p.add_argument("--timeout", type=float, default=300.0, help="whole run, seconds (a wait inside: a tenth)")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class GpuMemoryConfig:
     transport: str = "auto"
     ranks: int = 2
     device: str = "cuda"  # "cpu" only for the suite's own tests on a machine without a GPU
+    timeout_s: float = 300.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GpuMemoryConfig:
@@ -81,6 +83,7 @@ class GpuMemoryConfig:
             policies=("keep", *(p for p in names if p != "keep")),
             transport=str(getattr(args, "transport", "auto") or "auto"),
             device=str(getattr(args, "device", "cuda") or "cuda"),
+            timeout_s=float(getattr(args, "timeout", 300.0) or 300.0),
         )
         if cfg.microbatches < 2 * cfg.ranks or min(cfg.rows, cfg.cols, cfg.depth, cfg.steps) < 1:
             raise ValueError(f"memory_gpu bench needs microbatches >= 4 and positive sizes; got {cfg}")
@@ -109,6 +112,7 @@ def _criterion(out: torch.Tensor, *labels: torch.Tensor) -> torch.Tensor:
 
 
 def _rank(rank: int, world: int, cfg: GpuMemoryConfig) -> dict[str, Any]:
+    import sys
     import time
 
     import torch.distributed as dist
@@ -130,12 +134,13 @@ def _rank(rank: int, world: int, cfg: GpuMemoryConfig) -> dict[str, Any]:
     sched = build_schedule("dualpipev", world, cfg.microbatches)
     x = torch.randn(cfg.microbatches * cfg.rows, cfg.cols, generator=torch.Generator().manual_seed(0)).to(dev)
     runs: dict[str, tuple[Any, dict[int, DenseChunk]]] = {}
+    wait_s = max(5.0, cfg.timeout_s / 10)  # a stuck transfer raises, naming it, well before the run's limit
     got: dict[str, dict[str, list[Any]]] = {p: {"times": [], "alloc": [], "losses": []} for p in cfg.policies}
     try:
         for policy in cfg.policies:
             modules = {s: DenseChunk(cfg.cols, cfg.depth, seed=s).to(dev) for s in sched.stages_of_rank(rank)}
             transport = make_transport(cfg.transport, None, dev)
-            pipe = Pipeline(sched, modules, transport=transport, memory_policy=policy, timeout_s=120.0)
+            pipe = Pipeline(sched, modules, transport=transport, memory_policy=policy, timeout_s=wait_s)
             pipe.activation_memory.track = True
             runs[policy] = (pipe, modules)
         for step in range(cfg.steps + 1):
@@ -151,6 +156,8 @@ def _rank(rank: int, world: int, cfg: GpuMemoryConfig) -> dict[str, Any]:
                 res = pipe.step(x, criterion=_criterion)
                 sync()
                 dt = time.perf_counter() - t0
+                if rank == 0:  # progress on stderr: a run cut short still says how far it got
+                    sys.stderr.write(f"memory_gpu: step {step}/{cfg.steps} {policy}: {dt:.3f} s\n")
                 if step:
                     got[policy]["times"].append(dt)
                     got[policy]["alloc"].append(torch.cuda.max_memory_allocated(dev) - base if cuda else 0)
@@ -176,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reason = unavailable() if cfg.device == "cuda" else None
     if reason:
         raise RuntimeError(f"memory_gpu bench: {reason}")
-    per_rank = spawn(_rank, cfg.ranks, cfg, timeout_s=600.0)
+    per_rank = spawn(_rank, cfg.ranks, cfg, timeout_s=cfg.timeout_s)
     keep = [r["keep"] for r in per_rank]
     keep_peak = max(r["peak"] for r in keep)
     keep_alloc = max(max(r["alloc"]) for r in keep)

@@ -1,0 +1,41 @@
+"""bench memory_gpu: its logic on CPU ranks (the GPU run is bench/device_check.sh's)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from dualpipe_kernels.benchmarks import memory_gpu
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = dict(quick=True, microbatches=4, rows=8, cols=16, depth=3, steps=2, policies=None, transport="auto",
+                device="cpu", timeout=120.0)  # fmt: skip
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.timeout(180)
+def test_every_policy_gets_a_row_lossless_ones_match_keep_bit_for_bit_and_recompute_saves_less() -> None:
+    res = memory_gpu.run(_args())
+    rows = {r["policy"]: r for r in res["rows"]}
+    assert list(rows) == ["keep", "offload", "recompute", "compress:fp8"]
+    assert rows["keep"]["share_of_keep"] == 1 and rows["keep"]["step_over_keep"] == 1
+    for name in ("keep", "offload", "recompute"):
+        assert rows[name]["bit_exact"] is True, name
+    assert rows["compress:fp8"]["bit_exact"] is None  # lossy: compared by its loss only
+    assert rows["compress:fp8"]["loss_rel_diff"] < 0.05
+    # recompute keeps each chunk's input only: 1 of the depth + 1 blocks a chunk saves under keep
+    assert 0 < rows["recompute"]["peak_saved_bytes"] < rows["keep"]["peak_saved_bytes"]
+    for r in rows.values():
+        assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"] and r["device"] == "cpu"
+    assert "| recompute |" in memory_gpu.to_markdown(res)
+
+
+def test_bad_policy_names_the_choices_and_no_gpu_is_a_skip_reason() -> None:
+    with pytest.raises(ValueError, match="unknown policy.*choose from keep"):
+        memory_gpu.GpuMemoryConfig.from_args(_args(policies="keep,swap"))
+    if not torch.cuda.is_available():
+        assert "needs CUDA" in (memory_gpu.unavailable() or "")
