@@ -391,6 +391,23 @@ class TestTritonInterpreter:
         unpack(buf, layout, backend="triton")
         assert len(grids) == 2  # one pack launch, one unpack launch, for 81 tensors
 
+    @pytest.mark.parametrize("iters", [2, 3])
+    def test_programs_looping_over_several_blocks_match_the_fallback(
+        self, iters: int, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The GPU's launch shape (each program loops over ``iters`` blocks, a tensor's last program over fewer),
+        here in the interpreter: tensors of 1, 2 and 5 blocks, small ones between, every format."""
+        from dualpipe_kernels.kernels import pack_triton as pt
+
+        monkeypatch.setattr(pt, "iters_override", iters)
+        block = pt.rows_per_block(torch.device("cpu")) * 128
+        g = _gen(5)
+        ts = [_float((block,), torch.float32, g), _float((7,), torch.float16, g),
+              _float((2 * block + 3,), torch.float32, g), _float((5 * block // 128, 128), torch.bfloat16, g).t(),
+              torch.randint(0, 9, (block + 1,), generator=g, dtype=torch.int32)]  # fmt: skip
+        for fmt in FORMATS:
+            _triton_vs_fallback(ts, fmt)
+
     def test_property_triton_matches_fallback(self) -> None:
         from hypothesis import given, settings
         from hypothesis import strategies as st
@@ -468,7 +485,8 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
     consts = {"LOG_N": 3, "ROWS": 16, "W": pt._WIDTH}
     variants = ((pt._pack_kernel, {"POW2": False}), (pt._pack_kernel, {"POW2": True}), (pt._unpack_kernel, {}))
     for kernel, extra in variants:
-        sig = {"table": "*i64", "buf": "*u8", "n": "i32", **dict.fromkeys({**consts, **extra}, "constexpr")}
+        sig = {"table": "*i64", "buf": "*u8", "n": "i32", "iters": "i32"}
+        sig.update(dict.fromkeys({**consts, **extra}, "constexpr"))
         src = ASTSource(
             fn=kernel, signature=sig, constexprs={**consts, **extra}, attrs={(1,): [["tt.divisibility", 16]]}
         )

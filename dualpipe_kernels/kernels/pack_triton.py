@@ -4,8 +4,11 @@ How one launch covers many tensors: the host builds a small int64 *table*, one
 row per tensor (base address, element count, byte offsets in the buffer, a
 conversion code, the tensor's shape and strides collapsed to at most 4 dims,
 and the index of its first block).  Every program handles one block of
-``ROWS x 128`` elements of one tensor; it finds its tensor by a binary search
-over the first-block column, then branches on the conversion code.  Raw
+``ROWS x 128`` elements of one tensor at a time, ``iters`` consecutive blocks in a
+loop (so the table reads and the search below are paid once per ``iters`` blocks,
+not per block: on a GPU about eight programs per multiprocessor, each looping over
+its share); it finds its tensor by a binary search over the first-program column,
+then branches on the conversion code.  Raw
 addresses work in the interpreter too (it reads CPU memory at those addresses).
 A whole block of a contiguous tensor whose address is 16 bytes apart from the
 buffer's takes an unmasked path addressed from the buffer pointer, which the
@@ -30,6 +33,7 @@ import contextlib
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -48,9 +52,18 @@ FP8_F32, FP8_F16, FP8_BF16 = 6, 7, 8
 #: table columns (the kernels read them as ``row + i``):
 #:  0 address, 1 numel, 2 data byte offset, 3 scale byte offset, 4 code, 5 contiguous flag,
 #:  6..8 sizes of dims 1..3, 9..12 strides of dims 0..3 (elements; dims collapsed, padded in front),
-#:  13 first block, 14 elements stored incl. padding, 15 scales stored incl. padding,
-#:  16 fast-path flag (contiguous and 16 bytes apart from the buffer), 17 address - buffer address
-_WIDTH = 18
+#:  13 first program, 14 elements stored incl. padding, 15 scales stored incl. padding,
+#:  16 fast-path flag (contiguous and 16 bytes apart from the buffer), 17 address - buffer address,
+#:  18 blocks of the tensor
+_WIDTH = 19
+#: columns that change from call to call (addresses); the others are cached per layout and strides
+_ADDR, _FAST, _DELTA = 0, 16, 17
+#: programs per multiprocessor a GPU launch aims at (each loops over ``iters`` blocks)
+PROGRAMS_PER_SM = 8
+#: at most this many blocks per program
+MAX_ITERS = 64
+#: blocks per program for every launch, instead of the choice above (tests: the interpreter's loop path)
+iters_override: int | None = None
 #: binary-search steps at least (covers 32 tensors; one compiled variant for the common counts)
 _MIN_LOG_N = 6
 _MAX_DIMS = 4
@@ -258,25 +271,33 @@ def _fast(row, blk, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _pack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr):
+def _pack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     row = table + _find_tensor(table, pid, n, LOG_N, W) * W
-    blk = pid - tl.load(row + 13)
-    if _fast(row, blk, ROWS):
-        _pack_block(row, buf, blk, ROWS, POW2, True)
-    else:
-        _pack_block(row, buf, blk, ROWS, POW2, False)
+    first = (pid - tl.load(row + 13)) * iters
+    nblk = tl.load(row + 18)
+    for it in range(0, iters):
+        blk = first + it
+        if blk < nblk:
+            if _fast(row, blk, ROWS):
+                _pack_block(row, buf, blk, ROWS, POW2, True)
+            else:
+                _pack_block(row, buf, blk, ROWS, POW2, False)
 
 
 @triton.jit
-def _unpack_kernel(table, buf, n, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr):
+def _unpack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     row = table + _find_tensor(table, pid, n, LOG_N, W) * W
-    blk = pid - tl.load(row + 13)
-    if _fast(row, blk, ROWS):
-        _unpack_block(row, buf, blk, ROWS, True)
-    else:
-        _unpack_block(row, buf, blk, ROWS, False)
+    first = (pid - tl.load(row + 13)) * iters
+    nblk = tl.load(row + 18)
+    for it in range(0, iters):
+        blk = first + it
+        if blk < nblk:
+            if _fast(row, blk, ROWS):
+                _unpack_block(row, buf, blk, ROWS, True)
+            else:
+                _unpack_block(row, buf, blk, ROWS, False)
 
 
 # ---------------------------------------------------------------- host side
@@ -308,10 +329,9 @@ def _code(kind: int, dtype: torch.dtype) -> int:
     return _BF16_CODE[dtype] if kind == KIND_BF16 else _FP8_CODE[dtype]
 
 
-def _table(
-    tensors: Sequence[torch.Tensor], layout: PackLayout, block: int, buf_addr: int
-) -> tuple[list[list[int]], int]:
-    """One row per tensor (see the module docstring) and the total number of blocks."""
+def _static_table(tensors: Sequence[torch.Tensor], layout: PackLayout, block: int) -> np.ndarray:
+    """The table's per-layout columns (one row per tensor; address columns left 0) and, in the first-program
+    column, each tensor's first *block* (turned into programs by :func:`_programs`)."""
     rows, first = [], 0
     for t, e in zip(tensors, layout.entries, strict=True):
         dims = _collapse(t.shape, t.stride())
@@ -321,24 +341,91 @@ def _table(
         # elements and scales written, padding included (the region's aligned end)
         nstore = _align(e.nbytes) // (e.nbytes // e.numel) if e.numel else 0
         nscale = _align(4 * e.num_scales) // 4
-        delta = t.data_ptr() - buf_addr
-        fast = int(contig and delta % ALIGN == 0)
-        rows.append([t.data_ptr(), e.numel, e.offset, max(e.scale_offset, 0), _code(e.kind, e.dtype), contig,
-                     *sizes[1:], *strides, first, nstore, nscale, fast, delta])  # fmt: skip
-        first += -(-nstore // block)
-    return rows, first
+        nblk = -(-nstore // block)
+        rows.append([0, e.numel, e.offset, max(e.scale_offset, 0), _code(e.kind, e.dtype), contig,
+                     *sizes[1:], *strides, first, nstore, nscale, 0, 0, nblk])  # fmt: skip
+        first += nblk
+    return np.array(rows, dtype=np.int64).reshape(len(rows), _WIDTH)
+
+
+def _programs(static: np.ndarray, iters: int) -> tuple[np.ndarray, int]:
+    """(``static`` with each tensor's first program for ``iters`` blocks per program, number of programs)."""
+    per = -(-static[:, 18] // iters)
+    out = static.copy()
+    out[:, 13] = np.cumsum(per) - per
+    return out, int(per.sum())
+
+
+class _Plan:
+    """A layout's table for one set of strides, rows and device: everything but the addresses."""
+
+    __slots__ = ("layout", "table", "programs", "iters", "contig")
+
+    def __init__(self, layout: PackLayout, table: np.ndarray, programs: int, iters: int) -> None:
+        self.layout, self.table, self.programs, self.iters = layout, table, programs, iters
+        self.contig = table[:, 5] != 0
+
+
+#: (id(layout), strides, rows, device) -> _Plan; the plan holds its layout, so an id is never reused while cached
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
+_SM_COUNT: dict[int, int] = {}
+
+
+def _iters(device: torch.device, blocks: int) -> int:
+    """Blocks per program: about PROGRAMS_PER_SM programs per multiprocessor (1 in the interpreter)."""
+    if iters_override is not None:
+        return iters_override
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SM_COUNT.get(idx)
+    if sms is None:
+        sms = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return max(1, min(MAX_ITERS, blocks // (sms * PROGRAMS_PER_SM)))
+
+
+def _plan(tensors: Sequence[torch.Tensor], layout: PackLayout, rows: int, device: torch.device) -> _Plan:
+    key = (id(layout), tuple(t.stride() for t in tensors), rows, device, iters_override)
+    plan = _PLANS.get(key)
+    if plan is None or plan.layout is not layout:
+        static = _static_table(tensors, layout, rows * FP8_BLOCK)
+        iters = _iters(device, int(static[:, 18].sum()))
+        table, programs = _programs(static, iters)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _Plan(layout, table, programs, iters)
+    return plan
+
+
+def _table(plan: _Plan, tensors: Sequence[torch.Tensor], buf_addr: int) -> np.ndarray:
+    """The plan's table with this call's addresses (column 0), offsets from the buffer and fast-path flags."""
+    addrs = np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
+    table = plan.table.copy()
+    delta = addrs - buf_addr
+    table[:, _ADDR] = addrs
+    table[:, _DELTA] = delta
+    table[:, _FAST] = plan.contig & (delta % ALIGN == 0)
+    return table
 
 
 def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor, **kw) -> None:
     rows = rows_per_block(buffer.device)
-    table, nblocks = _table(tensors, layout, rows * FP8_BLOCK, buffer.data_ptr())
-    if nblocks == 0:
+    plan = _plan(tensors, layout, rows, buffer.device)
+    if plan.programs == 0:
         return
-    meta = torch.tensor(table, dtype=torch.int64).to(buffer.device, non_blocking=True)
+    table = _table(plan, tensors, buffer.data_ptr())
+    if buffer.device.type == "cuda":
+        # through pinned memory: an asynchronous copy (torch's host allocator keeps the block until it is done)
+        host = torch.empty(table.size, dtype=torch.int64, pin_memory=True)
+        host.numpy()[:] = table.ravel()
+        meta = host.to(buffer.device, non_blocking=True)
+    else:
+        meta = torch.from_numpy(table.ravel())
     log_n = max(_MIN_LOG_N, math.ceil(math.log2(len(table))) + 1)
     on_device = torch.cuda.device(buffer.device) if buffer.device.type == "cuda" else contextlib.nullcontext()
     with on_device:  # Triton launches on the current device; the buffer's may be another
-        kernel[(nblocks,)](meta, buffer, len(table), LOG_N=log_n, ROWS=rows, W=_WIDTH, **kw)
+        kernel[(plan.programs,)](meta, buffer, len(table), plan.iters, LOG_N=log_n, ROWS=rows, W=_WIDTH, **kw)
 
 
 def _bit_view(t: torch.Tensor) -> torch.Tensor:
