@@ -20,7 +20,7 @@
 #              the CUDA IPC engine's zero-copy views, small rings and teardown order, and the per-peer
 #              transport choice (CUDA IPC same host, torch across faked hosts; NCCL with 2+ GPUs) (JUnit XML)
 #   bench      dualpipe-kernels bench kernels (pack/unpack 64 KiB .. 256 MiB vs a same-GPU copy and torch
-#              cat + cast), memory_gpu (offload / recompute / fp8 vs keep: step time and device memory),
+#              cat + cast; five launch shapes of the Triton kernels side by side), memory_gpu (offload / recompute / fp8 vs keep: step time and device memory),
 #              cuda_ipc --quick (IPC at >= 64 MiB vs a same-GPU copy, us per message, overlap)
 #   runtime    the demo on the GPU: two processes on GPU 0, --device cuda, transport auto
 #   transport  pytest tests/test_cuda_ipc.py (per-test timeouts below the step's; JUnit XML)
@@ -55,7 +55,7 @@ LIMIT_SMOKE=20
 # build: 18 translation units in parallel; the largest (the CUDA bindings) takes ~45 s on one core here
 LIMIT_BUILD=120
 LIMIT_GPU=50
-LIMIT_BENCH=120
+LIMIT_BENCH=150
 LIMIT_RUNTIME=35
 LIMIT_TRANSPORT=185
 LIMIT_COMPAT=55
@@ -174,7 +174,8 @@ build() {
 
 bench() {
   local rc=0
-  timeout 45 "$PY" -m dualpipe_kernels bench kernels --json --no-plots --out "$WORK/bench" --samples 5 \
+  timeout 80 "$PY" -m dualpipe_kernels bench kernels --json --no-plots --out "$WORK/bench" --samples 5 \
+    --variants 16x8,32x8,16x4,64x4,8x16 \
     >"$WORK/bench/kernels.stdout.json" || rc=1
   timeout 45 "$PY" -m dualpipe_kernels bench memory_gpu --json --no-plots --out "$WORK/bench" --microbatches 8 \
     --rows 2048 --cols 4096 --steps 3 --timeout 40 \
@@ -288,6 +289,11 @@ if kern and "rows" in kern:
         o, c, t = r.get("ours_gbps") or 0.0, r.get("copy_gbps") or 0.0, r.get("torch_gbps") or 0.0
         md.append(f"| {r.get('kernel')} | {r.get('format')} | {r.get('num_tensors')} | {r['bytes'] >> 20} | "
                   f"{o:.0f} | {c:.0f} | {t:.0f} | {o / c if c else 0:.2f} | {o / t if t else 0:.2f} |")
+if kern and kern.get("variants"):
+    md += ["", "pack launch shapes (rows x programs per SM), ours / copy:", "",
+           "| shape | kernel | format | tensors | MiB | GB/s | / copy |", "|---|---|---|---|---|---|---|"]
+    md += [f"| {v['variant']} | {v['kernel']} | {v['format']} | {v['num_tensors']} | {v['bytes'] >> 20} | "
+           f"{v['ours_gbps']:.0f} | {v['ours_vs_copy']:.2f} |" for v in kern["variants"]]
 mg = report["bench"].get("memory_gpu")
 if mg and "rows" in mg:
     md += ["", "memory policies on the GPU:", "", "| policy | saved / keep | alloc / keep | step / keep | step s | exact |",

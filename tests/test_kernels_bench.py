@@ -39,3 +39,28 @@ def test_bench_kernels_quick_json_contract(tmp_path: Path) -> None:
     written = json.loads((tmp_path / "kernels.json").read_text())
     assert written["rows"] == rows and "stamp" in written
     assert (tmp_path / "kernels_bandwidth.png").stat().st_size > 0
+
+
+def test_variants_parse_and_name_a_bad_one() -> None:
+    import argparse
+
+    from dualpipe_kernels.benchmarks.kernels import _variants
+
+    assert _variants("16x8, 32X4") == [(16, 8), (32, 4)]
+    for bad in ("16", "16x", "12x8", "16x0", "axb"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--variants"):
+            _variants(bad)
+
+
+def test_variants_restore_the_launch_shape_and_are_skipped_without_a_gpu(tmp_path: Path) -> None:
+    import argparse
+
+    from dualpipe_kernels.benchmarks import kernels as kb
+    from dualpipe_kernels.kernels import pack_triton as pt
+
+    before = (pt.rows_override, pt.PROGRAMS_PER_SM)
+    args = argparse.Namespace(quick=True, formats="packed", sizes=[64 << 10], max_size=None, num_tensors=[1],
+                              samples=1, device="cpu", variants=[(32, 2)])  # fmt: skip
+    res = kb.run(args)
+    assert res["variants"] == [] and len(res["rows"]) == 2  # pack and unpack; variants need Triton on a GPU
+    assert (pt.rows_override, pt.PROGRAMS_PER_SM) == before

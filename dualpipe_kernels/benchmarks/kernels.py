@@ -59,6 +59,58 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-tensors", type=int_list, default=None, help="tensors per pack, comma list (default 1,8,64)")
     p.add_argument("--samples", type=int, default=None, help="timed samples per figure (default 7; quick 3)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when present")
+    p.add_argument(
+        "--variants",
+        type=_variants,
+        default=None,
+        help="Triton launch shapes to compare, ROWSxPROGRAMS comma list (rows of 128 per block, programs per SM), "
+        "e.g. 16x8,32x8,16x4: each is timed (ours only) at the sizes >= 64 MiB, after the main table",
+    )
+
+
+def _variants(text: str) -> list[tuple[int, int]]:
+    """argparse type: ``16x8,32x4`` -> [(16, 8), (32, 4)] (powers of two for the rows, positive programs)."""
+    out = []
+    for part in text.split(","):
+        try:
+            rows, progs = (int(x) for x in part.strip().lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--variants: {part!r} is not ROWSxPROGRAMS (e.g. 16x8)") from None
+        if rows < 1 or rows & (rows - 1) or progs < 1:
+            raise argparse.ArgumentTypeError(f"--variants: {part!r}: rows must be a power of two, programs >= 1")
+        out.append((rows, progs))
+    return out
+
+
+def _variant_rows(cfg: dict[str, Any], timer: Any, copies: dict[int, float]) -> list[dict[str, Any]]:
+    """Ours at each launch shape of ``--variants`` (Triton on a GPU only), sizes >= 64 MiB, 1 and most tensors."""
+    from dualpipe_kernels.kernels import pack_triton as pt
+
+    device, samples, out = cfg["device"], cfg["samples"], []
+    saved = (pt.rows_override, pt.PROGRAMS_PER_SM)
+    sizes = [s for s in cfg["sizes"] if s >= 64 * MIB]
+    counts = sorted({1, max(cfg["counts"])})
+    try:
+        for rows, progs in cfg["variants"]:
+            pt.rows_override, pt.PROGRAMS_PER_SM = rows, progs
+            for size in sizes:
+                for count in counts:
+                    for fmt in cfg["formats"]:
+                        ts, dtype, cache = _inputs(size, count, device), FORMATS[fmt], LayoutCache()
+                        buf, layout = pack(ts, dtype, cache=cache)
+                        outs = [torch.empty_like(t) for t in ts]
+                        moved = sum(t.numel() * 4 for t in ts) + layout.nbytes
+                        for kernel, fn in (
+                            ("pack", lambda: pack(ts, dtype, out=buf, cache=cache)),  # noqa: B023
+                            ("unpack", lambda: unpack(buf, layout, out=outs)),  # noqa: B023
+                        ):
+                            gbps, spread = _measure(fn, moved, samples, timer, 10)
+                            out.append({"variant": f"{rows}x{progs}", "kernel": kernel, "format": fmt,
+                                        "num_tensors": count, "bytes": size, "ours_gbps": gbps,
+                                        "ours_vs_copy": gbps / copies[size], "ours_spread": spread})  # fmt: skip
+    finally:
+        pt.rows_override, pt.PROGRAMS_PER_SM = saved
+    return out
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,7 +131,15 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     samples = args.samples if args.samples is not None else (3 if quick else 7)
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
-    return {"formats": fmts, "device": device, "sizes": sizes, "counts": counts, "samples": samples}
+    variants = getattr(args, "variants", None) or []
+    return {
+        "formats": fmts,
+        "device": device,
+        "sizes": sizes,
+        "counts": counts,
+        "samples": samples,
+        "variants": variants,
+    }
 
 
 # ---------------------------------------------------------------- timing
@@ -215,10 +275,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows += _rows_for(fmt, size, count, cfg, timer, copies[size])
         bar.update(f"{fmt} x{count} {size} B")
     bar.close()
+    variants: list[dict[str, Any]] = []
+    if cfg.get("variants"):
+        if backend != "triton" or device.type != "cuda":
+            sys.stderr.write("bench kernels: --variants needs the Triton kernels on a GPU; skipped\n")
+        else:
+            for size in cfg["sizes"]:
+                if size >= 64 * MIB and size not in copies:
+                    copies[size] = _copy_gbps(size, cfg, timer)
+            variants = _variant_rows(cfg, timer, copies)
     if device.type == "cpu":
         sys.stderr.write("bench kernels: no GPU: timing the torch fallback on CPU (one thread)\n")
     return {
         "rows": rows,
+        "variants": variants,
         "device": cfg["device_name"],
         "backend": cfg["backend"],
         "config": {k: v for k, v in cfg.items() if k in ("formats", "sizes", "counts", "samples")},
@@ -235,7 +305,13 @@ def to_markdown(result: dict[str, Any]) -> str:
     head = f"Device: {result.get('device')}; backend: {result.get('backend')}."
     if result.get("device") == "cpu":
         head += " No GPU: these are the torch fallback's figures on one CPU thread, not the Triton kernel's."
-    return "\n".join([head, "", markdown_table(result["rows"], cols, heads), "", str(result.get("note", ""))])
+    parts = [head, "", markdown_table(result["rows"], cols, heads), "", str(result.get("note", ""))]
+    if result.get("variants"):
+        vcols = ["variant", "kernel", "format", "num_tensors", "bytes", "ours_gbps", "ours_vs_copy", "ours_spread"]
+        vheads = ["rows x programs/SM", "kernel", "format", "tensors", "input bytes", "ours GB/s", "ours / copy",
+                  "spread"]  # fmt: skip
+        parts += ["", "Launch shapes (--variants):", "", markdown_table(result["variants"], vcols, vheads)]
+    return "\n".join(parts)
 
 
 def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:

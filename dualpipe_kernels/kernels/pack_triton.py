@@ -301,8 +301,14 @@ def _unpack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr
 
 
 # ---------------------------------------------------------------- host side
+#: rows per block for every launch, instead of the choice below (bench kernels --variants tunes with it)
+rows_override: int | None = None
+
+
 def rows_per_block(device: torch.device) -> int:
-    """Rows of 128 elements per program: large tiles on a GPU, and in the interpreter (fewer Python steps)."""
+    """Rows of 128 elements per block: large tiles on a GPU, and in the interpreter (fewer Python steps)."""
+    if rows_override is not None:
+        return rows_override
     return 16 if device.type == "cuda" else 32
 
 
@@ -386,7 +392,7 @@ def _iters(device: torch.device, blocks: int) -> int:
 
 
 def _plan(tensors: Sequence[torch.Tensor], layout: PackLayout, rows: int, device: torch.device) -> _Plan:
-    key = (id(layout), tuple(t.stride() for t in tensors), rows, device, iters_override)
+    key = (id(layout), tuple(t.stride() for t in tensors), rows, device, iters_override, PROGRAMS_PER_SM)
     plan = _PLANS.get(key)
     if plan is None or plan.layout is not layout:
         static = _static_table(tensors, layout, rows * FP8_BLOCK)
