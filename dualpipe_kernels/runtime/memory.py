@@ -271,6 +271,7 @@ class ActivationMemory:
         """End of the forward: offloaded sources leave the device (the copy keeps what it reads); a
         compressed stage input keeps one copy (see :class:`_Input`)."""
         rec.open = False
+        self.side.flush()  # this forward's offload copies, as one job for the worker (CPU)
         for entry in rec.entries:
             if entry.release_source(self.side):
                 sm.add(rec, -entry.nbytes)

@@ -4,7 +4,9 @@ On a GPU the arena is pinned and copies run on a side stream ordered by
 events (the compute stream never waits on the host).  On CPU the same code
 runs with an accounting arena: the offload copies into it on a worker thread
 (the CPU's side stream: the compute thread goes on, and waits for a copy only
-when the backward reads it), a reload only marks the bytes resident again and
+when the backward reads it; one forward's copies go to the worker as one job
+when the forward ends, so a chunk that saves twenty tensors costs one thread
+hand-off, not twenty), a reload only marks the bytes resident again and
 the backward reads the arena (valid until the next step's reset), so the
 offload/reload scheduling and the resident-byte accounting are tested without
 a GPU.
@@ -86,6 +88,8 @@ class SideStream:
         self._stream: torch.cuda.Stream | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._last: Future[Any] | None = None
+        self._batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._batch_done: Future[Any] | None = None
 
     @property
     def cuda(self) -> bool:
@@ -97,18 +101,43 @@ class SideStream:
         return self._stream
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future[Any]:
-        """``dst.copy_(src)`` on the worker thread (the job holds ``src`` until it has run)."""
+        """``dst.copy_(src)`` on the worker thread, in the batch that :meth:`flush` hands over (the batch holds
+        ``src`` until it has run); the returned future is the batch's: done once every copy in it is."""
+        self._batch.append((dst, src))
+        if self._batch_done is None:
+            self._batch_done = Future()
+        return self._batch_done
+
+    def flush(self) -> None:
+        """Hand the copies batched so far to the worker thread, as one job (they run in order)."""
+        if not self._batch:
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dualpipe-offload")
             weakref.finalize(self, self._pool.shutdown, wait=False)
-        self._last = self._pool.submit(dst.copy_, src)
-        return self._last
+        batch, done = self._batch, self._batch_done
+        self._batch, self._batch_done = [], None
+        assert done is not None
+        self._pool.submit(_copy_all, batch, done)
+        self._last = done
 
     def drain(self) -> None:
         """Wait for every copy started so far (they run in order: the last one is enough)."""
+        self.flush()
         if self._last is not None:
             wait_copy(self._last, "a previous step's offload copy")
             self._last = None
+
+
+def _copy_all(batch: list[tuple[torch.Tensor, torch.Tensor]], done: Future[Any]) -> None:
+    """The worker's job: every ``dst.copy_(src)`` of one batch, then ``done`` (its result, or the error)."""
+    try:
+        for dst, src in batch:
+            dst.copy_(src)
+    except BaseException as exc:  # noqa: BLE001 - the waiter re-raises it
+        done.set_exception(exc)
+    else:
+        done.set_result(None)
 
 
 def wait_copy(job: Future[Any], what: str) -> None:
