@@ -440,3 +440,25 @@ def test_shapes_that_change_between_steps_stay_exact() -> None:
     """
     for rank, ok in enumerate(spawn(_changing_shapes_worker, 2, timeout_s=150)):
         assert all(ok), (rank, ok)
+
+
+def _lookaheads(rank: int, world: int) -> dict[str, int]:
+    sched = build_schedule("dualpipev", 2, 4)
+    mods = {s: _mlp() for s in sched.stages_of_rank(rank)}
+    got = {}
+    for name, kw in (("torch", {}), ("native", {}), ("torch_3", {"recv_lookahead": 3})):
+        pipe = Pipeline(sched, mods, timeout_s=30.0, transport=name.split("_")[0], **kw)
+        x, t = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
+        pipe.step(x, labels=(t,), criterion=_criterion)  # the window covers the step's receives either way
+        got[name] = pipe.recv_lookahead
+        pipe.close()
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_receive_window_defaults_to_the_transports_and_an_explicit_one_wins() -> None:
+    """gloo posts receives 8 compute actions ahead (late receives cost its loop thread CPU), native 2."""
+    for got in spawn(_lookaheads, 2, timeout_s=100):
+        assert got == {"torch": 8, "native": 2, "torch_3": 3}, got
+    with pytest.raises(ValueError, match="recv_lookahead must be >= 1"):
+        Pipeline(build_schedule("1f1b", 1, 2), {0: _mlp(), 1: _mlp()}, recv_lookahead=0)

@@ -72,6 +72,10 @@ class PayloadSwitch(Transport):
     def rank(self) -> int:
         return self.inner.rank
 
+    @property
+    def recv_lookahead(self) -> int:
+        return self.inner.recv_lookahead
+
     def _large(self, tensor: torch.Tensor) -> bool:
         return tensor.numel() * tensor.element_size() > _KEPT
 

@@ -114,7 +114,8 @@ class Pipeline(PipelineConveniences, nn.Module):
     ``timeout_s``: every wait.  ``sync_mirror_grads``: DualPipe only, sum the
     gradients of the two copies of a model stage at the end of the step.
     ``record_timeline``: fill ``StepResult.timeline``.  ``recv_lookahead``: how
-    many compute actions ahead receives are posted.  ``zero_bubble``:
+    many compute actions ahead receives are posted (default: the transport's
+    ``recv_lookahead``, 8 over gloo, else 2).  ``zero_bubble``:
     ``"split"`` (I/W autograd-graph split, default) or ``"store"`` (the
     reference's behaviour: I runs the full backward with the WeightGradStore
     enabled, W only pops the store).  ``device``: where received tensors go
@@ -169,7 +170,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         timeout_s: float = 120.0,
         sync_mirror_grads: bool = True,
         record_timeline: bool = False,
-        recv_lookahead: int = 2,
+        recv_lookahead: int | None = None,
         zero_bubble: str = "split",
         device: torch.device | str | None = None,
         dp_group: dist.ProcessGroup | None = None,
@@ -184,7 +185,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be a dualpipe_kernels Schedule, got {type(schedule).__name__}")
         timeout_s = check_timeout(timeout_s)
-        if recv_lookahead < 1:
+        if recv_lookahead is not None and recv_lookahead < 1:
             raise ValueError(f"recv_lookahead must be >= 1, got {recv_lookahead}")
         dp_op = dp_op if dp_op is not None else ("mean" if scale_grads else "sum")
         if dp_op not in DP_OPS:
@@ -215,7 +216,6 @@ class Pipeline(PipelineConveniences, nn.Module):
         self.timeout_s = float(timeout_s)
         self.sync_mirror_grads = sync_mirror_grads
         self.record_timeline = record_timeline
-        self.recv_lookahead = recv_lookahead
         self.zero_bubble = zero_bubble
         #: how boundary messages travel (part of what every rank must agree on)
         self.boundary_format = fmt
@@ -243,6 +243,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
+        self.recv_lookahead = recv_lookahead if recv_lookahead is not None else self._transport.recv_lookahead
         self._broken: str | None = None
         policies = parse_memory_policy(memory_policy, self.stages)
         self.memory_policy = {s: p.name for s, p in policies.items()}
@@ -264,7 +265,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         self._boundary = Boundary(wire, self.program)
         self._mirrors = MirrorSync(wire, schedule, self.stage_modules)
         self.mirror_of = self._mirrors.mirror_of
-        self._loop = ActionLoop(schedule.actions[self.rank], recv_lookahead)
+        self._loop = ActionLoop(schedule.actions[self.rank], self.recv_lookahead)
         self.dp_group = dp_group
         self._dp: DataParallelReducer | None = None
         if dp_group is not None:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 __all__ = [
+    "DEFAULT_RECV_LOOKAHEAD",
     "Handle",
     "Transport",
     "TransportError",
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
 
 
 DEFAULT_TIMEOUT_S = 120.0
+#: compute actions ahead that a pipeline posts its receives on most transports (see Transport.recv_lookahead)
+DEFAULT_RECV_LOOKAHEAD = 2
 
 
 class TransportError(RuntimeError):
@@ -127,6 +130,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def rank(self) -> int:
         """This process's rank in the transport's group."""
+
+    @property
+    def recv_lookahead(self) -> int:
+        """How many compute actions ahead a pipeline on this transport posts its receives unless told
+        (``Pipeline(recv_lookahead=...)``).  Posting costs nothing here until the data arrives: 2."""
+        return DEFAULT_RECV_LOOKAHEAD
 
     @abc.abstractmethod
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:

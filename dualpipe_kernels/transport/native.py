@@ -310,6 +310,12 @@ class NativeTransport(Transport):
         return self._rank
 
     @property
+    def recv_lookahead(self) -> int:
+        """The torch fallback's when some peers are on other hosts (gloo), else the default."""
+        fallback = self._fallback
+        return fallback.recv_lookahead if fallback is not None else super().recv_lookahead
+
+    @property
     def world_size(self) -> int:
         return self._size
 

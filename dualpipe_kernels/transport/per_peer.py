@@ -80,6 +80,11 @@ class RoutedTransport(Transport):
     def rank(self) -> int:
         return self._rank
 
+    @property
+    def recv_lookahead(self) -> int:
+        """The largest of its transports' (one window for all peers: the one that needs it longest)."""
+        return max(t.recv_lookahead for t in self.transports.values())
+
     def _route(self, peer: int, what: str) -> Transport:
         kind = self.routes.get(peer)
         if kind is None:
