@@ -56,3 +56,21 @@ def test_bench_overhead_quick_json(tmp_path: Path) -> None:
     md = (tmp_path / "overhead.md").read_text()
     assert "## Profile" in md and "per action (us)" in md
     assert json.loads((tmp_path / "overhead.json").read_text())["rows"] == rows
+
+
+def test_launches_combine_to_medians_with_the_ratio_range_and_keep_an_error() -> None:
+    from dualpipe_kernels.benchmarks.overhead import _combine
+
+    def row(step: float, ratio: float | None = None, **kw: object) -> dict[str, object]:
+        r: dict[str, object] = {"impl": "ours", "step_s": step, "step_min_s": step - 1, "step_max_s": step + 1,
+                                "compute_actions": 10, "per_action_us": step / 10 * 1e6, **kw}  # fmt: skip
+        if ratio is not None:
+            r["ratio_to_torch"] = ratio
+        return r
+
+    launches = [[row(3.0, 0.9), row(1.0)], [row(1.0, 0.7), row(2.0, error="boom")], [row(2.0, 0.8), row(3.0)]]
+    ours, failed = _combine(launches)
+    assert ours["step_s"] == 2.0 and ours["per_action_us"] == 2.0 / 10 * 1e6 and ours["launches"] == 3
+    assert (ours["step_min_s"], ours["step_max_s"]) == (0.0, 4.0)
+    assert (ours["ratio_to_torch"], ours["ratio_min"], ours["ratio_max"]) == (0.8, 0.7, 0.9)
+    assert failed["error"] == "boom"

@@ -7,7 +7,9 @@ on the critical path.  Each case runs on the same 2 ranks (spawned, gloo on
 transport (``native``, ``torch`` = gloo), and torch.distributed.pipelining's
 schedules of the same placement on gloo.  A step's time is the slowest rank's
 wall time of that step (every step starts after a barrier); the figure is the
-median over the measured steps, with min and max beside it.
+median over the measured steps, with min and max beside it.  The cases take
+turns step by step (round k runs step k of every case), so a change in the
+machine's load reaches ours and torch's alike.
 ``per_action_us`` divides it by the compute actions of the busiest rank of our
 schedule with the same placement (torch's rows use the same count: same work).
 ``ratio_to_torch`` is ours-on-gloo / torch-on-gloo per step, per schedule.
@@ -54,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 16; quick 8)")
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 15; quick 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument(
+        "--launches", type=int, default=None, help="fresh rank-process sets, medians over them (default 3; quick 1)"
+    )
     p.add_argument("--no-torch", dest="no_torch", action="store_true", help="skip torch.distributed.pipelining")
     p.add_argument("--profile-schedule", default="dualpipev", help="schedule profiled on native (default dualpipev)")
     p.add_argument("--profile-top", type=int, default=25, help="profile entries kept (default 25)")
@@ -77,6 +82,7 @@ class OverheadConfig:
     profile_top: int
     ranks: int = 2
     pin: bool = True  # each rank process on its own core (when there are enough)
+    launches: int = 3  # fresh sets of rank processes, each measuring every case (medians over them)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OverheadConfig:
@@ -94,6 +100,7 @@ class OverheadConfig:
             profile_schedule=str(getattr(args, "profile_schedule", "dualpipev")),
             profile_top=int(getattr(args, "profile_top", 25)),
             pin=not getattr(args, "no_pin", False),
+            launches=int(option(args, "launches", 3, 1)),
         )
         cfg.check()
         return cfg
@@ -108,10 +115,10 @@ class OverheadConfig:
         bad = [t for t in self.transports if t not in TRANSPORTS]
         if not self.transports or bad:
             raise ValueError(f"--transports must be among {', '.join(TRANSPORTS)}, got {','.join(self.transports)}")
-        if self.steps < 1 or self.warmup < 0 or self.profile_top < 1:
+        if self.steps < 1 or self.warmup < 0 or self.profile_top < 1 or self.launches < 1:
             raise ValueError(
-                f"need --steps >= 1, --warmup >= 0, --profile-top >= 1; got {self.steps}, "
-                f"{self.warmup}, {self.profile_top}"
+                f"need --steps >= 1, --warmup >= 0, --profile-top >= 1, --launches >= 1; got {self.steps}, "
+                f"{self.warmup}, {self.profile_top}, {self.launches}"
             )
         if self.profile_schedule not in SCHEDULE_NAMES:
             raise ValueError(f"--profile-schedule must be among {', '.join(SCHEDULE_NAMES)}")
@@ -205,18 +212,47 @@ def _torch_step(rank: int, cfg: OverheadConfig, cls_name: str) -> tuple[Any, int
     return step, _torch_actions(sched, rank)
 
 
-def _measure(rank: int, cfg: OverheadConfig, case: tuple[str, str, str]) -> dict[str, Any]:
-    """``{"times": this rank's measured step times, "actions": torch's compute actions of this rank or None}``."""
+def _build(rank: int, cfg: OverheadConfig, case: tuple[str, str, str]) -> tuple[Any, int | None, Any]:
+    """(a step callable, torch's compute actions of this rank or None, a close callable) of ``case``."""
     impl, transport, name = case
-    n = cfg.warmup + cfg.steps
     if impl == "torch":
         step, actions = _torch_step(rank, cfg, name)
-        return {"times": _timed(n, step)[cfg.warmup :], "actions": actions}
+        return step, actions, lambda: None
     pipe, step = _our_pipeline(rank, cfg, name, transport)
+    return step, None, pipe.close
+
+
+def _measure_all(rank: int, cfg: OverheadConfig) -> dict[str, Any]:
+    """Every case's step times, ``{"times", "actions"}`` per case (or its error), with the cases' steps taking
+    turns: round k times step k of every case, so a change in the machine's load (two shared cores) reaches
+    ours and torch's alike and the ratios between them keep their meaning."""
+    out: dict[str, Any] = {}
+    built: dict[str, tuple[Any, int | None, Any]] = {}
+    for case in cfg.cases():
+        key = "/".join(case)
+        try:
+            built[key] = _build(rank, cfg, case)
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            out[key] = f"{type(e).__name__}: {e}".splitlines()[0]
+    times: dict[str, list[float]] = {k: [] for k in built}
     try:
-        return {"times": _timed(n, step)[cfg.warmup :], "actions": None}
+        for i in range(cfg.warmup + cfg.steps):
+            for key, (step, _, _) in list(built.items()):
+                try:
+                    t = _timed(1, step)[0]
+                except Exception as e:  # noqa: BLE001 - reported in the row; the other cases go on
+                    out[key] = f"{type(e).__name__}: {e}".splitlines()[0]
+                    built.pop(key)[2]()
+                    continue
+                if i >= cfg.warmup:
+                    times[key].append(t)
+            if rank == 0:
+                sys.stderr.write(f"  bench overhead: round {i + 1}/{cfg.warmup + cfg.steps} done\n")
     finally:
-        pipe.close()
+        for key, (_, actions, close) in built.items():
+            close()
+            out[key] = {"times": times[key], "actions": actions}
+    return out
 
 
 def _profile(rank: int, cfg: OverheadConfig) -> dict[str, list[dict[str, Any]]]:
@@ -274,7 +310,7 @@ def _short(path: str) -> str:
     return path
 
 
-def _worker(rank: int, world: int, cfg: OverheadConfig) -> dict[str, Any]:
+def _worker(rank: int, world: int, cfg: OverheadConfig, profile: bool = True) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -282,14 +318,9 @@ def _worker(rank: int, world: int, cfg: OverheadConfig) -> dict[str, Any]:
         from dualpipe_kernels.benchmarks.common import pin_to_core
 
         pin_to_core(rank)  # before any transport starts its threads: they inherit the core
-    out: dict[str, Any] = {}
-    for case in cfg.cases():
-        try:
-            out["/".join(case)] = _measure(rank, cfg, case)
-        except Exception as e:  # noqa: BLE001 - reported in the row
-            out["/".join(case)] = f"{type(e).__name__}: {e}".splitlines()[0]
-        if rank == 0:
-            sys.stderr.write(f"  bench overhead: {' '.join(case)} done\n")
+    out = _measure_all(rank, cfg)
+    if not profile:
+        return out
     try:
         out["profile"] = _profile(rank, cfg)
     except Exception as e:  # noqa: BLE001 - reported in the result
@@ -354,6 +385,33 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
             r["ratio_to_torch"] = r["step_s"] / torch_step[r["schedule"]]
 
 
+def _combine(launches: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per case over the launches: the median of their step medians (min and max over every step),
+    and the median of their ours/torch ratios with its range; an error in any launch is the row's."""
+    import statistics
+
+    out = []
+    for rows in zip(*launches, strict=True):
+        err = next((r for r in rows if r.get("error")), None)
+        if err is not None:
+            out.append(err)
+            continue
+        row = dict(rows[0])
+        step = float(statistics.median(r["step_s"] for r in rows))
+        row.update(
+            step_s=step,
+            step_min_s=min(r["step_min_s"] for r in rows),
+            step_max_s=max(r["step_max_s"] for r in rows),
+            per_action_us=step / row["compute_actions"] * 1e6,
+            launches=len(rows),
+        )
+        ratios = [r["ratio_to_torch"] for r in rows if r.get("ratio_to_torch") is not None]
+        if ratios:
+            row.update(ratio_to_torch=float(statistics.median(ratios)), ratio_min=min(ratios), ratio_max=max(ratios))
+        out.append(row)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualpipe_kernels.benchmarks.common import Progress
     from dualpipe_kernels.runtime.launch import spawn
@@ -362,12 +420,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bar = Progress(1, title="bench overhead")
     bar.note(f"{len(cfg.cases())} cases, {cfg.ranks} ranks x {cfg.microbatches} micro-batches, {cfg.steps} steps")
     t0 = time.perf_counter()
-    per_rank = spawn(_worker, cfg.ranks, cfg, timeout_s=900, pg_timeout_s=300, threads=1)
-    rows = [_row(cfg, case, per_rank) for case in cfg.cases()]
-    _add_ratios(rows)
+    launches = []
+    for k in range(cfg.launches):  # the first launch also profiles
+        per_rank = spawn(_worker, cfg.ranks, cfg, k == 0, timeout_s=900, pg_timeout_s=300, threads=1)
+        rows = [_row(cfg, case, per_rank) for case in cfg.cases()]
+        _add_ratios(rows)
+        launches.append(rows)
+        if k == 0:
+            prof = per_rank[0]["profile"]
+    rows = _combine(launches)
     bar.update(f"done in {time.perf_counter() - t0:.1f} s")
     bar.close()
-    prof = per_rank[0]["profile"]
     result: dict[str, Any] = {"rows": rows, "config": asdict(cfg)}
     if isinstance(prof, str):
         result.update(profile=[], profile_self=[], profile_error=prof)
@@ -389,8 +452,10 @@ def to_markdown(result: dict[str, Any]) -> str:
     c = result.get("config", {})
     head = (
         f"{c.get('ranks')} ranks x {c.get('microbatches')} micro-batches, every stage chunk one Linear(8, 8) on "
-        f"1x8 rows; median (min, max) of {c.get('steps')} steps of the slowest rank. per action: step / compute "
-        "actions of the busiest rank. 'ours/torch': our step on gloo over torch's on gloo. "
+        f"1x8 rows; median of {c.get('launches', 1)} launches (fresh rank processes) of the median of "
+        f"{c.get('steps')} steps of the slowest rank (min, max: over every step). per action: step / compute "
+        "actions of the busiest rank. 'ours/torch': our step on gloo over torch's on gloo, per launch, median "
+        "(min, max) over the launches; in a launch the cases take turns step by step. "
         + (
             "Each rank process pinned to its own core (ours and torch's alike; --no-pin: not)."
             if c.get("pin")
@@ -409,6 +474,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("torch_compute_actions", "torch actions"),
         ("per_action_us", "per action (us)"),
         ("ratio_to_torch", "ours/torch"),
+        ("ratio_min", "min"),
+        ("ratio_max", "max"),
         ("error", "error"),
     ]
     parts = [head, "", markdown_table(result["rows"], [k for k, _ in cols], [h for _, h in cols])]
