@@ -9,6 +9,7 @@ includes (followed recursively) must include the standard header that declares i
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -215,3 +216,29 @@ def test_each_source_includes_the_standard_headers_of_what_it_uses(path: Path) -
     assert not missing, (
         f"{path.relative_to(ROOT)} uses {missing} without including it (directly or via its own headers)"
     )
+
+
+#: sources that include torch or pybind11 headers: they compile in whatever standard torch asks for
+_TORCH_INCLUDE = re.compile(r'#\s*include\s*[<"](torch/|pybind11/|c10/|ATen/)')
+
+
+def test_sources_without_torch_compile_as_cxx17() -> None:
+    """torch 2.11 (the first GPU machine's) builds extensions with -std=c++17, torch 2.14 (CI's) with c++20:
+    the engine's own sources must be C++17, so a C++20-only construct cannot pass CI and fail on a GPU box."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx is not None, "no C++ compiler on PATH (the extension build needs one too)"
+    plain = [p for p in SOURCES if p.suffix == ".cpp" and "tests" not in p.parts]
+    plain = [p for p in plain if not _TORCH_INCLUDE.search(p.read_text())]
+    assert len(plain) >= 8, plain
+    cuda_home = Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+    flags = [f"-I{CSRC}"]
+    if (cuda_home / "include" / "cuda_runtime_api.h").exists():  # the CUDA engine's sources need its headers
+        flags += [f"-I{cuda_home / 'include'}", "-DDUALPIPE_KERNELS_WITH_CUDA"]
+    else:
+        plain = [p for p in plain if "cuda" not in p.parts]
+    cmd = [cxx, "-std=c++17", "-Wpedantic", "-Werror=pedantic", "-fsyntax-only", *flags, *map(str, plain)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
