@@ -235,10 +235,13 @@ def test_sources_without_torch_compile_as_cxx17() -> None:
     assert len(plain) >= 8, plain
     cuda_home = Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")
     flags = [f"-I{CSRC}"]
-    if (cuda_home / "include" / "cuda_runtime_api.h").exists():  # the CUDA engine's sources need its headers
+    has_cuda = (cuda_home / "include" / "cuda_runtime_api.h").exists()
+    if has_cuda:  # the CUDA engine's sources need its headers
         flags += [f"-I{cuda_home / 'include'}", "-DDUALPIPE_KERNELS_WITH_CUDA"]
     else:
         plain = [p for p in plain if "cuda" not in p.parts]
+    cu = [p for p in SOURCES if p.suffix == ".cu" and has_cuda]  # host-only CUDA C++: g++ reads it
     cmd = [cxx, "-std=c++17", "-Wpedantic", "-Werror=pedantic", "-fsyntax-only", *flags, *map(str, plain)]
+    cmd += ["-x", "c++", *map(str, cu)] if cu else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
