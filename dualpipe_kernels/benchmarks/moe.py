@@ -203,9 +203,12 @@ def _simulated(run: MoeRun, c: dict[str, float], pair_s: float) -> tuple[float, 
 
 
 def _pair_floor(run: MoeRun, c: dict[str, float]) -> float:
-    """The shortest a hooked pair can be on CPU processes: its four all_to_alls back to back (the copies share
-    the cores, and ``a2a`` is measured with every process exchanging) or its compute (F + B of sleep)."""
-    return max(4 * c["a2a"], run.f_s + run.b_s)
+    """The shortest a hooked pair can be on CPU processes, the longest of three chains:
+    its four all_to_alls back to back (the copies share the cores, and ``a2a`` is measured with every
+    process exchanging); its compute (F + B of sleep: both chunks' phases run on the one compute thread);
+    and the backward's own chain, which no interleaving shortens: the combine's gradient exchange, the
+    expert half of B, the dispatch's gradient exchange, the attention half of B (2 x a2a + B)."""
+    return max(4 * c["a2a"], run.f_s + run.b_s, 2 * c["a2a"] + run.b_s)
 
 
 def _rows(run: MoeRun, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -362,7 +365,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         "- why: in the hook each all_to_all is in flight while the other chunk computes one phase (F/2 or B/2), "
         "and the sequential pairs (hook off, torch) expose all four all_to_alls of a pair at every size. Here an "
         "all_to_all is copies done by the CPU, so a hooked pair takes at least its four all_to_alls back to back "
-        "(4 x a2a_s) and at least its compute (F + B of sleep): below a chunk's compute the all_to_alls hide, "
+        "(4 x a2a_s), at least its compute (F + B of sleep) and at least the backward's own chain of two "
+        "exchanges and two compute halves (2 x a2a_s + B): below a chunk's compute the all_to_alls hide, "
         "above it the pair is bound by them. The native engine runs a rank's exchanges in posting order, so "
         "the one a compute phase waits for finishes first; gloo over TCP loopback copies each byte in the "
         "kernel on both sides and runs the pair's two in-flight all_to_alls side by side, sharing the cores, "
@@ -373,7 +377,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     for k, v in t["values"].items():
         lines.append(f"  - {k}: {v:.3f} (target <= {t['limits'][k]}): {'met' if t['met'][k] else 'NOT met'}")
     lines.append(
-        f"  - the hooked pair's floor (max(4 x a2a_s, F + B of compute)) is {t['pair_floor_over_f_plus_b']:.3f} "
+        f"  - the hooked pair's floor (max(4 x a2a_s, F + B of compute, 2 x a2a_s + B)) is "
+        f"{t['pair_floor_over_f_plus_b']:.3f} "
         f"of F + B here; the pair measured {t['pair_over_floor']:.2f} x that floor"
     )
     return "\n".join(lines)
