@@ -271,7 +271,9 @@ def _fast(row, blk, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _pack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr):
+def _blocks(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr,
+            PACK: tl.constexpr):  # fmt: skip
+    """One program: find its tensor, then pack (``PACK``) or unpack its run of up to ``iters`` blocks."""
     pid = tl.program_id(0).to(tl.int64)
     row = table + _find_tensor(table, pid, n, LOG_N, W) * W
     first = (pid - tl.load(row + 13)) * iters
@@ -279,25 +281,27 @@ def _pack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, 
     for it in range(0, iters):
         blk = first + it
         if blk < nblk:
-            if _fast(row, blk, ROWS):
-                _pack_block(row, buf, blk, ROWS, POW2, True)
+            fast = _fast(row, blk, ROWS)
+            if PACK:
+                if fast:
+                    _pack_block(row, buf, blk, ROWS, POW2, True)
+                else:
+                    _pack_block(row, buf, blk, ROWS, POW2, False)
             else:
-                _pack_block(row, buf, blk, ROWS, POW2, False)
+                if fast:
+                    _unpack_block(row, buf, blk, ROWS, True)
+                else:
+                    _unpack_block(row, buf, blk, ROWS, False)
+
+
+@triton.jit
+def _pack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr):
+    _blocks(table, buf, n, iters, LOG_N, ROWS, W, POW2, True)
 
 
 @triton.jit
 def _unpack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    row = table + _find_tensor(table, pid, n, LOG_N, W) * W
-    first = (pid - tl.load(row + 13)) * iters
-    nblk = tl.load(row + 18)
-    for it in range(0, iters):
-        blk = first + it
-        if blk < nblk:
-            if _fast(row, blk, ROWS):
-                _unpack_block(row, buf, blk, ROWS, True)
-            else:
-                _unpack_block(row, buf, blk, ROWS, False)
+    _blocks(table, buf, n, iters, LOG_N, ROWS, W, False, False)
 
 
 # ---------------------------------------------------------------- host side
