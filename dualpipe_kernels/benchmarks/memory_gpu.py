@@ -134,7 +134,7 @@ def _rank(rank: int, world: int, cfg: GpuMemoryConfig) -> dict[str, Any]:
     sched = build_schedule("dualpipev", world, cfg.microbatches)
     x = torch.randn(cfg.microbatches * cfg.rows, cfg.cols, generator=torch.Generator().manual_seed(0)).to(dev)
     runs: dict[str, tuple[Any, dict[int, DenseChunk]]] = {}
-    wait_s = max(5.0, cfg.timeout_s / 10)  # a stuck transfer raises, naming it, well before the run's limit
+    wait_s = max(10.0, cfg.timeout_s / 10)  # a stuck transfer raises, naming it, before the run's limit
     got: dict[str, dict[str, list[Any]]] = {p: {"times": [], "alloc": [], "losses": []} for p in cfg.policies}
     try:
         for policy in cfg.policies:
