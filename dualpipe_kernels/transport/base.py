@@ -134,7 +134,8 @@ class Transport(abc.ABC):
     @property
     def recv_lookahead(self) -> int:
         """How many compute actions ahead a pipeline on this transport posts its receives unless told
-        (``Pipeline(recv_lookahead=...)``).  Posting costs nothing here until the data arrives: 2."""
+        (``Pipeline(recv_lookahead=...)``).  Default 2: a posted receive holds its buffer from then on, so a
+        longer window costs memory; a transport that gains from earlier posting says so here."""
         return DEFAULT_RECV_LOOKAHEAD
 
     @abc.abstractmethod
