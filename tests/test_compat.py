@@ -120,7 +120,7 @@ def test_run_backward_accumulates():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("which,world,chunks", [("dualpipev", 2, 6), ("dualpipe", 2, 6)])
 def test_compat_on_cuda(which, world, chunks):
-    """CUDA stage modules, two ranks on GPU 0 over transport "auto" (CUDA IPC): bit-exact against one process."""
+    """CUDA stage modules, two ranks on GPU 0 over transport "auto" (torch on GPUs by default): bit-exact."""
     per_rank = spawn(cuda_compat, world, which, chunks, timeout_s=23, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     for rank, c in enumerate(per_rank):
         assert all(c.values()), f"rank {rank}: {c}"

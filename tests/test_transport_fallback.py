@@ -7,6 +7,7 @@ fakes that fail the way the engine does (``make_transport``).
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from typing import Any
@@ -133,6 +134,7 @@ def _auto_worker(rank: int, world: int) -> tuple[str, str, list[str]]:
     transport_mod.native_available = lambda device=None: True  # type: ignore[assignment]
     fallback.probe_cuda_ipc = lambda device: None  # type: ignore[assignment]
     cuda_ipc.CudaIpcTransport = fake_cuda_ipc  # type: ignore[assignment,misc]
+    os.environ[transport_mod.CUDA_IPC_ENV] = "1"  # "auto" may try the engine (it is off by default on GPUs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t = make_transport("auto", None, torch.device("cuda", 0), timeout_s=10.0)
@@ -140,6 +142,30 @@ def _auto_worker(rank: int, world: int) -> tuple[str, str, list[str]]:
     dev = str(getattr(t, "device", ""))
     t.close()
     return kind, dev, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def _auto_default_worker(rank: int, world: int) -> tuple[str, int]:
+    """make_transport("auto", cuda) without DUALPIPE_KERNELS_CUDA_IPC: the engine is never built."""
+    import dualpipe_kernels.transport as transport_mod
+    from dualpipe_kernels.runtime.fingerprint import resolved_transport
+    from dualpipe_kernels.transport import cuda_ipc, fallback, make_transport
+
+    calls = []
+    transport_mod.native_available = lambda device=None: True  # type: ignore[assignment]
+    fallback.probe_cuda_ipc = lambda device: calls.append("probe")  # type: ignore[assignment,func-returns-value]
+    cuda_ipc.CudaIpcTransport = lambda *a, **k: calls.append("build")  # type: ignore[assignment,misc]
+    os.environ.pop(transport_mod.CUDA_IPC_ENV, None)
+    t = make_transport("auto", None, torch.device("cuda", 0), timeout_s=10.0)
+    kind = type(t).__name__
+    t.close()
+    assert resolved_transport("auto", torch.device("cuda", 0)) == "torch"
+    return kind, len(calls)
+
+
+def test_auto_on_a_gpu_uses_torch_unless_the_cuda_ipc_engine_is_asked_for() -> None:
+    """The CUDA IPC engine crashed at channel set-up on the first GPU it ran on: "auto" does not pick it."""
+    for rank, (kind, calls) in enumerate(spawn(_auto_default_worker, 2, timeout_s=120)):
+        assert kind == "TorchDistTransport" and calls == 0, f"rank {rank}: {kind}, engine calls {calls}"
 
 
 def test_make_transport_auto_falls_back_to_torch_naming_the_step() -> None:

@@ -167,8 +167,13 @@ def agree(
 
 def resolved_transport(kind: Any, device: Any) -> str:
     """The transport ``make_transport(kind, ...)`` builds, by name (``"auto"`` resolved)."""
-    from dualpipe_kernels.transport import native_available
+    import torch
+
+    from dualpipe_kernels.transport import cuda_ipc_auto, native_available
 
     if isinstance(kind, str):
-        return ("native" if native_available(device) else "torch") if kind == "auto" else kind
+        if kind != "auto":
+            return kind
+        cuda = device is not None and torch.device(device).type == "cuda"
+        return "native" if native_available(device) and (not cuda or cuda_ipc_auto()) else "torch"
     return str(getattr(kind, "name", type(kind).__name__))

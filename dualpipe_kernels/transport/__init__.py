@@ -17,17 +17,35 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 __all__ = [
+    "CUDA_IPC_ENV",
     "DEFAULT_TIMEOUT_S",
     "Handle",
     "Transport",
     "TransportError",
     "TransportTimeout",
     "TRANSPORT_NAMES",
+    "cuda_ipc_auto",
     "make_transport",
     "native_available",
 ]
 
 TRANSPORT_NAMES = ("auto", "torch", "native")
+
+#: environment variable that lets ``"auto"`` pick the CUDA IPC engine on GPUs (see :func:`cuda_ipc_auto`)
+CUDA_IPC_ENV = "DUALPIPE_KERNELS_CUDA_IPC"
+
+
+def cuda_ipc_auto() -> bool:
+    """Whether ``transport="auto"`` may use the CUDA IPC engine on GPUs: only with ``DUALPIPE_KERNELS_CUDA_IPC=1``.
+
+    The engine has not yet run correctly on a GPU: on the first H200 it was built on (2026-11-30), setting up
+    a channel crashed the process (a segmentation fault in ``create_incoming``) and transfers of the transport
+    tests never completed (README, "GPU check").  A crash cannot fall back, so until a GPU run passes,
+    ``"auto"`` on CUDA uses the torch transport; ``transport="native"`` or this variable asks for the engine.
+    """
+    import os
+
+    return os.environ.get(CUDA_IPC_ENV, "") == "1"
 
 
 def make_transport(
@@ -39,9 +57,9 @@ def make_transport(
     """Build the transport named ``kind`` for ``group`` (default: the default group).
 
     ``"auto"`` (the runtime's default): ``"native"`` when the compiled engine is
-    available for ``device`` (always for CPU tensors; for CUDA tensors when the
-    extension was built with CUDA), else ``"torch"``.  On CUDA, "auto" uses
-    CUDA IPC only if every step of it works on every rank of ``group``
+    available for ``device`` (CPU tensors), else ``"torch"``.  On CUDA, "auto" is
+    ``"torch"`` unless :func:`cuda_ipc_auto` (``DUALPIPE_KERNELS_CUDA_IPC=1``):
+    then it uses CUDA IPC only if every step of it works on every rank of ``group``
     (exporting buffers and events, opening the peers'), and otherwise warns
     which step failed on which rank and returns ``"torch"`` (see fallback.py).
     ``"torch"``: torch.distributed point-to-point over a gloo group (CUDA tensors
@@ -59,6 +77,8 @@ def make_transport(
     import torch
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    if kind == "auto" and dev.type == "cuda" and not cuda_ipc_auto():
+        kind = "torch"
     if kind in ("auto", "native") and dev.type == "cuda" and native_available(dev):
         routed = _routed_by_host(kind, group, dev, timeout_s)
         if routed is not None:
