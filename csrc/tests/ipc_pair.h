@@ -25,6 +25,20 @@ inline EngineOptions small_options(Staging staging = Staging::kAuto) {
   return o;
 }
 
+//! small_options() with at most `max_peer_mappings` of the sender's allocations mapped per peer.
+inline EngineOptions mapping_options(int max_peer_mappings) {
+  EngineOptions o = small_options();
+  o.max_peer_mappings = max_peer_mappings;
+  return o;
+}
+
+//! Success when the fake device saw no violation; else a failure naming the first one.
+inline ::testing::AssertionResult no_violations(const FakeDevice& dev) {
+  const std::vector<std::string> v = dev.violations();
+  if (v.empty()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << v.front();
+}
+
 //! Close both at once, as ranks do: neither may wait on the other.
 inline void close_both(Engine& a, Engine& b, double timeout_s = 10.0) {
   std::thread t([&] { b.close(timeout_s); });
@@ -85,6 +99,12 @@ inline char* device_copy(FakeDevice& dev, const std::vector<char>& v, std::size_
 //! (its OOM retry frees cached segments).
 inline std::shared_ptr<void> owned_by_tensor(const std::shared_ptr<FakeDevice>& dev, char* p) {
   return std::shared_ptr<void>(p, [dev](void* q) { dev->free(q); });
+}
+
+//! Rank 0 sends the first `n` bytes of the device allocation `base` as a tensor that is the allocation's
+//! last owner (see owned_by_tensor); returns what rank 1 received.
+inline std::vector<char> transfer_owned(Pair& p, std::int64_t tag, char* base, std::size_t n) {
+  return p.transfer(tag, base, n, base, owned_by_tensor(p.dev, base));
 }
 
 //! Polls `done` for up to 5 s.

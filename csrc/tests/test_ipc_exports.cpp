@@ -48,26 +48,24 @@ TEST(FakeDevice, DetectsAFreeWhileMappedAndAStaleHandle) {
 // allocation under the receiver's mapping (a "cudaFree while another side
 // still maps" violation at the first transfer).
 TEST(IpcEngine, ASentAllocationStaysAliveWhileTheReceiverMapsIt) {
-  EngineOptions o = small_options();
-  o.max_peer_mappings = 2;
-  Pair p(o);
+  Pair p(mapping_options(2));
   const std::size_t n = 256 << 10;
   std::vector<char*> bufs;
   for (int i = 0; i < 3; ++i) bufs.push_back(device_copy(*p.dev, pattern(n, i)));
-  EXPECT_EQ(p.transfer(0, bufs[0], n, bufs[0], owned_by_tensor(p.dev, bufs[0])), pattern(n, 0));
+  EXPECT_EQ(transfer_owned(p, 0, bufs[0], n), pattern(n, 0));
   EXPECT_TRUE(p.last_send_zero_copy);
   // The worker drops the op's reference after the iteration that completed
   // it; a later transfer completes in a later iteration.
   const auto small = pattern(1000, 5);
   EXPECT_EQ(p.transfer(9, small.data(), small.size()), small);
-  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+  EXPECT_TRUE(no_violations(*p.dev));
   EXPECT_TRUE(p.dev->is_allocated(bufs[0])) << "freed although the receiver still maps it";
   EXPECT_EQ(p.dev->mappings_of(bufs[0]), 1);
   // A second allocation takes the second export entry; a third finds both in
   // use: the sender asks the receiver to unmap the least recently used one
   // (bufs[0]) and sends this one through the ring meanwhile.
-  EXPECT_EQ(p.transfer(1, bufs[1], n, bufs[1], owned_by_tensor(p.dev, bufs[1])), pattern(n, 1));
-  EXPECT_EQ(p.transfer(2, bufs[2], n, bufs[2], owned_by_tensor(p.dev, bufs[2])), pattern(n, 2));
+  EXPECT_EQ(transfer_owned(p, 1, bufs[1], n), pattern(n, 1));
+  EXPECT_EQ(transfer_owned(p, 2, bufs[2], n), pattern(n, 2));
   EXPECT_FALSE(p.last_send_zero_copy) << "no export entry free yet: staged";
   EXPECT_EQ(p.e0->stats().zero_copy_deferred, 1u);
   ASSERT_TRUE(eventually([&] { return p.dev->mappings_of(bufs[0]) == 0; })) << "the receiver unmaps on request";
@@ -78,15 +76,13 @@ TEST(IpcEngine, ASentAllocationStaysAliveWhileTheReceiverMapsIt) {
   EXPECT_TRUE(p.dev->is_allocated(bufs[1])) << "still mapped by the receiver";
   EXPECT_TRUE(eventually([&] { return !p.dev->is_allocated(bufs[2]); })) << "a staged send holds its buffer no longer";
   close_both(*p.e0, *p.e1);
-  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+  EXPECT_TRUE(no_violations(*p.dev));
   EXPECT_FALSE(p.dev->is_allocated(bufs[1])) << "close releases every keep-alive once the receiver detached";
   EXPECT_EQ(p.dev->open_mappings(), 0);
 }
 
 TEST(IpcEngine, WithOneMappingAllocationsTakeTurnsAndNoneIsFreedMapped) {
-  EngineOptions o = small_options();
-  o.max_peer_mappings = 1;
-  Pair p(o);
+  Pair p(mapping_options(1));
   const std::size_t n = 256 << 10;
   std::vector<char*> bufs;
   for (int i = 0; i < 6; ++i) bufs.push_back(device_copy(*p.dev, pattern(n, i), i * 4096));  // distinct sizes
@@ -102,7 +98,7 @@ TEST(IpcEngine, WithOneMappingAllocationsTakeTurnsAndNoneIsFreedMapped) {
   EXPECT_EQ(s0.mem_handle_exports, s0.zero_copy_sends);
   close_both(*p.e0, *p.e1);
   for (char* b : bufs) EXPECT_FALSE(p.dev->is_allocated(b)) << "every keep-alive is dropped at close";
-  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+  EXPECT_TRUE(no_violations(*p.dev));
 }
 
 // Item 10: one cudaIpcGetMemHandle per allocation, however many sends (and
@@ -130,30 +126,28 @@ TEST(IpcEngine, TheHandleIsMadeOncePerAllocation) {
   EXPECT_EQ(p.e1->stats().peer_mappings_opened, 1u);
   close_both(*p.e0, *p.e1);
   EXPECT_FALSE(p.dev->is_allocated(base));
-  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+  EXPECT_TRUE(no_violations(*p.dev));
 }
 
 // A released allocation whose address comes back as a new allocation gets a
 // new handle: the cached one went with the keep-alive (a stale handle would
 // map the old allocation, which the fake reports).
 TEST(IpcEngine, AFreedAndReallocatedAddressNeverReusesAStaleHandle) {
-  EngineOptions o = small_options();
-  o.max_peer_mappings = 1;
-  Pair p(o);
+  Pair p(mapping_options(1));
   const std::size_t n = 256 << 10;
   char* x = device_copy(*p.dev, pattern(n, 1));
-  EXPECT_EQ(p.transfer(1, x, n, x, owned_by_tensor(p.dev, x)), pattern(n, 1));
+  EXPECT_EQ(transfer_owned(p, 1, x, n), pattern(n, 1));
   char* y = device_copy(*p.dev, pattern(n, 2), 4096);  // another size: not handed x's address later
   EXPECT_EQ(p.transfer(2, y + 4096, n, y, owned_by_tensor(p.dev, y)), pattern(n, 2));  // staged; x is retired
   ASSERT_TRUE(kick_until(p, [&] { return !p.dev->is_allocated(x); }));
   const int before = p.dev->get_mem_handle_calls.load();
   char* z = device_copy(*p.dev, pattern(n, 3));
   ASSERT_EQ(z, x) << "the fake hands a freed block out again for the same size";
-  EXPECT_EQ(p.transfer(3, z, n, z, owned_by_tensor(p.dev, z)), pattern(n, 3));
+  EXPECT_EQ(transfer_owned(p, 3, z, n), pattern(n, 3));
   EXPECT_TRUE(p.last_send_zero_copy);
   EXPECT_EQ(p.dev->get_mem_handle_calls.load() - before, 1) << "a new allocation needs a new handle";
   close_both(*p.e0, *p.e1);
-  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+  EXPECT_TRUE(no_violations(*p.dev));
 }
 
 // Item 10: unmapping waits for the copies that read the mapping through an
@@ -161,13 +155,11 @@ TEST(IpcEngine, AFreedAndReallocatedAddressNeverReusesAStaleHandle) {
 // copies do not finish (its receive stream is held): the unmap stays pending,
 // and meanwhile both engines still accept and move other transfers.
 TEST(IpcEngine, APendingUnmapDoesNotHoldTheEngine) {
-  EngineOptions o = small_options();
-  o.max_peer_mappings = 1;
-  Pair p(o);
+  Pair p(mapping_options(1));
   const std::size_t n = 256 << 10;
   char* x = device_copy(*p.dev, pattern(n, 1));
   char* y = device_copy(*p.dev, pattern(n, 2), 4096);
-  EXPECT_EQ(p.transfer(1, x, n, x, owned_by_tensor(p.dev, x)), pattern(n, 1));
+  EXPECT_EQ(transfer_owned(p, 1, x, n), pattern(n, 1));
   const Stream held = p.e1->stream_for(OpKind::kRecv);
   p.dev->hold_stream(held);
   std::vector<char> out(n);
@@ -197,15 +189,13 @@ TEST(IpcEngine, APendingUnmapDoesNotHoldTheEngine) {
   EXPECT_TRUE(s->wait(5.0));
   EXPECT_TRUE(kick_until(p, [&] { return !p.dev->is_allocated(x); }));
   close_both(*p.e0, *p.e1);
-  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+  EXPECT_TRUE(no_violations(*p.dev));
 }
 
 // An allocation the receiver never mapped (its message was discarded on a
 // size mismatch) is acknowledged at once when the sender retires it.
 TEST(IpcEngine, ARetiredEntryTheReceiverNeverMappedIsReleased) {
-  EngineOptions o = small_options();
-  o.max_peer_mappings = 1;
-  Pair p(o);
+  Pair p(mapping_options(1));
   const std::size_t n = 256 << 10;
   char* x = device_copy(*p.dev, pattern(n, 1));
   std::vector<char> small(n / 2);
@@ -220,7 +210,7 @@ TEST(IpcEngine, ARetiredEntryTheReceiverNeverMappedIsReleased) {
   EXPECT_TRUE(eventually([&] { return !p.dev->is_allocated(x); }));
   EXPECT_EQ(p.e1->stats().peer_mappings_opened, 0u);
   close_both(*p.e0, *p.e1);
-  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+  EXPECT_TRUE(no_violations(*p.dev));
 }
 
 // A receiver that abandons its mappings at close (its copies did not drain)
@@ -229,13 +219,13 @@ TEST(IpcEngine, KeepAlivesOutliveCloseWhenTheReceiverAbandons) {
   Pair p;
   const std::size_t n = 256 << 10;
   char* x = device_copy(*p.dev, pattern(n, 1));
-  EXPECT_EQ(p.transfer(1, x, n, x, owned_by_tensor(p.dev, x)), pattern(n, 1));
+  EXPECT_EQ(transfer_owned(p, 1, x, n), pattern(n, 1));
   p.dev->streams_hang = true;
   p.e1->close(0.2);  // abandons: its mapping of x stays
   p.dev->streams_hang = false;
   p.e0->close(5.0);
   EXPECT_TRUE(p.dev->is_allocated(x)) << "freed under the receiver's abandoned mapping";
-  EXPECT_TRUE(p.dev->violations().empty()) << p.dev->violations().front();
+  EXPECT_TRUE(no_violations(*p.dev));
   EXPECT_EQ(p.dev->mappings_of(x), 1);
   // The engine holds it until it is destroyed; this test's fake stops checking here.
   p.dev->ipc_close_mem_handle(x);
