@@ -7,8 +7,10 @@ parent turns each rank's outcome into one parametrized test.
 
 from __future__ import annotations
 
+import importlib
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -24,3 +26,14 @@ def run_scenarios(scenarios: Mapping[str, Callable[[int], None]], rank: int) -> 
             out[name] = traceback.format_exc()
         dist.barrier()
     return out
+
+
+def run_module_scenarios(rank: int, world_size: int, module: str) -> dict[str, str]:
+    """A spawn target: :func:`run_scenarios` over the ``SCENARIOS`` of the test module named ``module``."""
+    return run_scenarios(importlib.import_module(module).SCENARIOS, rank)
+
+
+def check_scenario(per_rank: Sequence[Mapping[str, Any]], name: str) -> None:
+    """Every rank's outcome of scenario ``name`` is "ok" (else the failing rank's traceback)."""
+    for rank, res in enumerate(per_rank):
+        assert res[name] == "ok", f"rank {rank}:\n{res[name]}"

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from scenarios import run_scenarios
+from scenarios import check_scenario, run_scenarios
 
 from dualpipe_kernels.runtime.launch import spawn, spawn_outcomes
 from dualpipe_kernels.transport.base import TransportError, TransportTimeout
@@ -278,8 +278,7 @@ def scenario_results() -> list[dict[str, Any]]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario(scenario_results: list[dict[str, Any]], name: str) -> None:
-    for rank, res in enumerate(scenario_results):
-        assert res[name] == "ok", f"rank {rank}:\n{res[name]}"
+    check_scenario(scenario_results, name)
 
 
 @pytest.mark.timeout(300)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from scenarios import run_scenarios
+from scenarios import check_scenario, run_module_scenarios
 
 from dualpipe_kernels.kernels import format_for, pack, plan_layout, unpack
 from dualpipe_kernels.runtime.launch import spawn
@@ -157,18 +157,12 @@ SCENARIOS: dict[str, Callable[[int], None]] = {
 }
 
 
-def _run(rank: int, world_size: int) -> dict[str, str]:
-    torch.set_num_threads(1)
-    return run_scenarios(SCENARIOS, rank)
-
-
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return spawn(_run, WORLD, timeout_s=240)
+    return spawn(run_module_scenarios, WORLD, __name__, timeout_s=240)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario(results: list[dict[str, Any]], name: str) -> None:
-    for rank, res in enumerate(results):
-        assert res[name] == "ok", f"rank {rank}:\n{res[name]}"
+    check_scenario(results, name)
