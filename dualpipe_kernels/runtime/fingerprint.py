@@ -167,13 +167,8 @@ def agree(
 
 def resolved_transport(kind: Any, device: Any) -> str:
     """The transport ``make_transport(kind, ...)`` builds, by name (``"auto"`` resolved)."""
-    import torch
-
-    from dualpipe_kernels.transport import cuda_ipc_auto, native_available
+    from dualpipe_kernels.transport import auto_kind
 
     if isinstance(kind, str):
-        if kind != "auto":
-            return kind
-        cuda = device is not None and torch.device(device).type == "cuda"
-        return "native" if native_available(device) and (not cuda or cuda_ipc_auto()) else "torch"
+        return auto_kind(device) if kind == "auto" else kind
     return str(getattr(kind, "name", type(kind).__name__))

@@ -24,6 +24,7 @@ __all__ = [
     "TransportError",
     "TransportTimeout",
     "TRANSPORT_NAMES",
+    "auto_kind",
     "cuda_ipc_auto",
     "make_transport",
     "native_available",
@@ -46,6 +47,18 @@ def cuda_ipc_auto() -> bool:
     import os
 
     return os.environ.get(CUDA_IPC_ENV, "") == "1"
+
+
+def auto_kind(device: torch.device | str | None = None) -> str:
+    """What ``"auto"`` asks for on ``device``: ``"native"`` where the compiled engine serves it (on GPUs only
+    with :func:`cuda_ipc_auto`), else ``"torch"``.  On a GPU, "native" may still fall back to "torch" when a
+    CUDA IPC step fails (see :func:`make_transport`)."""
+    import torch
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if not native_available(dev) or (dev.type == "cuda" and not cuda_ipc_auto()):
+        return "torch"
+    return "native"
 
 
 def make_transport(
@@ -77,13 +90,13 @@ def make_transport(
     import torch
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    if kind == "auto" and dev.type == "cuda" and not cuda_ipc_auto():
+    if kind == "auto" and auto_kind(dev) == "torch":
         kind = "torch"
     if kind in ("auto", "native") and dev.type == "cuda" and native_available(dev):
         routed = _routed_by_host(kind, group, dev, timeout_s)
         if routed is not None:
             return routed
-    if kind == "auto" and dev.type == "cuda" and native_available(dev):
+    if kind == "auto" and dev.type == "cuda":
         from dualpipe_kernels.transport.fallback import cuda_ipc_or_none
 
         ipc = cuda_ipc_or_none(group, dev, timeout_s)
@@ -91,7 +104,7 @@ def make_transport(
             return ipc
         kind = "torch"
     if kind == "auto":
-        kind = "native" if native_available(dev) else "torch"
+        kind = "native"
     if kind == "torch":
         from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
