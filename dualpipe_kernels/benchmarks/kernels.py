@@ -82,6 +82,23 @@ def _variants(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def _min_calls(device: torch.device) -> int:
+    """Calls per timed sample at least: on a GPU 10 back to back, so a call's host work overlaps the previous
+    call's kernel (ours and torch's alike); on CPU one."""
+    return 10 if device.type == "cuda" else 1
+
+
+def _ours(ts: list[torch.Tensor], dtype: torch.dtype | None) -> tuple[Any, int, dict[str, Callable[[], Any]]]:
+    """(the layout, bytes read + written by one call, ``{"pack": call, "unpack": call}``) of our kernels on
+    ``ts``, packing through a layout cache as the runtime does (the layout is planned once per signature)."""
+    cache = LayoutCache()
+    buf, layout = pack(ts, dtype, cache=cache)
+    outs = [torch.empty_like(t) for t in ts]
+    moved = sum(t.numel() * t.element_size() for t in ts) + layout.nbytes
+    calls = {"pack": lambda: pack(ts, dtype, out=buf, cache=cache), "unpack": lambda: unpack(buf, layout, out=outs)}
+    return layout, moved, calls
+
+
 def _variant_rows(cfg: dict[str, Any], timer: Any, copies: dict[int, float]) -> list[dict[str, Any]]:
     """Ours at each launch shape of ``--variants`` (Triton on a GPU only), sizes >= 64 MiB, 1 and most tensors."""
     from dualpipe_kernels.kernels import pack_triton as pt
@@ -96,15 +113,9 @@ def _variant_rows(cfg: dict[str, Any], timer: Any, copies: dict[int, float]) -> 
             for size in sizes:
                 for count in counts:
                     for fmt in cfg["formats"]:
-                        ts, dtype, cache = _inputs(size, count, device), FORMATS[fmt], LayoutCache()
-                        buf, layout = pack(ts, dtype, cache=cache)
-                        outs = [torch.empty_like(t) for t in ts]
-                        moved = sum(t.numel() * 4 for t in ts) + layout.nbytes
-                        for kernel, fn in (
-                            ("pack", lambda: pack(ts, dtype, out=buf, cache=cache)),  # noqa: B023
-                            ("unpack", lambda: unpack(buf, layout, out=outs)),  # noqa: B023
-                        ):
-                            gbps, spread = _measure(fn, moved, samples, timer, 10)
+                        _, moved, calls = _ours(_inputs(size, count, device), FORMATS[fmt])
+                        for kernel, fn in calls.items():
+                            gbps, spread = _measure(fn, moved, samples, timer, _min_calls(device))
                             out.append({"variant": f"{rows}x{progs}", "kernel": kernel, "format": fmt,
                                         "num_tensors": count, "bytes": size, "ours_gbps": gbps,
                                         "ours_vs_copy": gbps / copies[size], "ours_spread": spread})  # fmt: skip
@@ -211,21 +222,13 @@ def _rows_for(fmt: str, total: int, count: int, cfg: dict[str, Any], timer: Any,
     device, samples, dtype = cfg["device"], cfg["samples"], FORMATS[fmt]
     ts = _inputs(total, count, device)
     in_bytes = sum(t.numel() * 4 for t in ts)
-    cache = LayoutCache()  # as the runtime packs: the layout is planned once per signature
-    buf, layout = pack(ts, dtype, cache=cache)
-    outs = [torch.empty_like(t) for t in ts]
-    moved = in_bytes + layout.nbytes
+    layout, moved, our_calls = _ours(ts, dtype)
     packed_torch = _torch_pack(ts, dtype)
-    k = 10 if device.type == "cuda" else 1
+    torch_calls = {"pack": lambda: _torch_pack(ts, dtype), "unpack": lambda: _torch_unpack(packed_torch, ts, dtype)}
+    k = _min_calls(device)
     figures = {
-        "pack": (
-            _measure(lambda: pack(ts, dtype, out=buf, cache=cache), moved, samples, timer, k),
-            _measure(lambda: _torch_pack(ts, dtype), moved, samples, timer, k),
-        ),
-        "unpack": (
-            _measure(lambda: unpack(buf, layout, out=outs), moved, samples, timer, k),
-            _measure(lambda: _torch_unpack(packed_torch, ts, dtype), moved, samples, timer, k),
-        ),
+        kernel: (_measure(fn, moved, samples, timer, k), _measure(torch_calls[kernel], moved, samples, timer, k))
+        for kernel, fn in our_calls.items()
     }
     rows = []
     for kernel, ((ours, spread), (theirs, _)) in figures.items():
@@ -252,7 +255,7 @@ def _rows_for(fmt: str, total: int, count: int, cfg: dict[str, Any], timer: Any,
 def _copy_gbps(total: int, cfg: dict[str, Any], timer: Any) -> float:
     src = torch.randn(total // 4, device=cfg["device"])
     dst = torch.empty_like(src)
-    k = 10 if cfg["device"].type == "cuda" else 1
+    k = _min_calls(cfg["device"])
     return _measure(lambda: dst.copy_(src), 2 * src.numel() * 4, cfg["samples"], timer, k)[0]
 
 
