@@ -130,6 +130,18 @@ def option(args: Any, name: str, full: Any, quick: Any) -> Any:
     return v if v is not None else (quick if getattr(args, "quick", False) else full)
 
 
+def comma_names(text: str | None, known: tuple[str, ...], what: str, suite: str) -> tuple[str, ...]:
+    """The names of a comma list among ``known`` (all of them when ``text`` is empty); ValueError naming
+    ``suite``, the unknown ``what`` and the choices otherwise."""
+    if not text:
+        return known
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in names if x not in known]
+    if bad or not names:
+        raise ValueError(f"{suite} bench: unknown {what} {bad or text!r}; choose from {', '.join(known)}")
+    return names
+
+
 def comma_ints(text: str, minimum: int = 1, what: str = "integers") -> list[int]:
     """argparse type body: comma-separated integers, each ``>= minimum``; the error names the text."""
     try:

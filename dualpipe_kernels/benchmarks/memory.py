@@ -68,7 +68,7 @@ class MemoryConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MemoryConfig:
-        from dualpipe_kernels.benchmarks.common import option
+        from dualpipe_kernels.benchmarks.common import comma_names, option
 
         cfg = cls(
             ranks=int(getattr(args, "ranks", 4) or 4),
@@ -77,24 +77,14 @@ class MemoryConfig:
             depth=int(getattr(args, "depth", 16) or 16),
             f_s=float(option(args, "f_ms", 10.0, 2.0)) / 1000,
             steps=int(option(args, "steps", 4, 2)),
-            schedules=_names(getattr(args, "schedules", None), SCHEDULES, "schedule"),
-            policies=_with_references(_names(getattr(args, "policies", None), POLICIES, "policy")),
+            schedules=comma_names(getattr(args, "schedules", None), SCHEDULES, "schedule", NAME),
+            policies=_with_references(comma_names(getattr(args, "policies", None), POLICIES, "policy", NAME)),
         )
         if cfg.ranks < 2 or cfg.ranks % 2 or cfg.microbatches < 2 * cfg.ranks or cfg.steps < 1 or cfg.depth < 1:
             raise ValueError(
                 f"memory bench needs even ranks >= 2, microbatches >= 2 x ranks, steps >= 1, depth >= 1; got {cfg}"
             )
         return cfg
-
-
-def _names(text: str | None, known: tuple[str, ...], what: str) -> tuple[str, ...]:
-    if not text:
-        return known
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [x for x in names if x not in known]
-    if bad or not names:
-        raise ValueError(f"memory bench: unknown {what} {bad or text!r}; choose from {', '.join(known)}")
-    return names
 
 
 def _with_references(policies: tuple[str, ...]) -> tuple[str, ...]:

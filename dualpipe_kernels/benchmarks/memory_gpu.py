@@ -67,13 +67,9 @@ class GpuMemoryConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GpuMemoryConfig:
-        from dualpipe_kernels.benchmarks.common import option
+        from dualpipe_kernels.benchmarks.common import comma_names, option
 
-        text = getattr(args, "policies", None) or ",".join(POLICIES)
-        names = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [x for x in names if x not in POLICIES]
-        if bad:
-            raise ValueError(f"memory_gpu bench: unknown policy {bad}; choose from {', '.join(POLICIES)}")
+        names = comma_names(getattr(args, "policies", None), POLICIES, "policy", NAME)
         cfg = cls(
             microbatches=int(option(args, "microbatches", 16, 8)),
             rows=int(option(args, "rows", 4096, 2048)),
