@@ -101,6 +101,12 @@ inline std::shared_ptr<void> owned_by_tensor(const std::shared_ptr<FakeDevice>& 
   return std::shared_ptr<void>(p, [dev](void* q) { dev->free(q); });
 }
 
+//! Closes both engines of `p` (as close_both), then no_violations of its fake device.
+inline ::testing::AssertionResult closed_cleanly(Pair& p) {
+  close_both(*p.e0, *p.e1);
+  return no_violations(*p.dev);
+}
+
 //! Rank 0 sends the first `n` bytes of the device allocation `base` as a tensor that is the allocation's
 //! last owner (see owned_by_tensor); returns what rank 1 received.
 inline std::vector<char> transfer_owned(Pair& p, std::int64_t tag, char* base, std::size_t n) {

@@ -75,8 +75,7 @@ TEST(IpcEngine, ASentAllocationStaysAliveWhileTheReceiverMapsIt) {
   EXPECT_EQ(p.e0->stats().exports_released, 1u);
   EXPECT_TRUE(p.dev->is_allocated(bufs[1])) << "still mapped by the receiver";
   EXPECT_TRUE(eventually([&] { return !p.dev->is_allocated(bufs[2]); })) << "a staged send holds its buffer no longer";
-  close_both(*p.e0, *p.e1);
-  EXPECT_TRUE(no_violations(*p.dev));
+  EXPECT_TRUE(closed_cleanly(p));
   EXPECT_FALSE(p.dev->is_allocated(bufs[1])) << "close releases every keep-alive once the receiver detached";
   EXPECT_EQ(p.dev->open_mappings(), 0);
 }
@@ -146,8 +145,7 @@ TEST(IpcEngine, AFreedAndReallocatedAddressNeverReusesAStaleHandle) {
   EXPECT_EQ(transfer_owned(p, 3, z, n), pattern(n, 3));
   EXPECT_TRUE(p.last_send_zero_copy);
   EXPECT_EQ(p.dev->get_mem_handle_calls.load() - before, 1) << "a new allocation needs a new handle";
-  close_both(*p.e0, *p.e1);
-  EXPECT_TRUE(no_violations(*p.dev));
+  EXPECT_TRUE(closed_cleanly(p));
 }
 
 // Item 10: unmapping waits for the copies that read the mapping through an
@@ -188,8 +186,7 @@ TEST(IpcEngine, APendingUnmapDoesNotHoldTheEngine) {
   EXPECT_EQ(out, pattern(n, 2));
   EXPECT_TRUE(s->wait(5.0));
   EXPECT_TRUE(kick_until(p, [&] { return !p.dev->is_allocated(x); }));
-  close_both(*p.e0, *p.e1);
-  EXPECT_TRUE(no_violations(*p.dev));
+  EXPECT_TRUE(closed_cleanly(p));
 }
 
 // An allocation the receiver never mapped (its message was discarded on a
@@ -209,8 +206,7 @@ TEST(IpcEngine, ARetiredEntryTheReceiverNeverMappedIsReleased) {
   EXPECT_EQ(p.transfer(2, y + 4096, n, y, owned_by_tensor(p.dev, y)), pattern(n, 2));  // retires x's entry
   EXPECT_TRUE(eventually([&] { return !p.dev->is_allocated(x); }));
   EXPECT_EQ(p.e1->stats().peer_mappings_opened, 0u);
-  close_both(*p.e0, *p.e1);
-  EXPECT_TRUE(no_violations(*p.dev));
+  EXPECT_TRUE(closed_cleanly(p));
 }
 
 // A receiver that abandons its mappings at close (its copies did not drain)
