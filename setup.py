@@ -155,7 +155,10 @@ def _extension(plan: BuildPlan):
             f"-DDUALPIPE_KERNELS_CUDA_VERSION={_macro_token(torch.version.cuda or 'none')}",
             f"-DDUALPIPE_KERNELS_ARCH_LIST={_macro_token(plan.arch_list)}",
         ]
-    cxx = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", *defines]
+    # DUALPIPE_KERNELS_DEBUG_INFO=1: line tables (-g1), so addr2line can place a native stack
+    # (bench/gpu_diag.sh); the code is the same -O3 code.
+    debug = ["-g1"] if os.environ.get("DUALPIPE_KERNELS_DEBUG_INFO", "0") not in ("", "0") else []
+    cxx = ["-O3", *debug, "-Wall", "-Wextra", "-Wno-unused-parameter", *defines]
     common = dict(
         name="dualpipe_kernels._C",
         sources=plan.sources,
@@ -163,7 +166,7 @@ def _extension(plan: BuildPlan):
         extra_link_args=["-pthread"],
     )
     if plan.with_cuda:
-        nvcc = ["-O3", "--expt-relaxed-constexpr", *defines]
+        nvcc = ["-O3", *debug, "--expt-relaxed-constexpr", *defines]
         return CUDAExtension(**common, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     return CppExtension(**common, extra_compile_args={"cxx": cxx})
 

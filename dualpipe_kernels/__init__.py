@@ -11,8 +11,12 @@ def __getattr__(name: str) -> Any:
     # first.  The package itself stays torch-free to import (the CLI's simulate does not need it).
     if name == "_C":
         import importlib
+        import os
 
         import torch  # noqa: F401
 
-        return importlib.import_module("dualpipe_kernels._C")
+        mod = importlib.import_module("dualpipe_kernels._C")
+        if os.environ.get("DUALPIPE_KERNELS_NATIVE_TRACEBACK", "0") not in ("", "0"):
+            mod.install_native_traceback()
+        return mod
     raise AttributeError(f"module 'dualpipe_kernels' has no attribute {name!r}")

@@ -140,10 +140,10 @@ def _e4m3_value(code):
     b = code.to(tl.uint32)
     e = (b >> 3) & 15
     m = b & 7
-    normal = (((b & 0x80) << 24) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125
-    sub = tl.where((b & 0x80) != 0, -sub, sub)
-    val = tl.where(e == 0, sub, normal)
+    normal = ((e + 120) << 23) | (m << 20)
+    sub = (m.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+    # the sign goes in as a bit: compiled Triton negates as 0 - x, which turns the code 0x80 into +0.0
+    val = (tl.where(e == 0, sub, normal) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
     return tl.where((b & 0x7F) == 0x7F, float("nan"), val)
 
 
