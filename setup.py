@@ -166,7 +166,7 @@ def _extension(plan: BuildPlan):
         extra_link_args=["-pthread"],
     )
     if plan.with_cuda:
-        nvcc = ["-O3", *debug, "--expt-relaxed-constexpr", *defines]
+        nvcc = ["-O3", *(f"-Xcompiler={f}" for f in debug), "--expt-relaxed-constexpr", *defines]
         return CUDAExtension(**common, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     return CppExtension(**common, extra_compile_args={"cxx": cxx})
 
