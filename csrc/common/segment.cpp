@@ -3,14 +3,17 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
-#include <sstream>
+#include <ctime>
 #include <stdexcept>
 #include <utility>
 
@@ -20,11 +23,23 @@
 namespace dualpipe {
 namespace {
 
+// 64 random bits from the kernel (getrandom), mixed with the clock and the pid
+// should it fail. Not std::random_device: in an extension loaded next to a
+// torch built with an older libstdc++, its out-of-line half can bind to that
+// copy, whose object layout differs from the header's; on the first H200 the
+// inline call then jumped through a null pointer (SIGSEGV in create_incoming).
 std::string random_hex() {
-  std::random_device rd;
-  std::ostringstream s;
-  s << std::hex << rd() << rd();
-  return s.str();
+  std::uint64_t bits = 0;
+  if (::getrandom(&bits, sizeof bits, 0) != static_cast<ssize_t>(sizeof bits)) {
+    static std::atomic<std::uint64_t> counter{0};
+    timespec ts{};
+    ::clock_gettime(CLOCK_MONOTONIC, &ts);
+    bits = static_cast<std::uint64_t>(ts.tv_nsec) ^ (static_cast<std::uint64_t>(ts.tv_sec) << 30) ^
+           (static_cast<std::uint64_t>(::getpid()) << 40) ^ (counter.fetch_add(1) * 0x9E3779B97F4A7C15ull);
+  }
+  char out[17];
+  std::snprintf(out, sizeof out, "%016llx", static_cast<unsigned long long>(bits));
+  return out;
 }
 
 void* map_fd(int fd, std::size_t bytes, const std::string& name) {
