@@ -81,6 +81,16 @@ void on_fatal_signal(int sig, siginfo_t* info, void*) {
   if (sig == SIGABRT || sig == SIGFPE) raise(sig);  // not re-raised by returning
 }
 
+// SIGUSR2 (installed with the above): write the receiving thread's native stack
+// and go on. A watchdog sends it to every thread of a stuck process (tgkill).
+void on_stack_request(int, siginfo_t*, void*) {
+  char line[96];
+  std::snprintf(line, sizeof line, "dualpipe_kernels: native stack of thread %ld:\n", static_cast<long>(::gettid()));
+  write_str(line);
+  void* frames[48];
+  backtrace_symbols_fd(frames, backtrace(frames, 48), 2);
+}
+
 bool install_native_traceback() {
   void* warm[2];
   (void)backtrace(warm, 2);  // loads libgcc's unwinder now, not inside the handler
@@ -92,6 +102,11 @@ bool install_native_traceback() {
   for (std::size_t i = 0; i < sizeof kFatalSignals / sizeof kFatalSignals[0]; ++i) {
     ok &= sigaction(kFatalSignals[i], &sa, &g_previous[i]) == 0;
   }
+  struct sigaction dump {};
+  dump.sa_sigaction = on_stack_request;
+  dump.sa_flags = SA_SIGINFO | SA_RESTART;
+  sigemptyset(&dump.sa_mask);
+  ok &= sigaction(SIGUSR2, &dump, nullptr) == 0;
   return ok;
 }
 
@@ -103,7 +118,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info, "Facts about this build: version, CUDA, architectures, compiler.");
   m.def("install_native_traceback", &install_native_traceback,
         "Print the native stack on SIGSEGV/SIGBUS/SIGFPE/SIGILL/SIGABRT, then hand the signal to the previous "
-        "handler (Python's faulthandler, if enabled). Installed at import when DUALPIPE_KERNELS_NATIVE_TRACEBACK=1.");
+        "handler (Python's faulthandler, if enabled); on SIGUSR2 print the receiving thread's stack and go on. "
+        "Installed at import when DUALPIPE_KERNELS_NATIVE_TRACEBACK=1.");
   dualpipe::shm::register_apis(m);
 #ifdef DUALPIPE_KERNELS_WITH_CUDA
   dualpipe::cuda::register_apis(m);

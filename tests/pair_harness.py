@@ -19,14 +19,23 @@ setup, name)`` runs scenario ``name`` on one rank and raises on failure.  Both
 must be module-level functions (they are pickled by name into spawned processes).
 With ``FAULT_ENV=1`` in the environment, rank 1 runs the scenario
 ``FAULT_SCENARIO`` ahead of the first scenario of the first pair: the
-runner's model of a wait that never fires.
+runner's model of a wait that never fires.  With ``STACKS_ENV=<seconds>``, a
+rank still inside one scenario after that long writes every Python thread's
+stack to stderr, and (with ``DUALPIPE_KERNELS_NATIVE_TRACEBACK=1``) every
+thread's native stack: what a stuck scenario is blocked in.
 """
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import multiprocessing as mp
 import os
+import platform
 import queue
+import signal
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -40,6 +49,7 @@ import torch.distributed as dist
 
 FAULT_ENV = "DPK_FAULT_IPC_WAIT"
 FAULT_SCENARIO = "__wait_that_never_fires__"
+STACKS_ENV = "DPK_STUCK_STACKS_S"
 #: store barriers between scenarios (seconds)
 BARRIER_S = 20.0
 
@@ -79,11 +89,34 @@ def _child(
             barrier(store, name)
             if first and i == 0 and rank == 1 and os.environ.get(FAULT_ENV) == "1":
                 runner(ctx, rank, store, setup, FAULT_SCENARIO)
-            runner(ctx, rank, store, setup, name)
+            watchdog = None
+            if float(os.environ.get(STACKS_ENV, "0") or 0) > 0:
+                watchdog = threading.Timer(float(os.environ[STACKS_ENV]), _dump_stacks, (rank, name))
+                watchdog.daemon = True
+                watchdog.start()
+            try:
+                runner(ctx, rank, store, setup, name)
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
             result = "ok"
         except Exception:  # noqa: BLE001 - reported to the parent
             result = traceback.format_exc()
         out.put((rank, name, result))
+
+
+def _dump_stacks(rank: int, name: str) -> None:
+    """Every Python thread's stack, then (SIGUSR2, handled by the extension's native traceback) every thread's
+    native stack, to stderr."""
+    print(f"rank {rank}: scenario {name} still running after {os.environ[STACKS_ENV]} s; stacks:", file=sys.stderr)
+    sys.stderr.flush()
+    faulthandler.dump_traceback(all_threads=True)
+    if os.environ.get("DUALPIPE_KERNELS_NATIVE_TRACEBACK", "0") in ("", "0") or platform.machine() != "x86_64":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for tid in sorted(int(t) for t in os.listdir("/proc/self/task")):
+        libc.syscall(234, os.getpid(), tid, int(signal.SIGUSR2))  # tgkill(2) on x86_64: one thread's signal
+        time.sleep(0.05)  # one stack at a time on stderr
 
 
 def _stop(procs: Sequence[Any]) -> None:

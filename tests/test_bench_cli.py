@@ -390,6 +390,15 @@ def test_payload_switch_cuts_large_transfers_and_records_what_a_step_moves() -> 
     assert sw.received_bytes == []  # cut receives are not what a real step moves
     sw.close()
     assert inner.closed
+    # the runtime posts tensors on the switch's wire device: the inner transport's (a CUDA transport
+    # refuses host tensors), CPU for one without a device
+    from dualpipe_kernels.runtime.boundary_meta import wire_device
+
+    assert wire_device(sw) == torch.device("cpu")
+    inner.device, inner.device_native = torch.device("cuda", 0), True  # type: ignore[attr-defined]
+    assert wire_device(PayloadSwitch(inner)) == torch.device("cuda", 0)
+    inner.device_native = False  # type: ignore[attr-defined]  # host memory, stages device tensors itself
+    assert wire_device(PayloadSwitch(inner)) == torch.device("cpu")
     link = LinkTiming(latency_s=1e-5, nbytes=1 << 20, one_way_s=1e-5 + (1 << 20) / 1e9, bandwidth_bps=1e9)
     assert link.transfer_s(1 << 20) == pytest.approx(link.one_way_s)
     assert comm_alone_s([[1 << 20, 1 << 20], [1 << 20]], link) == pytest.approx(2 * link.one_way_s)

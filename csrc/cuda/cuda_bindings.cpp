@@ -23,6 +23,8 @@ namespace py = pybind11;
 namespace dualpipe::cuda {
 namespace {
 
+int visible_device_count();
+
 Staging parse_staging(const std::string& s) {
   if (s == "auto") return Staging::kAuto;
   if (s == "ipc") return Staging::kIpc;
@@ -80,6 +82,16 @@ class PyEngine {
                                   std::to_string(max_peer_mappings));
     }
     options.max_peer_mappings = static_cast<std::uint32_t>(max_peer_mappings);
+    // Two high-priority streams of torch's pool: never destroyed, so a buffer
+    // recorded on them (post()) can be freed at any time, even after close.
+    if (device >= 0 && device < visible_device_count()) {
+      const auto index = static_cast<c10::DeviceIndex>(device);
+      const auto send = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index);
+      auto recv = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index);
+      while (recv.stream() == send.stream()) recv = c10::cuda::getStreamFromPool(true, index);
+      options.send_stream = send.stream();
+      options.recv_stream = recv.stream();
+    }
     engine_ = std::make_unique<Engine>(cuda_runtime_api(), rank, device, options);
   }
   ~PyEngine() {

@@ -145,11 +145,23 @@ Engine::Engine(std::shared_ptr<DeviceApi> api, int rank, int device, const Engin
   }
   sweep_stale_segments();  // what crashed engines (either kind) left behind
   DeviceGuard guard(*api_, device_);
-  check(*api_, api_->stream_create(&send_stream_), "cudaStreamCreateWithPriority(send_stream)");
-  const Status r = api_->stream_create(&recv_stream_);
-  if (r != kOk) {
-    api_->stream_destroy(send_stream_);
-    check(*api_, r, "cudaStreamCreateWithPriority(recv_stream)");
+  if ((options.send_stream == nullptr) != (options.recv_stream == nullptr)) {
+    throw std::invalid_argument("pass both send_stream and recv_stream, or neither");
+  }
+  if (options.send_stream != nullptr) {
+    if (options.send_stream == options.recv_stream) {
+      throw std::invalid_argument("send_stream and recv_stream must be two different streams");
+    }
+    send_stream_ = options.send_stream;
+    recv_stream_ = options.recv_stream;
+    owns_streams_ = false;
+  } else {
+    check(*api_, api_->stream_create(&send_stream_), "cudaStreamCreateWithPriority(send_stream)");
+    const Status r = api_->stream_create(&recv_stream_);
+    if (r != kOk) {
+      api_->stream_destroy(send_stream_);
+      check(*api_, r, "cudaStreamCreateWithPriority(recv_stream)");
+    }
   }
   worker_ = std::thread([this] { worker_main(); });
 }

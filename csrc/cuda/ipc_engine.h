@@ -127,6 +127,14 @@ struct EngineOptions {
   // receiver: sender allocations kept mapped per channel, 1..kMaxExports; the
   // sender keeps as many alive (the latest storage sent from each)
   std::uint32_t max_peer_mappings = 32;
+  // Streams to run the copies on, owned by the caller and alive for the whole
+  // process (the bindings pass two of torch's pooled streams); null: the
+  // engine creates its own and destroys them at close. Borrowed streams matter
+  // under a caching allocator: a buffer recorded on a comm stream
+  // (recordStream) records an event on that stream when it is freed, which
+  // fails, and aborts the process, if the stream was destroyed in between.
+  Stream send_stream = nullptr;
+  Stream recv_stream = nullptr;
 };
 
 //! What the engine did, for tests and benchmarks (monotonic since construction).
@@ -278,6 +286,7 @@ class Engine {
   const EngineOptions options_;
   Stream send_stream_ = nullptr;
   Stream recv_stream_ = nullptr;
+  bool owns_streams_ = true;  // false: EngineOptions::{send,recv}_stream, not destroyed here
   std::map<int, Channel> outgoing_;
   std::map<int, Channel> incoming_;
 

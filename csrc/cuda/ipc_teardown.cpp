@@ -133,8 +133,8 @@ void Engine::close(double timeout_s) {
   }
   drop.clear();
   if (idle) {
-    if (send_stream_ != nullptr) api_->stream_destroy(send_stream_);
-    if (recv_stream_ != nullptr) api_->stream_destroy(recv_stream_);
+    if (owns_streams_ && send_stream_ != nullptr) api_->stream_destroy(send_stream_);
+    if (owns_streams_ && recv_stream_ != nullptr) api_->stream_destroy(recv_stream_);
     send_stream_ = recv_stream_ = nullptr;
   }
   if (have_device && previous >= 0) api_->set_device(previous);

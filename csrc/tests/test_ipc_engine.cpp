@@ -106,6 +106,36 @@ TEST(IpcEngine, HostStagingMovesBytes) {
   EXPECT_EQ(p.transfer(5, a.data(), a.size()), a);
 }
 
+TEST(IpcEngine, BorrowedStreamsOutliveTheEngine) {
+  // A caching allocator records freed buffers on the comm streams: streams the
+  // caller lends (torch's pool in the bindings) must still be alive after close.
+  auto dev = std::make_shared<FakeDevice>();
+  EngineOptions o = small_options();
+  ASSERT_EQ(dev->stream_create(&o.send_stream), kOk);
+  ASSERT_EQ(dev->stream_create(&o.recv_stream), kOk);
+  {
+    Engine e0(dev, 0, 0, o);
+    Engine e1(dev, 1, 0, o);
+    e0.attach_outgoing(1, e1.create_incoming(0));
+    e1.attach_outgoing(0, e0.create_incoming(1));
+    e0.finish_incoming(1);
+    e1.finish_incoming(0);
+    EXPECT_EQ(e0.stream_for(OpKind::kSend), o.send_stream);
+    EXPECT_EQ(e0.stream_for(OpKind::kRecv), o.recv_stream);
+    close_both(e0, e1);
+  }
+  EXPECT_EQ(dev->stream_query(o.send_stream), kOk) << "a borrowed stream was destroyed";
+  EXPECT_EQ(dev->stream_destroy(o.send_stream), kOk);
+  EXPECT_EQ(dev->stream_destroy(o.recv_stream), kOk);
+  EXPECT_TRUE(no_violations(*dev));
+
+  EngineOptions one = small_options();
+  one.send_stream = o.send_stream;
+  EXPECT_THROW(Engine(dev, 0, 0, one), std::invalid_argument) << "one borrowed stream without the other";
+  one.recv_stream = o.send_stream;
+  EXPECT_THROW(Engine(dev, 0, 0, one), std::invalid_argument) << "the same stream for both directions";
+}
+
 TEST(IpcEngine, SmallRingsAreRoundedUpToTwoMiB) {
   Pair p;  // 3 x 64 KiB slots
   const auto sizes = p.dev->malloc_sizes();

@@ -65,6 +65,10 @@ class PayloadSwitch(Transport):
         super().__init__(inner.timeout_s)
         self.inner = inner
         self.name = f"{inner.name}+switch"
+        # what runtime/p2p.py's wire_device reads: without these the runtime would post host tensors
+        # to a device transport (CudaIpcTransport refuses them)
+        self.device = getattr(inner, "device", None)
+        self.device_native = getattr(inner, "device_native", True)
         self.tiny = False
         self.received_bytes: list[int] = []
 
