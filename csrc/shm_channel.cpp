@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
 
 #include "common/liveness.h"

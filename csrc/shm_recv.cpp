@@ -7,11 +7,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
 
 #include "common/liveness.h"
 #include "shm_channel_internal.h"
+#include "common/msg.h"
 
 namespace dualpipe::shm {
 
@@ -47,7 +47,7 @@ std::size_t RecvChannel::stashed() const {
 }
 
 std::string RecvChannel::check_match(const Request& req, std::uint64_t nbytes, std::int32_t dtype) const {
-  std::ostringstream s;
+  Msg s;
   if (nbytes != req.info().nbytes) {
     s << "size mismatch: the sender's message (tag " << req.info().tag << ") has " << nbytes
       << " B but the receive expects " << req.info().nbytes << " B";
@@ -181,7 +181,7 @@ std::string RecvChannel::drain(const SlotHeader& first, unsigned char* dst, Requ
     // protocol violation, and we stop before touching the caller's memory.
     if (sh->msg_seq != first.msg_seq || sh->offset != offset || sh->chunk_bytes > ring_.slot_bytes() ||
         sh->chunk_bytes > nbytes - offset || (sh->chunk_bytes == 0 && nbytes != 0)) {
-      std::ostringstream s;
+      Msg s;
       s << "corrupt ring: chunk seq " << sh->msg_seq << " offset " << sh->offset << " size " << sh->chunk_bytes
         << " does not continue message " << first.msg_seq << " at offset " << offset << " of " << nbytes << " B";
       ring_.set_error(s.str());
@@ -208,7 +208,7 @@ std::string RecvChannel::read_range(const RemoteDescriptor& d, std::uint64_t beg
     const ssize_t got = read_peer(d.pid, d.address + offset, dst + offset, n);
     if (got <= 0) {
       const int e = got < 0 ? errno : EFAULT;
-      std::ostringstream s;
+      Msg s;
       s << "peer rank " << peer_rank_ << " (pid " << d.pid << ") ";
       if (e == ESRCH || !process_dead_reason(d.pid).empty()) {
         s << "exited during a single-copy read at byte " << offset << " of " << nbytes;
@@ -230,7 +230,7 @@ std::string RecvChannel::read_remote(const SlotHeader& first, unsigned char* dst
   std::memcpy(&d, ring_.slot_data(tail_), sizeof d);
   const int sender_pid = h->pid[idx(Side::kSender)].load(std::memory_order_acquire);
   if (first.chunk_bytes != 0 || d.pid <= 0 || d.pid != sender_pid) {
-    std::ostringstream s;
+    Msg s;
     s << "corrupt ring: descriptor of message " << first.msg_seq << " names pid " << d.pid << " (sender pid "
       << sender_pid << ") and carries " << first.chunk_bytes << " payload bytes";
     ring_.set_error(s.str());
@@ -274,7 +274,7 @@ std::string RecvChannel::receive_one() {
   if (!err.empty()) return err;
   const SlotHeader first = *ring_.slot_header(tail_);
   if (first.msg_seq != next_seq_ || first.offset != 0 || first.kind > static_cast<std::uint32_t>(ChunkKind::kDescriptor)) {
-    std::ostringstream s;
+    Msg s;
     s << "corrupt ring: expected the start of message " << next_seq_ << ", found seq " << first.msg_seq
       << " offset " << first.offset << " kind " << first.kind;
     ring_.set_error(s.str());

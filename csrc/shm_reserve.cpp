@@ -1,11 +1,11 @@
 // Reserved ring slots of the send side: the caller writes a message straight
 // into the shared memory the receiver reads (no staging copy). See shm_channel.h.
-#include <sstream>
 #include <stdexcept>
 
 #include "common/liveness.h"
 #include "shm_channel.h"
 #include "shm_channel_internal.h"
+#include "common/msg.h"
 
 namespace dualpipe::shm {
 
@@ -84,7 +84,7 @@ std::unique_ptr<SlotReservation> SendChannel::reserve(std::uint64_t nbytes, std:
   }
   if (err != "timeout") throw std::runtime_error(describe(info) + ": " + err);
   if (why_not != nullptr) {
-    std::ostringstream s;
+    Msg s;
     s << describe(info) << ": no ring slot reserved within " << wait_s << " s, waiting for " << waiting_for;
     const int pid = peer_pid();
     if (pid > 0) {

@@ -36,6 +36,18 @@ HEADER_OF = {
     ),
     **dict.fromkeys(("string", "to_string", "stoi", "stol", "stoul", "stoull", "stod", "getline"), "string"),
     "string_view": "string_view",
+    **dict.fromkeys(
+        (
+            "is_integral_v",
+            "is_enum_v",
+            "is_same_v",
+            "enable_if_t",
+            "underlying_type_t",
+            "decay_t",
+            "is_trivially_copyable_v",
+        ),
+        "type_traits",
+    ),
     "vector": "vector",
     "deque": "deque",
     "array": "array",
@@ -215,6 +227,26 @@ def test_each_source_includes_the_standard_headers_of_what_it_uses(path: Path) -
         missing[f"std::{name}"] = f"<{header}>"
     assert not missing, (
         f"{path.relative_to(ROOT)} uses {missing} without including it (directly or via its own headers)"
+    )
+
+
+#: standard headers whose code keeps process-wide state in libstdc++ (locale facets, the random device): on a
+#: toolchain that links part of libstdc++ into the extension (the first H200's /opt/gcc with
+#: -Wl,-Bsymbolic-functions) the copy in the .so and the process's disagree, and the first number formatted
+#: by an ostringstream, or the first std::random_device, crashed the process.  csrc/common/msg.h formats
+#: messages instead; the C++ unit tests (csrc/tests, never in the extension) may use anything.
+STATEFUL_STD_HEADERS = {"sstream", "iostream", "istream", "ostream", "fstream", "iomanip", "locale", "random", "regex"}
+_EXTENSION_SOURCES = [p for p in SOURCES if "tests" not in p.relative_to(CSRC).parts]
+
+
+@pytest.mark.parametrize("path", _EXTENSION_SOURCES, ids=lambda p: str(p.relative_to(CSRC)))
+def test_extension_sources_avoid_iostreams_and_random(path: Path) -> None:
+    used = {name for kind, name in INCLUDE.findall(path.read_text()) if kind == "<"} & STATEFUL_STD_HEADERS
+    names = set(STD_NAME.findall(_strip_comments_and_strings(path.read_text())))
+    streams = names & {"ostringstream", "istringstream", "stringstream", "ifstream", "ofstream", "cout", "cerr"}
+    assert not used and not streams, (
+        f"{path.relative_to(ROOT)} uses {sorted(used) + sorted(streams)}: format with common/msg.h (Msg, "
+        "std::to_string, snprintf) and read files with open/read, see STATEFUL_STD_HEADERS"
     )
 
 

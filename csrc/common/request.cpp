@@ -1,16 +1,16 @@
 #include "common/request.h"
 
-#include <sstream>
 #include <thread>
 #include <utility>
 
 #include "common/liveness.h"
 #include "common/poll.h"
+#include "common/msg.h"
 
 namespace dualpipe {
 
 std::string describe(const TransferInfo& info) {
-  std::ostringstream s;
+  Msg s;
   s << "rank " << info.self_rank << (info.direction == Direction::kSend ? " send to" : " recv from") << " rank "
     << info.peer_rank << " (tag " << info.tag << ", " << info.nbytes << " B";
   if (!info.dtype_name.empty()) s << " of " << info.dtype_name;
@@ -52,7 +52,7 @@ std::string Request::error() const {
 }
 
 std::string Request::timeout_message(double timeout_s) const {
-  std::ostringstream s;
+  Msg s;
   s << describe(info_) << ": timed out after " << timeout_s << " s (" << bytes_done() << " of " << info_.nbytes
     << " B moved; ";
   const std::string dead = info_.peer_pid > 0 ? process_dead_reason(info_.peer_pid) : "";

@@ -7,12 +7,12 @@
 
 #include <algorithm>
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
 
 #include "common/errors.h"
 #include "common/liveness.h"
 #include "common/poll.h"
+#include "common/msg.h"
 
 namespace dualpipe::cuda {
 
@@ -21,7 +21,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 std::string human_bytes(std::uint64_t b) {
-  std::ostringstream os;
+  Msg os;
   if (b >= (1ull << 20) && b % (1ull << 20) == 0) {
     os << (b >> 20) << " MiB";
   } else if (b >= (1ull << 10) && b % (1ull << 10) == 0) {
@@ -108,7 +108,7 @@ bool Op::wait_stream(Stream stream, double timeout_s) {
 }
 
 std::string Op::describe() const {
-  std::ostringstream os;
+  Msg os;
   os << dualpipe::describe(request_.info()) << ": " << chunks_enqueued_.load() << " chunk(s) enqueued, ";
   switch (request_.state()) {
     case Request::State::kPending: os << "waiting for the peer"; break;
@@ -403,7 +403,7 @@ std::string Engine::channel_staging(int peer, bool outgoing) const {
 std::string Engine::channel_status(int peer, bool outgoing) const {
   std::lock_guard<std::mutex> lk(mu_);
   const Channel& ch = channel_locked(peer, outgoing);
-  std::ostringstream os;
+  Msg os;
   os << "channel " << (outgoing ? rank_ : peer) << "->" << (outgoing ? peer : rank_) << " ("
      << (ch.staging == Staging::kIpc ? "ipc" : "host") << ", " << ch.num_slots << " x " << human_bytes(ch.slot_bytes)
      << " slots";

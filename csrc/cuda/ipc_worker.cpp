@@ -3,12 +3,12 @@
 // for the protocol.
 #include <algorithm>
 #include <cstring>
-#include <sstream>
 #include <stdexcept>
 
 #include "common/liveness.h"
 #include "common/poll.h"
 #include "cuda/ipc_engine.h"
+#include "common/msg.h"
 
 namespace dualpipe::cuda {
 
@@ -160,7 +160,7 @@ bool Engine::take_receive_locked(Channel& ch, const ChunkDesc& d) {
   ch.queue.erase(it);
   ch.msg_offset = 0;
   if (op->bytes() != d.total_bytes || std::strncmp(op->dtype_, d.dtype, kDtypeNameLen) != 0) {
-    std::ostringstream os;
+    Msg os;
     os << "rank " << rank_ << ": size/dtype mismatch: receive from peer " << ch.peer << " (tag " << d.tag
        << ") expects " << op->bytes() << " bytes of " << op->dtype_ << ", but the peer sent " << d.total_bytes
        << " bytes of " << d.dtype << (d.direct ? " (zero-copy)" : "") << "; the message was discarded";

@@ -314,6 +314,7 @@ std::vector<std::string> segments_of(pid_t a, pid_t b) {
 }
 
 enum class KillAt { kAfterCreate, kAfterPublish, kAfterAttach, kMidTransfer };
+constexpr std::size_t kMidTransferBytes = 32u << 20;
 
 //! kill -9 of the peer at one phase of the rendezvous or of a transfer (as the
 //! Python transport orders them): once the survivor has closed its engine,
@@ -336,7 +337,9 @@ void kill_peer_at(KillAt phase) {
     if (phase == KillAt::kAfterPublish) ::raise(SIGKILL);
     e.attach_recv_channel(0, to_child);
     if (phase == KillAt::kAfterAttach) ::raise(SIGKILL);
-    std::vector<unsigned char> big(1 << 20, 7);
+    // 32 MiB through a 12 KiB ring is thousands of hand-overs (tens of ms): the kill lands long before the
+    // end even when this thread is descheduled for a while (with 1 MiB the parent sometimes had it all first)
+    std::vector<unsigned char> big(kMidTransferBytes, 7);
     auto s = e.send(0, big.data(), big.size(), 1, 0);
     while (s->bytes_done() < 4096) std::this_thread::yield();
     ::raise(SIGKILL);  // mid-transfer: the ring holds part of the message
@@ -356,7 +359,7 @@ void kill_peer_at(KillAt phase) {
   }
   ::close(fds[0]);
   if (phase == KillAt::kMidTransfer && parent->has_recv_channel(1)) {
-    std::vector<unsigned char> dst(1 << 20);
+    std::vector<unsigned char> dst(kMidTransferBytes);
     auto r = parent->recv(1, dst.data(), dst.size(), 1, 0);
     EXPECT_TRUE(r->wait(20.0)) << "a dead peer fails the receive promptly";
     EXPECT_EQ(r->state(), Request::State::kFailed);

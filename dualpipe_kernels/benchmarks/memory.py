@@ -169,6 +169,29 @@ def _rank(rank: int, world: int, cfg: MemoryConfig) -> dict[str, Any]:
     return out
 
 
+def chunk_sizes(num_stages: int, policy: str, by_policy: dict[str, list[dict[str, Any]]]) -> list[Any]:
+    """The simulator's per-stage bytes (``ChunkBytes``) from the ranks' measured ``forward_bytes``.
+
+    ``by_policy[p]``: every rank's result of policy ``p`` (its ``forward_bytes`` and ``forward_peak_bytes``
+    per stage); keep's and recompute's are needed (a run without recompute counts the input as kept whole),
+    and the policy's own for compress (what the packed bytes and the packing's transient peak are).
+    """
+    from dualpipe_kernels.schedules.memory_model import ChunkBytes
+
+    def per_stage(pol: str, what: str = "forward_bytes") -> dict[int, int]:
+        merged: dict[int, int] = {}
+        for r in by_policy.get(pol, []):
+            merged.update({int(s): b for s, b in r[what].items()})
+        return merged
+
+    saved = per_stage("keep")
+    kept = per_stage("recompute") or saved
+    compress = policy.startswith("compress")
+    packed = per_stage(policy) if compress else {}
+    during = per_stage(policy, "forward_peak_bytes") if compress else {}
+    return [ChunkBytes(saved[s], min(kept[s], saved[s]), packed.get(s), during.get(s)) for s in range(num_stages)]
+
+
 def _predict(
     cfg: MemoryConfig,
     name: str,
@@ -180,23 +203,10 @@ def _predict(
     """(the simulator's prediction on keep's in-situ costs, its step time on the chunk timed alone)."""
     from dualpipe_kernels.schedules.costs import CommModel
     from dualpipe_kernels.schedules.generators import build_schedule
-    from dualpipe_kernels.schedules.memory_model import ChunkBytes, predict
+    from dualpipe_kernels.schedules.memory_model import predict
 
     sched = build_schedule(name, cfg.ranks, cfg.microbatches)
-
-    def per_stage(pol: str, what: str = "forward_bytes") -> dict[int, int]:
-        merged: dict[int, int] = {}
-        for r in by_policy[pol]:
-            merged.update({int(s): b for s, b in r[what].items()})
-        return merged
-
-    saved, kept = per_stage("keep"), per_stage("recompute")
-    compress = policy.startswith("compress")
-    packed = per_stage(policy) if compress else {}
-    during = per_stage(policy, "forward_peak_bytes") if compress else {}
-    sizes = [
-        ChunkBytes(saved[s], min(kept[s], saved[s]), packed.get(s), during.get(s)) for s in range(sched.num_stages)
-    ]
+    sizes = chunk_sizes(sched.num_stages, policy, by_policy)
     costs, per_byte = measured
     per = per_byte.get(policy, 0.0)
     alone = predict(sched, policy, sizes, costs, compress_s_per_byte=per).makespan

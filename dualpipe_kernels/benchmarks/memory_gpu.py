@@ -1,13 +1,16 @@
 """memory_gpu: step time and device-resident activation memory of each memory policy on a GPU.
 
-Two rank processes share one GPU (transport auto: CUDA IPC between them) and run
-DualPipeV over real GPU compute: each chunk is ``depth`` layers of
+``--ranks`` rank processes (default 4, the issue's 4 ranks x 16 micro-batches;
+on one GPU they share it, else rank r uses GPU r mod count) run DualPipeV over
+real GPU compute, sending through ``--transport`` (native: the CUDA IPC engine): each chunk is ``depth`` layers of
 ``tanh(h @ W)`` on one ``[rows, cols]`` block, so every layer saves one block and
 its matrix product is what the offload copies must hide behind.  Per policy
 (keep, offload, recompute, compress:fp8): the peak device-resident saved bytes
 of the busiest rank (the runtime's accounting), the peak CUDA memory the
 allocator held beyond the weights (``torch.cuda.max_memory_allocated``, per
-rank process), the median step time (slowest rank) and its ratio to keep's.
+rank process), the median step time (slowest rank) and its ratio to keep's, and
+the simulator's predicted peak (schedules/memory_model.py on the measured
+per-stage bytes) beside the measured one.
 Steps of the policies take turns, so a change in the machine's state reaches
 every policy alike.  ``bit_exact``: every weight gradient equals keep's
 (compress is lossy and is only compared by its loss).
@@ -42,6 +45,7 @@ def unavailable() -> str | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=None, help="rank processes (default 4; quick 2)")
     p.add_argument("--microbatches", type=int, default=None, help="default 16; quick 8")
     p.add_argument("--rows", type=int, default=None, help="rows of one activation block (default 4096; quick 2048)")
     p.add_argument("--cols", type=int, default=None, help="columns = weight size (default 4096; quick 2048)")
@@ -78,11 +82,14 @@ class GpuMemoryConfig:
             steps=int(option(args, "steps", 5, 3)),
             policies=("keep", *(p for p in names if p != "keep")),
             transport=str(getattr(args, "transport", "auto") or "auto"),
+            ranks=int(option(args, "ranks", 4, 2)),
             device=str(getattr(args, "device", "cuda") or "cuda"),
             timeout_s=float(getattr(args, "timeout", 300.0) or 300.0),
         )
+        if cfg.ranks < 2 or cfg.ranks % 2:
+            raise ValueError(f"memory_gpu bench needs an even number of ranks >= 2 (DualPipeV); got {cfg.ranks}")
         if cfg.microbatches < 2 * cfg.ranks or min(cfg.rows, cfg.cols, cfg.depth, cfg.steps) < 1:
-            raise ValueError(f"memory_gpu bench needs microbatches >= 4 and positive sizes; got {cfg}")
+            raise ValueError(f"memory_gpu bench needs microbatches >= 2 x ranks and positive sizes; got {cfg}")
         return cfg
 
 
@@ -118,7 +125,7 @@ def _rank(rank: int, world: int, cfg: GpuMemoryConfig) -> dict[str, Any]:
     from dualpipe_kernels.transport import make_transport
 
     cuda = cfg.device == "cuda"
-    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dev = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 products: bit-exact comparisons between policies
@@ -164,8 +171,11 @@ def _rank(rank: int, world: int, cfg: GpuMemoryConfig) -> dict[str, Any]:
             pipe.close()
     out: dict[str, Any] = {}
     for policy, (pipe, modules) in runs.items():
+        mem = pipe.activation_memory
         out[policy] = {
-            "peak": pipe.activation_memory.last_peak_bytes,
+            "peak": mem.last_peak_bytes,
+            "forward_bytes": dict(mem.forward_bytes),
+            "forward_peak_bytes": dict(mem.forward_peak_bytes),
             "grads": {s: [w.grad.detach().cpu() for w in m.weights] for s, m in modules.items()},
             **got[policy],
         }
@@ -179,7 +189,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reason = unavailable() if cfg.device == "cuda" else None
     if reason:
         raise RuntimeError(f"memory_gpu bench: {reason}")
+    from dualpipe_kernels.benchmarks.memory import chunk_sizes
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.memory_model import peak_saved_bytes
+
     per_rank = spawn(_rank, cfg.ranks, cfg, timeout_s=cfg.timeout_s)
+    sched = build_schedule("dualpipev", cfg.ranks, cfg.microbatches)
+    by_policy = {p: [r[p] for r in per_rank] for p in cfg.policies}
     keep = [r["keep"] for r in per_rank]
     keep_peak = max(r["peak"] for r in keep)
     keep_alloc = max(max(r["alloc"]) for r in keep)
@@ -198,6 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for g, k in zip(got, keep, strict=True)
             for s in k["grads"]
         )
+        predicted = max(peak_saved_bytes(sched, policy, chunk_sizes(sched.num_stages, policy, by_policy)))
         loss = statistics.median([v for r in got for v in r["losses"]] or [float("nan")])
         keep_loss = statistics.median([v for r in keep for v in r["losses"]] or [float("nan")])
         rows.append(
@@ -207,6 +224,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "peak_saved_bytes": peak,
                 "share_of_keep": peak / keep_peak if keep_peak else None,
                 "target_share_of_keep": TARGETS.get(policy),
+                "predicted_peak_saved_bytes": predicted,
+                "measured_over_predicted_peak": peak / predicted if predicted else None,
                 "peak_alloc_bytes": alloc,
                 "alloc_share_of_keep": alloc / keep_alloc if keep_alloc else None,
                 "step_s": step,
@@ -225,13 +244,15 @@ def to_markdown(result: dict[str, Any]) -> str:
     from dualpipe_kernels.benchmarks.common import markdown_table
 
     cfg = result["config"]
-    cols = ["policy", "peak_saved_bytes", "share_of_keep", "target_share_of_keep", "peak_alloc_bytes"]
+    cols = ["policy", "peak_saved_bytes", "share_of_keep", "target_share_of_keep", "predicted_peak_saved_bytes"]
+    cols += ["measured_over_predicted_peak", "peak_alloc_bytes"]
     cols += ["alloc_share_of_keep", "step_s", "step_s_min", "step_s_max", "step_over_keep", "target_step_over_keep"]
     cols += ["bit_exact", "loss_rel_diff"]
-    heads = ["policy", "peak saved B", "/ keep", "target", "peak alloc B", "/ keep", "step (s)", "min", "max"]
+    heads = ["policy", "peak saved B", "/ keep", "target", "predicted B", "meas/pred", "peak alloc B", "/ keep"]
+    heads += ["step (s)", "min", "max"]
     heads += ["/ keep", "target", "bit-exact", "loss rel diff"]
     lines = [
-        f"DualPipeV, {cfg['ranks']} ranks on one GPU x {cfg['microbatches']} micro-batches; chunk = {cfg['depth']} "
+        f"DualPipeV, {cfg['ranks']} ranks x {cfg['microbatches']} micro-batches; chunk = {cfg['depth']} "
         f"x tanh([{cfg['rows']}, {cfg['cols']}] @ W) fp32.  Peak saved: runtime accounting, busiest rank; peak "
         "alloc: CUDA allocator peak during the step above its start, busiest rank; step: median of the slowest "
         "rank over the timed steps (min, max beside it).",
