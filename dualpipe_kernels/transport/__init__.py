@@ -39,10 +39,11 @@ CUDA_IPC_ENV = "DUALPIPE_KERNELS_CUDA_IPC"
 def cuda_ipc_auto() -> bool:
     """Whether ``transport="auto"`` may use the CUDA IPC engine on GPUs: only with ``DUALPIPE_KERNELS_CUDA_IPC=1``.
 
-    The engine has not yet run correctly on a GPU: on the first H200 it was built on (2026-11-30), setting up
-    a channel crashed the process (a segmentation fault in ``create_incoming``) and transfers of the transport
-    tests never completed (README, "GPU check").  A crash cannot fall back, so until a GPU run passes,
-    ``"auto"`` on CUDA uses the torch transport; ``transport="native"`` or this variable asks for the engine.
+    The engine has not yet passed its whole suite on a GPU: on the H200 (2026-11-30) its data paths and the
+    demo ran bit-exact after three fixes, but an error path (a mismatched message) still crashed the process
+    in run 6, before the fix now in csrc/common/msg.h could run there (README, "GPU check").  A crash
+    cannot fall back, so until a GPU run passes, ``"auto"`` on CUDA uses the torch transport;
+    ``transport="native"`` or this variable asks for the engine.
     """
     import os
 
