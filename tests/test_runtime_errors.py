@@ -89,3 +89,13 @@ def test_killed_rank_is_named_by_the_survivor():
     assert _names_peer(err, victim), f"survivor's error does not name peer {victim}:\n{err}"
     # process start (seconds) + the survivor's wait, bounded by the pipeline timeout
     assert elapsed < timeout_s + 60, f"took {elapsed:.1f} s"
+
+
+def test_a_rank_that_cannot_start_raises_its_own_error():
+    """A function spawn cannot pickle (a lambda) fails in ``Process.start``: that error reaches the caller, not
+    an AssertionError from joining the processes that never started."""
+    import pickle
+
+    # (pickle says PicklingError or AttributeError depending on where the lambda lives)
+    with pytest.raises((pickle.PicklingError, AttributeError), match="pickle"):
+        spawn_outcomes(lambda rank, world: rank, 2, timeout_s=10)

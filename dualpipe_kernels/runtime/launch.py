@@ -158,6 +158,8 @@ def spawn_outcomes(
                     break
     finally:
         for p in procs:
+            if p.pid is None:  # p.start() raised for it or an earlier rank: nothing to join, the error propagates
+                continue
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if len(got) == world_size else 0.5)
         for p in procs:
             if p.is_alive():
