@@ -5,7 +5,8 @@ Made for the GPU tests, where one hang must not eat the whole test step:
 - each rank reports every scenario's outcome to the parent as soon as it has
   it (so whatever ran before a hang is kept);
 - the parent waits for each scenario at most ``scenario_timeout_s``; a
-  scenario without an outcome by then is reported as stuck, the pair is
+  scenario without an outcome by then is reported as stuck (one whose rank
+  died is reported at once, with the exit code), the pair is
   killed, and a fresh pair (fresh channels, nothing left queued from the
   stuck scenario) runs the remaining scenarios, at most ``max_restarts`` times;
 - a pair that fails to set up is not retried, and the caller caches the
@@ -27,6 +28,7 @@ thread's native stack: what a stuck scenario is blocked in.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import multiprocessing as mp
@@ -127,19 +129,35 @@ def _stop(procs: Sequence[Any]) -> None:
         p.join(timeout=10)
 
 
-def _collect(out: Any, want: set[tuple[int, str]], got: dict[str, dict[int, str]], deadline: float) -> bool:
-    """Read outcomes until every (rank, name) of ``want`` arrived (True) or ``deadline`` passed (False)."""
+def _collect(
+    out: Any, want: set[tuple[int, str]], got: dict[str, dict[int, str]], deadline: float, procs: Sequence[Any]
+) -> bool:
+    """Read outcomes until every (rank, name) of ``want`` arrived (True), or ``deadline`` passed or a rank that
+    still owes one died (False; see :func:`_dead`)."""
     while want:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
         try:
-            rank, name, result = out.get(timeout=min(left, 1.0))
+            rank, name, result = out.get(timeout=min(left, 0.25))
         except queue.Empty:
+            if _dead(procs, want):
+                # what it put before dying may still be in the pipe
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        rank, name, result = out.get(timeout=0.5)
+                        got.setdefault(name, {})[rank] = result
+                        want.discard((rank, name))
+                return not want
             continue
         got.setdefault(name, {})[rank] = result
         want.discard((rank, name))
     return True
+
+
+def _dead(procs: Sequence[Any], want: set[tuple[int, str]]) -> dict[int, int | None]:
+    """The ranks that owe an outcome of ``want`` and whose process has exited (rank -> exit code)."""
+    return {r: procs[r].exitcode for r, _ in want if not procs[r].is_alive()}
 
 
 def run_pair(
@@ -174,21 +192,28 @@ def run_pair(
         run.pids += [p.pid for p in procs if p.pid is not None]
         stuck = None
         try:
-            ok = _collect(
-                out, {(r, "setup") for r in (0, 1)}, run.results, min(end, time.monotonic() + setup_timeout_s)
-            )
+            want = {(r, "setup") for r in (0, 1)}
+            ok = _collect(out, want, run.results, min(end, time.monotonic() + setup_timeout_s), procs)
             if not ok or any(v != "ok" for v in run.results["setup"].values()):
+                dead = _dead(procs, want)
                 for r in (0, 1):
-                    run.results["setup"].setdefault(r, f"no set-up outcome within {setup_timeout_s:.0f} s")
+                    why = f"no set-up outcome within {setup_timeout_s:.0f} s"
+                    if r in dead:
+                        why = f"rank died with exit code {dead[r]} during set-up (a crash: see its stderr)"
+                    run.results["setup"].setdefault(r, why)
                 break
             for name in todo:
                 want = {(r, name) for r in reporting}
-                if not _collect(out, want, run.results, min(end, time.monotonic() + scenario_timeout_s)):
+                if not _collect(out, want, run.results, min(end, time.monotonic() + scenario_timeout_s), procs):
                     stuck = name
+                    dead = _dead(procs, want)
                     for r in reporting:
-                        run.results[name].setdefault(
-                            r, f"no outcome within {scenario_timeout_s:.0f} s (stuck: a wait that never fires?)"
-                        )
+                        why = f"no outcome within {scenario_timeout_s:.0f} s (stuck: a wait that never fires?)"
+                        if r in dead:
+                            why = f"rank died with exit code {dead[r]} during this scenario (a crash: see its stderr)"
+                        elif dead:
+                            why = f"no outcome: rank {min(dead)} died during this scenario"
+                        run.results[name].setdefault(r, why)
                     break
         finally:
             _stop(procs)

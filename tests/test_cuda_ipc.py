@@ -536,29 +536,35 @@ def _cpu_runner(ctx: None, rank: int, store: Any, setup: str, name: str) -> None
         threading.Event().wait()  # a wait that never fires (uninterruptible from the parent but by a kill)
     if name == "fails" and rank == 0:
         raise AssertionError("this scenario fails on purpose")
+    if name == "crashes" and rank == 1:
+        os._exit(7)  # a crash (the H200's SIGSEGVs): reported at once, not after the scenario's timeout
 
 
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(130)
 def test_pair_harness_bounds_a_stuck_scenario_and_runs_the_rest_on_a_fresh_pair(tmp_path: Path) -> None:
-    """A failure is reported and the next scenario still runs; a hang costs its own timeout and a restart.
+    """A failure is reported and the next scenario still runs; a crash costs a restart, a hang its own timeout
+    and a restart.
 
     Under ``DPK_FAULT_IPC_WAIT=1`` (the device check's fault injection) the first scenario hangs too: this
     test then fails, in bounded time, like the GPU tests do.
     """
     t0 = time.monotonic()
     run = run_pair(
-        _cpu_runner, _cpu_prepare, "cpu", ["first", "fails", "hangs", "after"], tmp_path,
-        setup_timeout_s=40.0, scenario_timeout_s=6.0, budget_s=90.0,
+        _cpu_runner, _cpu_prepare, "cpu", ["first", "fails", "crashes", "between", "hangs", "after"], tmp_path,
+        setup_timeout_s=40.0, scenario_timeout_s=6.0, budget_s=120.0, max_restarts=3,
     )  # fmt: skip
     r = run.results
     assert r["setup"] == {0: "ok", 1: "ok"}
     assert r["first"] == {0: "ok", 1: "ok"}, r["first"]
     assert "this scenario fails on purpose" in r["fails"][0] and r["fails"][1] == "ok"
+    assert r["crashes"][1] == "rank died with exit code 7 during this scenario (a crash: see its stderr)", r
+    assert r["crashes"][0] in ("ok", "no outcome: rank 1 died during this scenario"), r["crashes"]
+    assert r["between"] == {0: "ok", 1: "ok"}, "the scenario after a crash must run on a fresh pair"
     assert r["hangs"][0] == "ok" and r["hangs"][1].startswith("no outcome within 6 s"), r["hangs"]
     assert r["after"] == {0: "ok", 1: "ok"}, "the scenario after a hang must run on a fresh pair"
-    # One restart for the hang; a loaded machine may cost one more (a slow fresh pair is restarted too): the
-    # outcomes above and the time bound are what matter.
-    assert 1 <= run.restarts <= 2 and time.monotonic() - t0 < 90.0, (run.restarts, r)
+    # One restart each for the crash and the hang; a loaded machine may cost one more (a slow fresh pair is
+    # restarted too): the outcomes above and the time bound are what matter.
+    assert 2 <= run.restarts <= 3 and time.monotonic() - t0 < 120.0, (run.restarts, r)
 
 
 # ---------------------------------------------------------------------------
