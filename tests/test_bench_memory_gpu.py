@@ -32,11 +32,12 @@ def test_every_policy_gets_a_row_lossless_ones_match_keep_bit_for_bit_and_recomp
     assert 0 < rows["recompute"]["peak_saved_bytes"] < rows["keep"]["peak_saved_bytes"]
     for r in rows.values():
         assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"] and r["device"] == "cpu"
-    for name in ("keep", "recompute"):  # the simulator's peaks, from the measured per-stage bytes
-        assert rows[name]["measured_over_predicted_peak"] == pytest.approx(1.0, abs=0.1), rows[name]
-    # offload: reported beside its prediction (measured 1.13 of it here, one block above at the peak: not
-    # explained yet), and below keep
-    assert rows["offload"]["predicted_peak_saved_bytes"] < rows["offload"]["peak_saved_bytes"] * 1.5
+    # the simulator's peaks, from the measured per-stage bytes: keep and recompute exactly; offload within 10%
+    # (0.94 here: on the V's turn a chunk's input is the previous chunk's saved output, which offload counts
+    # with the input when the previous chunk's tensors left, and the model takes the larger of the two cases)
+    for name in ("keep", "recompute"):
+        assert rows[name]["measured_over_predicted_peak"] == pytest.approx(1.0, abs=1e-9), rows[name]
+    assert rows["offload"]["measured_over_predicted_peak"] == pytest.approx(1.0, abs=0.1), rows["offload"]
     assert rows["offload"]["peak_saved_bytes"] < rows["keep"]["peak_saved_bytes"]
     assert "| recompute |" in memory_gpu.to_markdown(res)
 

@@ -63,6 +63,19 @@ def test_reload_points_skip_what_the_next_actions_consume():
             assert q - p == 2
 
 
+def test_offload_in_forward_is_held_through_the_f_and_moved_back_whole():
+    """``in_forward`` under offload (what the F holds before its tensors leave, e.g. a stage input counted
+    with the chunk on the V's turn): the peak grows by at most its excess over ``saved``, and a chunk
+    that offloads nothing still costs only ``kept``."""
+    sched = build_schedule("dualpipev", 4, 16)
+    base = peak_saved_bytes(sched, "offload", ChunkBytes(800, 200))
+    more = peak_saved_bytes(sched, "offload", ChunkBytes(800, 200, in_forward=1000))
+    assert all(b < m <= b + 200 * 4 for b, m in zip(base, more, strict=True)), (base, more)
+    assert ChunkBytes(800, 200, in_forward=1000).moved("offload") == 800  # leaves and comes back
+    assert ChunkBytes(800, 200, in_forward=1000).moved("recompute") == 600  # in_forward is offload's only
+    assert peak_saved_bytes(sched, "offload", ChunkBytes(800, 200, in_forward=200)) <= base
+
+
 def test_recompute_costs_an_f_per_backward_and_offload_hides_behind_work():
     sched = build_schedule("1f1b", 2, 4)
     sizes = ChunkBytes(100, 10)

@@ -188,7 +188,8 @@ def chunk_sizes(num_stages: int, policy: str, by_policy: dict[str, list[dict[str
     kept = per_stage("recompute") or saved
     compress = policy.startswith("compress")
     packed = per_stage(policy) if compress else {}
-    during = per_stage(policy, "forward_peak_bytes") if compress else {}
+    # what the F holds at its end: compress before packing the stage input, offload before its tensors leave
+    during = per_stage(policy, "forward_peak_bytes") if compress or policy == "offload" else {}
     return [ChunkBytes(saved[s], min(kept[s], saved[s]), packed.get(s), during.get(s)) for s in range(num_stages)]
 
 

@@ -271,13 +271,14 @@ class ActivationMemory:
         """End of the forward: offloaded sources leave the device (the copy keeps what it reads); a
         compressed stage input keeps one copy (see :class:`_Input`)."""
         rec.open = False
+        s = rec.key[0]
+        # what the forward held at its end: offloaded sources and a compressed stage input still whole
+        self.forward_peak_bytes[s] = max(self.forward_peak_bytes.get(s, 0), rec.nbytes)
         self.side.flush()  # this forward's offload copies, as one job for the worker (CPU)
         for entry in rec.entries:
             if entry.release_source(self.side):
                 sm.add(rec, -entry.nbytes)
         rec.seen.clear()
-        s = rec.key[0]
-        self.forward_peak_bytes[s] = max(self.forward_peak_bytes.get(s, 0), rec.nbytes)
         for held in rec.inputs:
             sm.add(rec, held.settle())
         rec.inputs.clear()

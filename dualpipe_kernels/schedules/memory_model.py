@@ -56,8 +56,12 @@ Key = tuple[int, int]  # (stage, micro-batch)
 @dataclass(frozen=True)
 class ChunkBytes:
     """Saved activations of one stage chunk for one micro-batch (bytes).  ``compressed=None``:
-    ``kept`` plus the policy's ratio of the rest (fp32 activations).  ``in_forward``: what
-    compress holds at the end of the F, before the stage input is packed (None: ``compressed``)."""
+    ``kept`` plus the policy's ratio of the rest (fp32 activations).  ``in_forward``: under
+    compress, what it holds at the end of the F, before the stage input is packed (None:
+    ``compressed``); under offload, what the F holds before its offloaded tensors leave (None:
+    ``saved``), which differs from ``saved`` when the stage input is another chunk's saved output
+    on the same rank (DualPipeV's turn of the V): keep counts that storage with the chunk that
+    saved it, offload with the input of the chunk that keeps it."""
 
     saved: Num
     kept: Num = 0
@@ -77,6 +81,13 @@ class ChunkBytes:
                 return self.compressed
             return self.kept + COMPRESS_RATIO[policy] * (self.saved - self.kept)
         return self.kept
+
+    def moved(self, policy: str) -> Num:
+        """Bytes that leave after the F and come back before the backward (offload), or that are
+        dropped and recomputed (recompute)."""
+        if policy == "offload" and self.in_forward is not None:
+            return self.in_forward - self.kept
+        return self.saved - self.kept
 
 
 def _check_policy(policy: str) -> None:
@@ -140,7 +151,7 @@ def peak_saved_bytes(
         for p, a in enumerate(_computes(actions)):
             for key in reload_at.get(p, ()):
                 c = _bytes_of(sizes, key[0])
-                add(key, c.saved - c.kept)
+                add(key, c.moved(policy))
                 reloaded.add(key)
             for sub in a.computes():
                 key = (sub.stage, sub.microbatch)
@@ -149,14 +160,16 @@ def peak_saved_bytes(
                     offloaded = policy == "offload" and key not in resident
                     settled = c.saved if policy == "keep" or offloaded or key in resident else c.under(policy)
                     during = c.in_forward if policy.startswith("compress") and c.in_forward is not None else settled
+                    if offloaded:
+                        during = c.kept + c.moved(policy)
                     add(key, during)
                     if offloaded:
-                        add(key, -(c.saved - c.kept))
+                        add(key, -c.moved(policy))
                     elif during != settled:
                         add(key, settled - during)
                 elif sub.type is T_B or sub.type is T_I:
                     if policy == "recompute" or (policy == "offload" and key not in resident and key not in reloaded):
-                        add(key, c.saved - c.kept)
+                        add(key, c.moved(policy))
                         reloaded.add(key)
                     if sub.type is T_B:
                         release(key)
@@ -223,7 +236,7 @@ def policy_costs(
         windows = _windows(schedule, sc, lookahead)
         for s, window in windows.items():
             c = _bytes_of(sizes, s)
-            extra_b[s] = max(0, (c.saved - c.kept) / host_bandwidth - window)
+            extra_b[s] = max(0, c.moved("offload") / host_bandwidth - window)
     fb = None if sc.fb is None else [sc.fb[s] + extra_f[s] + extra_b[s] for s in range(n)]
     return PolicyCostModel(
         f=[sc.f[s] + extra_f[s] for s in range(n)],
