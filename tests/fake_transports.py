@@ -146,10 +146,13 @@ class _Mailbox:
         self.sends: dict[tuple[int, int, int], list[_Op]] = {}
         self.recvs: dict[tuple[int, int, int], list[_Op]] = {}
         self.log: list[tuple[str, int, int, int]] = []  # ("send"|"recv", src, dst, tag) in posting order
+        self.sent: list[tuple[int, bytes]] = []  # (tag, the bytes as posted) of every send, in posting order
 
     def post(self, sending: bool, key: tuple[int, int, int], op: _Op) -> None:
         with self.lock:
             self.log.append(("send" if sending else "recv", *key))
+            if sending and op.tensor.is_cpu:
+                self.sent.append((key[2], op.tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()))
             mine, theirs = (self.sends, self.recvs) if sending else (self.recvs, self.sends)
             waiting = theirs.get(key)
             if not waiting:

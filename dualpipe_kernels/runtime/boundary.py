@@ -22,6 +22,7 @@ import torch
 
 from dualpipe_kernels.runtime.boundary_codec import BoundaryFormat
 from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace
+from dualpipe_kernels.runtime.repeat import RepeatRecvOp, SmallSend, post_repeat, signature
 from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import T_SEND_B, T_SEND_F, Action
 from dualpipe_kernels.transport import Transport
@@ -43,12 +44,12 @@ class BoundaryState:
     """
 
     forward_only: bool
-    recvs: dict[int, BoundaryRecv] = field(default_factory=dict)
+    recvs: dict[int, BoundaryRecv | RepeatRecvOp] = field(default_factory=dict)
     reached_f: dict[tuple[int, int], int] = field(default_factory=dict)
     reached_b: dict[tuple[int, int], int] = field(default_factory=dict)
     watch: list[BoundaryRecv] = field(default_factory=list)
     sends: list[tuple[BoundarySend, tuple[torch.Tensor, ...]]] = field(default_factory=list)
-    small_sends: list[BoundarySend] = field(default_factory=list)
+    small_sends: list[BoundarySend | SmallSend] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class _Route:
     peer: int
     fmt: str
     what: str
+    meta_tag: int  # the tag of the message's metadata (slot 0), which an inline message travels under
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,8 @@ class Boundary:
             what = f"pipeline rank {self.rank}: {a} (micro-batch {a.microbatch}) {arrow} peer pipeline rank {peer}"
             tag = self.program.tag_key(key)
             w = self.wire
-            route = self._routes[i] = _Route(tag, w.to_group_rank[peer], w.boundary_format.for_direction(tag[0]), what)
+            fmt = w.boundary_format.for_direction(tag[0])
+            route = self._routes[i] = _Route(tag, w.to_group_rank[peer], fmt, what, w.tags.tag(*tag, 0))
         return route
 
     def _recv_source(self, i: int) -> tuple[int, int]:
@@ -130,6 +133,10 @@ class Boundary:
             return
         r = self._route(i)
         w = self.wire
+        repeat = w.layouts.repeat_recv.get(r.key)
+        if repeat is not None:  # the layout of the last step's message, inline (repeat.py)
+            st.recvs[i] = post_repeat(w.layouts, repeat, w.transport, r.peer, r.meta_tag, r.what)
+            return
         # Transport errors already name this rank, the peer, the action and the micro-batch (``what``).
         recv = BoundaryRecv(w.transport, r.peer, w.tags, r.key, r.what, w.device, w.layouts, r.fmt)
         st.recvs[i] = recv
@@ -144,9 +151,19 @@ class Boundary:
         """Wait for RECV action ``i``'s data (posting it first if the window has not)."""
         self.post_recv(st, i)
         recv = st.recvs.pop(i)
-        device = self.wire.device
+        w = self.wire
+        device = w.device
+        if isinstance(recv, RepeatRecvOp):
+            recv.handle.wait(w.timeout_s)
+            tensors = recv.tensors(w.layouts, device)
+            if tensors is not None:
+                return tensors
+            # The sender's layout changed: the general protocol reads what arrived.
+            r = self._route(i)
+            posted = (recv.handle, recv.buf)
+            recv = BoundaryRecv(w.transport, r.peer, w.tags, r.key, r.what, device, w.layouts, r.fmt, posted)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        return recv.wait(self.wire.timeout_s, stream)
+        return recv.wait(w.timeout_s, stream)
 
     # ---- sends --------------------------------------------------------------------
     def send(
@@ -160,6 +177,14 @@ class Boundary:
         """Post SEND action ``i`` of ``tensors``; ``keep``: hook outputs whose storage goes once sent."""
         r = self._route(i)
         w = self.wire
+        if not keep:
+            repeat = w.layouts.repeat_send.get(r.key)
+            if repeat is not None and signature(tensors, grad_flags) == repeat.sig:
+                # The layout of the last step's message, which the receiver posted inline (repeat.py).
+                st.small_sends.append(repeat.post(w.transport, tensors, r.peer, r.meta_tag, r.what))
+                self.bytes_sent[r.key[0]] += repeat.plan.nbytes
+                self.messages_sent[r.key[0]] += 1
+                return
         send = BoundarySend(w.transport, tensors, grad_flags, r.peer, w.tags, r.key, r.what, w.layouts, r.fmt)
         self.bytes_sent[r.key[0]] += send.data_bytes
         self.messages_sent[r.key[0]] += 1

@@ -32,6 +32,7 @@ from dualpipe_kernels.wire_dtypes import WIRE_DTYPE_CODE, WIRE_DTYPES
 if TYPE_CHECKING:
     from dualpipe_kernels.runtime.boundary_codec import MessageCodec
     from dualpipe_kernels.runtime.inline import InlinePlan
+    from dualpipe_kernels.runtime.repeat import RepeatRecv, RepeatSend
 
 __all__ = [
     "META_LEN",
@@ -130,6 +131,11 @@ class LayoutMemory:
         self.pool = BufferPool()  # inline receive buffers
         self.inline_plans: dict[tuple[object, ...], InlinePlan] = {}  # (format code, direction, layout) -> plan
         self.codecs: dict[tuple[str, int], MessageCodec] = {}  # (format, direction) -> codec
+        # Repeats (runtime/repeat.py): per message key, what the last inline message with the
+        # remembered layout looked like, so the next one with the same layout skips the protocol's
+        # bookkeeping.  Dropped whenever a message of that key takes the general path.
+        self.repeat_send: dict[tuple[int, int, int], RepeatSend] = {}
+        self.repeat_recv: dict[tuple[int, int, int], RepeatRecv] = {}
         self._wire: tuple[Transport, torch.device] | None = None
 
     def wire_device(self, transport: Transport) -> torch.device:
@@ -167,6 +173,8 @@ class LayoutMemory:
         self.received.clear()
         self.encoded.clear()
         self.inline_plans.clear()
+        self.repeat_send.clear()
+        self.repeat_recv.clear()
         self.pool.clear()
 
 

@@ -65,6 +65,7 @@ from dualpipe_kernels.runtime.boundary_meta import (
     wire_device,
 )
 from dualpipe_kernels.runtime.inline import META_BYTES, build, read
+from dualpipe_kernels.runtime.repeat import RepeatRecv, RepeatSend, header_bytes, signature
 from dualpipe_kernels.transport.base import Handle, Transport, TransportError
 
 __all__ = [
@@ -134,6 +135,7 @@ class BoundarySend:
         hit = guess is not None and guess == layout
         if memory is not None:
             memory.sent[key] = layout
+            memory.repeat_send.pop(key, None)  # remade below when this message repeats (repeat.py)
         meta = _metadata(memory, tensors, grad_flags, hit, codec.code, wire)
         self.data_bytes = 0
         #: the whole message is one small copy (inline): nothing the caller owns is held until completion
@@ -147,6 +149,8 @@ class BoundarySend:
             if hit:
                 self.data_bytes = inline.nbytes
                 self.small = True
+                assert memory is not None
+                memory.repeat_send[key] = RepeatSend(signature(tensors, grad_flags), meta, codec, layout, inline)
                 return
         else:
             self._payload = [meta]
@@ -222,6 +226,7 @@ class BoundaryRecv:
         device: torch.device,
         memory: LayoutMemory | None = None,
         fmt: str = "none",
+        posted: tuple[Handle, torch.Tensor] | None = None,
     ) -> None:
         self.what = what
         self._transport = transport
@@ -249,10 +254,18 @@ class BoundaryRecv:
         if self._inline is not None:
             # One transfer brings the metadata and the data of the remembered layout (inline.py).
             assert memory is not None
-            self._inline_buf: torch.Tensor | None = memory.pool.take(META_BYTES + self._inline.nbytes)
-            self._meta_buf = self._inline_buf[:META_BYTES].view(torch.int64)
-            self._meta_handle = transport.irecv(self._inline_buf, peer, meta_tag, what)
+            if posted is not None:
+                # Already posted (repeat.py), and its header was not the remembered one: read it here.
+                self._meta_handle, buf = posted
+                assert buf.numel() == META_BYTES + self._inline.nbytes
+            else:
+                buf = memory.pool.take(META_BYTES + self._inline.nbytes)
+                self._meta_handle = transport.irecv(buf, peer, meta_tag, what)
+            self._inline_buf: torch.Tensor | None = buf
+            self._meta_buf = buf[:META_BYTES].view(torch.int64)
             return
+        if posted is not None:
+            raise AssertionError(f"{what}: a posted inline buffer, but this message's layout does not travel inline")
         self._inline_buf = None
         self._meta_buf = torch.empty(META_LEN, dtype=torch.int64, device=wire)
         self._meta_handle = transport.irecv(self._meta_buf, peer, meta_tag, what)
@@ -305,6 +318,8 @@ class BoundaryRecv:
                 self._meta_handle.wait_stream(torch.cuda.current_stream(self._meta_buf.device))
             metas, speculative = self._read_meta()
             layout = self._codec.layout_of(metas)
+            if self._memory is not None:
+                self._memory.repeat_recv.pop(self._key, None)  # remade when this message repeats (repeat.py)
             if speculative != (self._guess is not None and self._guess == layout):
                 raise TransportError(
                     f"{self.what}: sender and receiver disagree on the remembered layout of this message "
@@ -313,7 +328,7 @@ class BoundaryRecv:
             if self._memory is not None:
                 self._memory.received[self._key] = layout
             if self._inline_buf is not None:
-                self._finish_inline(layout, speculative)
+                self._finish_inline(layout, speculative, metas)
             elif speculative:
                 (self._tensors, self._buffers), self._handles = self._spec, self._spec_handles
             else:
@@ -324,13 +339,17 @@ class BoundaryRecv:
             self._layout = layout
             self._metas = metas
 
-    def _finish_inline(self, layout: Layout, speculative: bool) -> None:
+    def _finish_inline(self, layout: Layout, speculative: bool, metas: Sequence[TensorMeta | None]) -> None:
         """The inline buffer has arrived: its data (when the layout held), else post the fresh receives."""
         buf, self._inline_buf = self._inline_buf, None
         assert buf is not None and self._inline is not None and self._memory is not None
         if speculative:
             self._tensors = read(buf, self._codec, layout, self._inline, self._device)
             self._buffers, self._handles = [], []
+            grads = tuple(m is not None and m.requires_grad for m in metas)
+            self._memory.repeat_recv[self._key] = RepeatRecv(
+                header_bytes(buf), buf.numel(), self._codec, layout, self._inline, grads
+            )
         else:
             self._tensors, self._buffers = self._codec.alloc(layout, self._device)
             self._handles = self._post(self._buffers, FRESH_BASE)

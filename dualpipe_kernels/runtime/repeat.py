@@ -1,0 +1,137 @@
+"""Repeated small messages: a boundary message whose layout did not change since the last step.
+
+A training loop sends the same shapes every step, so after the first step
+nearly every small boundary message travels inline (inline.py) in the layout
+both ends remember.  The general protocol (p2p.py) still works out, for every
+message, all that this layout implies: the codec and the layout tuple, the
+cached metadata, the inline plan; and the receiver decodes the metadata
+header, rebuilds the layout from it and compares it with the remembered one.
+With stages of a few microseconds of compute that bookkeeping is most of a
+message's cost (issue 16: the per-action overhead of the runtime).
+
+So each end keeps, per message key, what the last such message was
+(:class:`~dualpipe_kernels.runtime.boundary_meta.LayoutMemory`'s
+``repeat_send`` / ``repeat_recv``):
+
+* the sender: the message's signature (dtype, shape and grad flag of each
+  tensor), its encoded metadata and inline plan.  A message with the same
+  signature is built and posted at once (:meth:`RepeatSend.post`).
+* the receiver: the header bytes it received and the layout they stand for.
+  It posts the inline receive at once (:func:`post_repeat`) and, when the
+  buffer that arrives starts with the same header bytes, reads the tensors
+  without decoding anything (:meth:`RepeatRecvOp.tensors`).  A different
+  header (the sender's layout changed) goes to the general protocol with the
+  buffer that arrived (``BoundaryRecv(..., posted=...)``), which reads it as
+  if it had posted it itself.
+
+Both entries are dropped whenever a message of their key takes the general
+path and are made again from it, so they always describe the layout that
+both ends' layout memories hold.  The bytes on the wire are the same as on
+the general path, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dualpipe_kernels.runtime.boundary_codec import MessageCodec
+from dualpipe_kernels.runtime.boundary_meta import Layout, LayoutMemory
+from dualpipe_kernels.runtime.inline import META_BYTES, InlinePlan, build, read
+from dualpipe_kernels.transport.base import Handle, Transport
+
+__all__ = ["RepeatSend", "RepeatRecv", "RepeatRecvOp", "SmallSend", "signature", "header_bytes", "post_repeat"]
+
+Signature = tuple[tuple[torch.dtype, torch.Size, bool] | None, ...]
+
+
+def signature(tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool]) -> Signature:
+    """Everything of a message's tensors that its metadata encodes: per tensor dtype, shape, grad flag."""
+    out: list[tuple[torch.dtype, torch.Size, bool] | None] = []
+    for t, g in zip(tensors, grad_flags, strict=True):  # a loop, not a generator: once per message
+        out.append(None if t is None else (t.dtype, t.shape, bool(g)))
+    return tuple(out)
+
+
+def header_bytes(buf: torch.Tensor) -> bytes:
+    """The metadata header at the start of an inline buffer (host uint8), as bytes."""
+    return buf.numpy()[:META_BYTES].tobytes()
+
+
+class SmallSend:
+    """A posted inline message: holds its own buffer until :meth:`wait` (the caller's tensors are not held)."""
+
+    __slots__ = ("_handle", "_buf")
+
+    def __init__(self, handle: Handle, buf: torch.Tensor) -> None:
+        self._handle: Handle | None = handle
+        self._buf: torch.Tensor | None = buf
+
+    def wait(self, timeout_s: float) -> None:
+        if self._handle is not None:
+            self._handle.wait(timeout_s)
+            self._handle = self._buf = None
+
+
+@dataclass(frozen=True, slots=True)
+class RepeatSend:
+    """The sender's memory of the last inline message of one key whose layout the receiver remembered."""
+
+    sig: Signature
+    meta: torch.Tensor  # the encoded metadata (speculative flag set), host int64
+    codec: MessageCodec
+    layout: Layout
+    plan: InlinePlan
+
+    def post(
+        self, transport: Transport, tensors: Sequence[torch.Tensor | None], peer: int, tag: int, what: str
+    ) -> SmallSend:
+        """Build the message of ``tensors`` (whose signature is :attr:`sig`) and post it."""
+        buf = build(self.meta, tensors, self.codec, self.layout, self.plan)
+        return SmallSend(transport.isend(buf, peer, tag, what), buf)
+
+
+@dataclass(frozen=True, slots=True)
+class RepeatRecv:
+    """The receiver's memory of the last inline message of one key that came in the remembered layout."""
+
+    header: bytes  # its metadata header, as it arrived
+    nbytes: int  # the inline buffer's size: header and data
+    codec: MessageCodec
+    layout: Layout
+    plan: InlinePlan
+    grads: tuple[bool, ...]  # per tensor: requires grad on this side
+
+
+class RepeatRecvOp:
+    """One inline receive posted from a :class:`RepeatRecv` entry."""
+
+    __slots__ = ("entry", "handle", "buf")
+
+    def __init__(self, entry: RepeatRecv, handle: Handle, buf: torch.Tensor) -> None:
+        self.entry = entry
+        self.handle = handle
+        self.buf = buf
+
+    def tensors(self, memory: LayoutMemory, device: torch.device) -> list[torch.Tensor | None] | None:
+        """The message's tensors once :attr:`handle` completed, or None when its header is not the
+        remembered one (the caller hands :attr:`buf` to the general protocol)."""
+        e, buf = self.entry, self.buf
+        if header_bytes(buf) != e.header:
+            return None
+        out = read(buf, e.codec, e.layout, e.plan, device)
+        for t, g in zip(out, e.grads, strict=True):
+            if g and t is not None:
+                t.requires_grad_(True)
+        memory.pool.give(buf)  # copied out: free again
+        return out
+
+
+def post_repeat(
+    memory: LayoutMemory, entry: RepeatRecv, transport: Transport, peer: int, tag: int, what: str
+) -> RepeatRecvOp:
+    """Post the inline receive of a message expected in ``entry``'s layout."""
+    buf = memory.pool.take(entry.nbytes)
+    return RepeatRecvOp(entry, transport.irecv(buf, peer, tag, what), buf)

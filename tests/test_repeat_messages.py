@@ -1,0 +1,198 @@
+"""Repeated small boundary messages (runtime/repeat.py), at the level of ``Boundary`` in one process.
+
+Two ``Boundary`` objects (pipeline ranks 0 and 1 of a 1F1B schedule) talk over
+an in-process transport pair.  Checked: after one step a message of the same
+layout takes the repeat path on both ends (one transfer, no metadata decoded,
+the same bytes as the general path), a changed layout falls back to the
+general protocol with the buffer that arrived and repeats again afterwards,
+grad flags and dtypes count as layout, and closing forgets everything.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fake_transports import LoopbackPair
+
+import dualpipe_kernels.runtime.p2p as p2p
+from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState, Wire
+from dualpipe_kernels.runtime.executor import _lowered_program
+from dualpipe_kernels.runtime.inline import INLINE_MAX_BYTES
+from dualpipe_kernels.runtime.p2p import LayoutMemory, TagSpace
+from dualpipe_kernels.runtime.repeat import RepeatRecvOp, SmallSend
+from dualpipe_kernels.schedules.generators import build_schedule
+from dualpipe_kernels.schedules.ir import T_RECV_F, T_SEND_F
+
+TIMEOUT_S = 5.0
+
+
+class Ends:
+    """Ranks 0 (sender of SEND_F of micro-batch 0) and 1 (its receiver), each with its own layout memory."""
+
+    def __init__(self) -> None:
+        program = _lowered_program(build_schedule("1f1b", 2, 2))
+        self.pair = LoopbackPair("cpu")
+        tags = TagSpace(2, 2)
+        self.b = [
+            Boundary(
+                Wire(
+                    r, self.pair.ends[r], [0, 1], tags, LayoutMemory(INLINE_MAX_BYTES), torch.device("cpu"), TIMEOUT_S
+                ),
+                program,
+            )
+            for r in (0, 1)
+        ]
+        acts = [program.schedule.actions[r] for r in (0, 1)]
+        self.send_i = next(i for i, a in enumerate(acts[0]) if a.type is T_SEND_F and a.microbatch == 0)
+        self.recv_i = next(i for i, a in enumerate(acts[1]) if a.type is T_RECV_F and a.microbatch == 0)
+
+    def exchange(
+        self, tensors: list[torch.Tensor | None], flags: list[bool]
+    ) -> tuple[list, BoundaryState, BoundaryState]:
+        """One step's message: the receiver posts first (as the window does), then the send, then the wait."""
+        st_s, st_r = BoundaryState(False), BoundaryState(False)
+        self.b[1].post_recv(st_r, self.recv_i)
+        posted = st_r.recvs[self.recv_i]
+        self.b[0].send(st_s, self.send_i, tensors, flags)
+        self.last_posted, self.last_small = posted, list(st_s.small_sends)
+        got = self.b[1].complete_recv(st_r, self.recv_i)
+        self.b[0].reap(st_s, block=True)
+        assert self.pair.box.unmatched() == [], "a posted transfer was never matched"
+        return got, st_s, st_r
+
+
+def _same(got: list[torch.Tensor | None], want: list[torch.Tensor | None], flags: list[bool]) -> None:
+    assert len(got) == len(want)
+    for g, w, f in zip(got, want, flags, strict=True):
+        if w is None:
+            assert g is None
+            continue
+        assert g is not None and g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+        assert g.requires_grad == f and g.is_leaf
+
+
+def _msg(seed: int, rows: int = 2) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, 8, generator=g), None, torch.randint(0, 5, (rows,), generator=g)]
+
+
+def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    real = p2p.decode_meta
+
+    def counting(meta: torch.Tensor):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return real(meta)
+
+    monkeypatch.setattr(p2p, "decode_meta", counting)
+    return calls
+
+
+def _sends(ends: Ends) -> list[int]:
+    return [tag % 64 for kind, _, _, tag in ends.pair.box.log if kind == "send"]
+
+
+def test_repeats_take_the_fast_path_on_both_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    ends, flags = Ends(), [True, False, False]
+    decodes = _count_decodes(monkeypatch)
+    for seed in (1, 2):  # first step: two-phase; second: inline through the general path
+        _same(ends.exchange(_msg(seed), flags)[0], _msg(seed), flags)
+    assert decodes[0] == 2
+    for seed in (3, 4, 5):
+        ends.pair.box.log.clear()
+        got, _, _ = ends.exchange(_msg(seed), flags)
+        _same(got, _msg(seed), flags)
+        assert isinstance(ends.last_posted, RepeatRecvOp), "the receiver posted from its repeat entry"
+        assert len(ends.last_small) == 1 and isinstance(ends.last_small[0], SmallSend)
+        assert _sends(ends) == [0], "metadata and data in one transfer"
+    assert decodes[0] == 2, "no metadata decoded for a repeated layout"
+    assert ends.b[1].wire.layouts.pool.allocations == 1, "one pooled receive buffer, reused"
+    assert ends.b[0].messages_sent[0] == 5 and ends.b[0].bytes_sent[0] > 0
+
+
+def test_repeat_path_moves_the_same_bytes_as_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = [True, False, False]
+    wires = []
+    for fast in (False, True):
+        ends = Ends()
+        if not fast:  # no repeat entries: every message takes the general path
+            for b in ends.b:
+                monkeypatch.setattr(b.wire.layouts, "repeat_send", _Never())
+                monkeypatch.setattr(b.wire.layouts, "repeat_recv", _Never())
+        for seed in (1, 2, 3, 4):
+            ends.exchange(_msg(seed), flags)
+        wires.append(list(ends.pair.box.sent))
+        monkeypatch.undo()
+    assert wires[0] == wires[1]
+
+
+class _Never(dict):  # type: ignore[type-arg]
+    """A layout memory's repeat table that never keeps anything."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("rows", lambda seed: _msg(seed, rows=3), [True, False, False], True),
+        # the same buffer layout, another header: still one transfer, read by the general path
+        ("grad flag", lambda seed: _msg(seed), [False, False, False], False),
+        ("dtype", lambda seed: [_msg(seed)[0].double(), None, _msg(seed)[2]], [True, False, False], True),
+        ("tensor count", lambda seed: _msg(seed)[:2], [True, False], True),
+    ],
+    ids=lambda c: c[0] if isinstance(c, tuple) else str(c),
+)
+def test_a_changed_layout_falls_back_then_repeats_again(change: tuple) -> None:  # type: ignore[type-arg]
+    _, make, new_flags, fresh = change
+    ends, flags = Ends(), [True, False, False]
+    for seed in (1, 2, 3):
+        ends.exchange(_msg(seed), flags)
+    assert isinstance(ends.last_posted, RepeatRecvOp)
+    ends.pair.box.log.clear()
+    got, _, _ = ends.exchange(make(4), new_flags)
+    _same(got, make(4), new_flags)
+    assert isinstance(ends.last_posted, RepeatRecvOp), "posted from the old entry, read by the general path"
+    assert not any(isinstance(s, SmallSend) for s in ends.last_small), "the sender took the general path"
+    if fresh:
+        assert _sends(ends)[0] == 0 and len(_sends(ends)) > 1, "the posted buffer (metadata, zeros), then fresh tags"
+    else:
+        assert _sends(ends) == [0]
+    for seed in (5, 6):  # the new layout: inline through the general path once, then repeats
+        ends.pair.box.log.clear()
+        got, _, _ = ends.exchange(make(seed), new_flags)
+        _same(got, make(seed), new_flags)
+        assert _sends(ends) == [0]
+    assert isinstance(ends.last_posted, RepeatRecvOp) and isinstance(ends.last_small[0], SmallSend)
+    ends.pair.box.log.clear()
+    got, _, _ = ends.exchange(_msg(7), flags)  # and back to the first layout
+    _same(got, _msg(7), flags)
+
+
+def test_hook_outputs_still_go_through_the_general_send() -> None:
+    ends, flags = Ends(), [True, False, False]
+    for seed in (1, 2, 3):
+        ends.exchange(_msg(seed), flags)
+    st_s, st_r = BoundaryState(False), BoundaryState(False)
+    ends.b[1].post_recv(st_r, ends.recv_i)
+    msg = _msg(4)
+    x = msg[0].clone().requires_grad_(True)
+    keep = (x * 1,)
+    ends.b[0].send(st_s, ends.send_i, msg, flags, keep)
+    assert st_s.sends and not st_s.small_sends, "a send that frees hook outputs is reaped, not a SmallSend"
+    _same(ends.b[1].complete_recv(st_r, ends.recv_i), msg, flags)
+    ends.b[0].reap(st_s, block=True)
+    assert keep[0].numel() == 0, "the hook output's storage is dropped once sent"
+
+
+def test_clear_forgets_the_repeat_entries() -> None:
+    ends, flags = Ends(), [True, False, False]
+    for seed in (1, 2, 3):
+        ends.exchange(_msg(seed), flags)
+    mems = [b.wire.layouts for b in ends.b]
+    assert mems[0].repeat_send and mems[1].repeat_recv
+    for m in mems:
+        m.clear()
+    assert not mems[0].repeat_send and not mems[1].repeat_recv
+    _same(ends.exchange(_msg(4), flags)[0], _msg(4), flags)  # two-phase again, on both ends
