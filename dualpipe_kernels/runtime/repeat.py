@@ -32,8 +32,10 @@ the general path, bit for bit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +45,8 @@ from dualpipe_kernels.runtime.inline import META_BYTES, InlinePlan, build, read
 from dualpipe_kernels.transport.base import Handle, Transport
 
 __all__ = ["RepeatSend", "RepeatRecv", "RepeatRecvOp", "SmallSend", "signature", "header_bytes", "post_repeat"]
+
+_MAX_VIEWS = 16  # pooled buffers remembered per entry (the receive window needs a few)
 
 Signature = tuple[tuple[torch.dtype, torch.Size, bool] | None, ...]
 
@@ -95,7 +99,14 @@ class RepeatSend:
 
 @dataclass(frozen=True, slots=True)
 class RepeatRecv:
-    """The receiver's memory of the last inline message of one key that came in the remembered layout."""
+    """The receiver's memory of the last inline message of one key that came in the remembered layout.
+
+    ``views``: per pooled buffer this key's messages arrived in (the pool hands
+    the same few back every step), the header as a numpy array and each
+    tensor's typed view into the buffer (``none`` format), so that reading a
+    message is a compare and a clone per tensor.  An entry holds its buffer, so
+    the ``id`` it is keyed by stays that buffer's; at most ``_MAX_VIEWS`` are kept.
+    """
 
     header: bytes  # its metadata header, as it arrived
     nbytes: int  # the inline buffer's size: header and data
@@ -103,6 +114,30 @@ class RepeatRecv:
     layout: Layout
     plan: InlinePlan
     grads: tuple[bool, ...]  # per tensor: requires grad on this side
+    views: dict[int, tuple[torch.Tensor, Any, list[torch.Tensor | None] | None]] = field(default_factory=dict)
+
+    def views_of(self, buf: torch.Tensor) -> tuple[Any, list[torch.Tensor | None] | None]:
+        """(the header of ``buf`` as a numpy array, the tensors' views into ``buf`` or None: use :func:`read`)."""
+        hit = self.views.get(id(buf))
+        if hit is not None and hit[0] is buf:
+            return hit[1], hit[2]
+        if len(self.views) >= _MAX_VIEWS:
+            self.views.clear()
+        views: list[torch.Tensor | None] | None = None
+        if self.plan.pack is None and all(
+            e is None or off is not None for e, off in zip(self.layout, self.plan.offsets, strict=True)
+        ):
+            views = []
+            for e, off in zip(self.layout, self.plan.offsets, strict=True):
+                if e is None or off is None:
+                    views.append(None)
+                else:
+                    start = META_BYTES + off
+                    n = e[0].itemsize * math.prod(e[1])
+                    views.append(buf[start : start + n].view(e[0]).view(e[1]))
+        header = buf.numpy()[:META_BYTES]
+        self.views[id(buf)] = (buf, header, views)
+        return header, views
 
 
 class RepeatRecvOp:
@@ -119,9 +154,13 @@ class RepeatRecvOp:
         """The message's tensors once :attr:`handle` completed, or None when its header is not the
         remembered one (the caller hands :attr:`buf` to the general protocol)."""
         e, buf = self.entry, self.buf
-        if header_bytes(buf) != e.header:
+        header, views = e.views_of(buf)
+        if header.tobytes() != e.header:
             return None
-        out = read(buf, e.codec, e.layout, e.plan, device)
+        if views is not None and device.type == "cpu":
+            out: list[torch.Tensor | None] = [None if v is None else v.clone() for v in views]
+        else:
+            out = read(buf, e.codec, e.layout, e.plan, device)
         for t, g in zip(out, e.grads, strict=True):
             if g and t is not None:
                 t.requires_grad_(True)
