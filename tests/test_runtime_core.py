@@ -462,3 +462,27 @@ def test_receive_window_defaults_to_the_transports_and_an_explicit_one_wins() ->
         assert got == {"torch": 8, "native": 2, "torch_3": 3}, got
     with pytest.raises(ValueError, match="recv_lookahead must be >= 1"):
         Pipeline(build_schedule("1f1b", 1, 2), {0: _mlp(), 1: _mlp()}, recv_lookahead=0)
+
+
+def test_gradient_edge_matches_torch() -> None:
+    """The runtime's shortcut for a stage output's gradient edge names the same node and output as torch's."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from dualpipe_kernels.runtime.compute import gradient_edge
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def, override]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+            return g * 2
+
+    leaf = torch.randn(2, 3, requires_grad=True)
+    a, b = torch.nn.Linear(3, 3)(leaf).split(1)
+    for t in (leaf, a, b, Twice.apply(leaf)):
+        ours, theirs = gradient_edge(t), get_gradient_edge(t)
+        assert ours.node is theirs.node or (ours.node.name() == theirs.node.name() and t.is_leaf)
+        assert ours.output_nr == theirs.output_nr
+    assert gradient_edge(b).output_nr == 1

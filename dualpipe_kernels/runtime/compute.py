@@ -38,6 +38,16 @@ __all__ = ["ComputeState", "StageCompute", "Key"]
 Key = tuple[int, int]  # (stage, micro-batch)
 
 
+def gradient_edge(t: torch.Tensor) -> GradientEdge:
+    """``torch.autograd.graph.get_gradient_edge(t)`` for a tensor that requires grad, without its checks
+    when ``t`` has a C++ ``grad_fn`` (once per stage output per micro-batch).  Leaves and outputs of Python
+    autograd Functions (whose edge needs an ownership token) go through torch's function."""
+    fn = t.grad_fn
+    if fn is None or isinstance(fn, torch._C._FunctionBase):
+        return get_gradient_edge(t)
+    return GradientEdge(fn, t.output_nr)
+
+
 @dataclass
 class ComputeState:
     """One step's compute data on this rank (see the module docstring for who owns what)."""
@@ -142,7 +152,7 @@ class StageCompute:
             if not isinstance(o, torch.Tensor):
                 raise ValueError(f"stage {s} output {i} is a {type(o).__name__}; only tensors can cross a boundary")
         if not st.forward_only:
-            st.roots[key] = [(get_gradient_edge(o), i) for i, o in enumerate(outs) if o.requires_grad]
+            st.roots[key] = [(gradient_edge(o), i) for i, o in enumerate(outs) if o.requires_grad]
         if self.overlap_hook and not st.forward_only:
             st.hook_outputs[key] = outs  # the hook's outputs1 for this stage's backward
         nxt = topo.consumer(DepKind.ACT, s, mb)
@@ -192,7 +202,7 @@ class StageCompute:
             st.losses[mb] = loss.detach()
             if not st.forward_only:
                 st.loss_tensors[key] = loss
-                st.roots[key] = [(get_gradient_edge(loss), -1)] if loss.requires_grad else []
+                st.roots[key] = [(gradient_edge(loss), -1)] if loss.requires_grad else []
         if st.return_outputs:
             st.outputs[mb] = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
 
