@@ -34,6 +34,14 @@ posts one buffer for metadata and data together and the sender fills it: one
 transfer per boundary instead of two or more (a changed layout: metadata and
 zeros in that buffer, the data to the fresh tags).
 
+Repeats (runtime/repeat.py): once a small message has travelled inline in
+the remembered layout, both ends keep what it looked like, per message key.
+The next message of that key with the same signature is built and posted by
+``Boundary`` without this module's bookkeeping, and the receiver reads it
+without decoding its metadata when the header bytes are the same; anything
+else falls back to the protocol above (the receiver hands it the buffer that
+arrived).  The bytes on the wire are the same.
+
 Devices: every tensor handed to the transport lives on the transport's
 device (:func:`wire_device`): the metadata, the placeholders and payloads
 that come from elsewhere (e.g. a CPU mask) are staged there first, and
