@@ -424,3 +424,27 @@ def test_measured_stage_costs_medians_and_gaps() -> None:
     from dualpipe_kernels.schedules import build_schedule
 
     assert c.cost_model().resolve(build_schedule("1f1b", 2, 2)).f == (2.0, c.f[1])  # the simulator accepts them
+
+
+def test_sleep_stages_run_with_a_tight_timer_slack() -> None:
+    """A sleeping thread's timer slack is 1 ns (read back with PR_GET_TIMERSLACK), so a sleep stands for its
+    length; a thread that never slept keeps the default."""
+    import ctypes
+    import threading
+
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_seconds
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.restype = ctypes.c_long
+    slack: list[int] = []
+
+    def sleeper() -> None:
+        before = prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+        assert before > 1
+        sleep_seconds(1e-4)
+        slack.append(prctl(30, 0, 0, 0, 0))
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    t.join()
+    assert slack == [1]
