@@ -448,3 +448,28 @@ def test_sleep_stages_run_with_a_tight_timer_slack() -> None:
     t.start()
     t.join()
     assert slack == [1]
+
+
+def test_chunk_costs_are_measured_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_chunk_costs times the chunk on one intra-op thread, as every rank runs, and restores the count."""
+    import torch
+
+    from dualpipe_kernels.benchmarks import sleep_stages
+
+    seen: list[int] = []
+    real = sleep_stages.sleep_seconds
+
+    def spy(seconds: float) -> None:
+        seen.append(torch.get_num_threads())
+        real(seconds)
+
+    monkeypatch.setattr(sleep_stages, "sleep_seconds", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        costs = sleep_stages.measure_chunk_costs(1e-3, 2e-3, 1e-3, 4096, repeats=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
+    assert 1e-3 <= costs.f < 0.1 and 2e-3 <= costs.b < 0.1

@@ -227,10 +227,24 @@ def measure_chunk_costs(
     runtime's own bookkeeping, so measured / simulated isolates that extra.
     The I/W split uses a bound ``WeightGradStore`` exactly as the runtime does.
     """
-    from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
-
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    # One intra-op thread, as every rank runs: with torch's default (one per core) a 256 KiB zeros_like
+    # can wait milliseconds at an OpenMP barrier for a descheduled worker thread, which measured the
+    # chunks 10-50% slow on the 2-core machine and put the simulator above the measured steps.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure_chunk_costs(f_s, b_s, w_s, activation_bytes, repeats, cols)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_chunk_costs(
+    f_s: float, b_s: float, w_s: float, activation_bytes: int, repeats: int, cols: int
+) -> ChunkCosts:
+    from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
+
     stage = SleepStage(f_s, b_s, w_s)
     x = sleep_batch(1, activation_bytes, cols).requires_grad_(True)
     ts: dict[str, list[float]] = {"f": [], "i": [], "w": [], "b": []}
