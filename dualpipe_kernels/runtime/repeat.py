@@ -54,7 +54,7 @@ Signature = tuple[tuple[torch.dtype, torch.Size, bool] | None, ...]
 def signature(tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool]) -> Signature:
     """Everything of a message's tensors that its metadata encodes: per tensor dtype, shape, grad flag."""
     out: list[tuple[torch.dtype, torch.Size, bool] | None] = []
-    for t, g in zip(tensors, grad_flags, strict=True):  # a loop, not a generator: once per message
+    for t, g in zip(tensors, grad_flags, strict=False):  # a loop, not a generator: once per message
         out.append(None if t is None else (t.dtype, t.shape, bool(g)))
     return tuple(out)
 
