@@ -196,3 +196,34 @@ def test_clear_forgets_the_repeat_entries() -> None:
         m.clear()
     assert not mems[0].repeat_send and not mems[1].repeat_recv
     _same(ends.exchange(_msg(4), flags)[0], _msg(4), flags)  # two-phase again, on both ends
+
+
+def test_the_sender_writes_repeats_into_one_buffer() -> None:
+    ends, flags = Ends(), [True, False, False]
+    bufs = []
+    for seed in range(1, 7):
+        got, _, _ = ends.exchange(_msg(seed), flags)
+        _same(got, _msg(seed), flags)
+        if ends.last_small and isinstance(ends.last_small[0], SmallSend):
+            bufs.append(ends.last_small[0]._buf)
+    assert len(bufs) == 4 and all(b is bufs[0] for b in bufs[1:]), "one buffer, written again each step"
+
+
+def test_a_buffer_still_in_flight_is_not_written_again() -> None:
+    """Two messages of one key before either is received (the loopback reads a send's bytes only when it is
+    matched): the second one must not overwrite the first one's buffer."""
+    ends, flags = Ends(), [True, False, False]
+    for seed in (1, 2, 3, 4):
+        ends.exchange(_msg(seed), flags)
+    st_s = BoundaryState(False)
+    ends.b[0].send(st_s, ends.send_i, _msg(5), flags)
+    ends.b[0].send(st_s, ends.send_i, _msg(6), flags)
+    assert all(isinstance(s, SmallSend) for s in st_s.small_sends)
+    got = []
+    for _ in range(2):
+        st_r = BoundaryState(False)
+        ends.b[1].post_recv(st_r, ends.recv_i)
+        got.append(ends.b[1].complete_recv(st_r, ends.recv_i))
+    ends.b[0].reap(st_s, block=True)
+    _same(got[0], _msg(5), flags)
+    _same(got[1], _msg(6), flags)

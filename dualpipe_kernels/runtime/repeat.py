@@ -73,6 +73,11 @@ class SmallSend:
         self._handle: Handle | None = handle
         self._buf: torch.Tensor | None = buf
 
+    @property
+    def done(self) -> bool:
+        """Waited for (successfully): the transport no longer reads the buffer."""
+        return self._handle is None
+
     def wait(self, timeout_s: float) -> None:
         if self._handle is not None:
             self._handle.wait(timeout_s)
@@ -88,13 +93,47 @@ class RepeatSend:
     codec: MessageCodec
     layout: Layout
     plan: InlinePlan
+    #: ``[buffer, its per-tensor data views, the SmallSend that last posted it]`` once a message was built
+    #: (``none`` format): the next one is written into the same buffer when that send has been waited for
+    reuse: list[Any] = field(default_factory=list)
 
     def post(
         self, transport: Transport, tensors: Sequence[torch.Tensor | None], peer: int, tag: int, what: str
     ) -> SmallSend:
-        """Build the message of ``tensors`` (whose signature is :attr:`sig`) and post it."""
-        buf = build(self.meta, tensors, self.codec, self.layout, self.plan)
-        return SmallSend(transport.isend(buf, peer, tag, what), buf)
+        """Build the message of ``tensors`` (whose signature is :attr:`sig`) and post it.
+
+        A key sends one message per step and every step ends by waiting for its
+        small sends, so from the second repeat on the buffer of the last message
+        is free again: its header stays, the data is copied over (one copy per
+        tensor, no allocation).  A buffer still in flight is never written: a new
+        one is built then.
+        """
+        reuse = self.reuse
+        if reuse and reuse[2].done:
+            buf, views = reuse[0], reuse[1]
+            for v, t in zip(views, tensors, strict=True):
+                if v is not None:
+                    assert t is not None
+                    v.copy_(t.detach())
+        else:
+            buf = build(self.meta, tensors, self.codec, self.layout, self.plan)
+            views = None if reuse or self.plan.pack is not None else _data_views(buf, self.layout, self.plan)
+        send = SmallSend(transport.isend(buf, peer, tag, what), buf)
+        if views is not None:
+            reuse[:] = [buf, views, send]
+        return send
+
+
+def _data_views(buf: torch.Tensor, layout: Layout, plan: InlinePlan) -> list[torch.Tensor | None]:
+    """Each tensor's typed view into the inline buffer ``buf`` (``none`` format; None: no bytes)."""
+    views: list[torch.Tensor | None] = []
+    for e, off in zip(layout, plan.offsets, strict=True):
+        if e is None or off is None:
+            views.append(None)
+        else:
+            start = META_BYTES + off
+            views.append(buf[start : start + e[0].itemsize * math.prod(e[1])].view(e[0]).view(e[1]))
+    return views
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,17 +163,11 @@ class RepeatRecv:
         if len(self.views) >= _MAX_VIEWS:
             self.views.clear()
         views: list[torch.Tensor | None] | None = None
+        # (a zero-size tensor has no bytes to view: read() allocates it)
         if self.plan.pack is None and all(
             e is None or off is not None for e, off in zip(self.layout, self.plan.offsets, strict=True)
         ):
-            views = []
-            for e, off in zip(self.layout, self.plan.offsets, strict=True):
-                if e is None or off is None:
-                    views.append(None)
-                else:
-                    start = META_BYTES + off
-                    n = e[0].itemsize * math.prod(e[1])
-                    views.append(buf[start : start + n].view(e[0]).view(e[1]))
+            views = _data_views(buf, self.layout, self.plan)
         header = buf.numpy()[:META_BYTES]
         self.views[id(buf)] = (buf, header, views)
         return header, views
