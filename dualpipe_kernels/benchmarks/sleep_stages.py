@@ -72,8 +72,7 @@ def tight_timer_slack() -> bool:
 def sleep_seconds(seconds: float) -> None:
     """Sleep ``seconds`` (nothing for zero or less), with the thread's timer slack at 1 ns."""
     if seconds > 0:
-        if not getattr(_slack, "done", False):
-            tight_timer_slack()
+        tight_timer_slack()
         time.sleep(seconds)
 
 

@@ -177,23 +177,22 @@ class Boundary:
         """Post SEND action ``i`` of ``tensors``; ``keep``: hook outputs whose storage goes once sent."""
         r = self._route(i)
         w = self.wire
-        if not keep:
-            repeat = w.layouts.repeat_send.get(r.key)
-            if repeat is not None and signature(tensors, grad_flags) == repeat.sig:
-                # The layout of the last step's message, which the receiver posted inline (repeat.py).
-                st.small_sends.append(repeat.post(w.transport, tensors, r.peer, r.meta_tag, r.what))
-                self.bytes_sent[r.key[0]] += repeat.plan.nbytes
-                self.messages_sent[r.key[0]] += 1
-                return
-        send = BoundarySend(w.transport, tensors, grad_flags, r.peer, w.tags, r.key, r.what, w.layouts, r.fmt)
-        self.bytes_sent[r.key[0]] += send.data_bytes
-        self.messages_sent[r.key[0]] += 1
-        if send.small and not keep:
-            # Holds only its own small copy: waited for at the end of the step, never polled (a poll
-            # may cost a thread hand-off, e.g. over gloo, for memory that does not matter).
-            st.small_sends.append(send)
+        repeat = None if keep else w.layouts.repeat_send.get(r.key)
+        if repeat is not None and signature(tensors, grad_flags) == repeat.sig:
+            # The layout of the last step's message, which the receiver posted inline (repeat.py).
+            st.small_sends.append(repeat.post(w.transport, tensors, r.peer, r.meta_tag, r.what))
+            nbytes = repeat.plan.nbytes
         else:
-            st.sends.append((send, keep))
+            send = BoundarySend(w.transport, tensors, grad_flags, r.peer, w.tags, r.key, r.what, w.layouts, r.fmt)
+            nbytes = send.data_bytes
+            if send.small and not keep:
+                # Holds only its own small copy: waited for at the end of the step, never polled (a poll
+                # may cost a thread hand-off, e.g. over gloo, for memory that does not matter).
+                st.small_sends.append(send)
+            else:
+                st.sends.append((send, keep))
+        self.bytes_sent[r.key[0]] += nbytes
+        self.messages_sent[r.key[0]] += 1
 
     def reap(self, st: BoundaryState, block: bool) -> None:
         """Wait for the completed sends (all of them when ``block``) and release what they held."""

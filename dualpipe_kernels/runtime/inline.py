@@ -36,7 +36,7 @@ from dualpipe_kernels.kernels import PackLayout, pack_as
 from dualpipe_kernels.runtime.boundary_codec import MessageCodec
 from dualpipe_kernels.runtime.boundary_meta import META_LEN, Layout
 
-__all__ = ["INLINE_MAX_BYTES", "META_BYTES", "InlinePlan", "inline_plan", "build", "read"]
+__all__ = ["INLINE_MAX_BYTES", "META_BYTES", "InlinePlan", "inline_plan", "build", "read", "data_views"]
 
 #: data bytes (after the metadata) up to which a message with a remembered layout travels as one transfer
 INLINE_MAX_BYTES = 32 * 1024
@@ -128,13 +128,23 @@ def read(
         codec.unpack_into(tensors, layout, data)
         return tensors if device.type == "cpu" else [None if t is None else t.to(device) for t in tensors]
     out: list[torch.Tensor | None] = []
-    for e, off in zip(layout, plan.offsets, strict=True):
+    for e, view in zip(layout, data_views(buf, layout, plan), strict=True):
         if e is None:
             out.append(None)
-        elif off is None:
+        elif view is None:  # no bytes (zero-size)
             out.append(torch.empty(e[1], dtype=e[0], device=device))
         else:
-            start = META_BYTES + off
-            view = buf[start : start + _nbytes(e[0], e[1])].view(e[0]).view(e[1])
             out.append(view.clone() if device.type == "cpu" else view.to(device))
     return out
+
+
+def data_views(buf: torch.Tensor, layout: Layout, plan: InlinePlan) -> list[torch.Tensor | None]:
+    """Each tensor's typed view into the inline buffer ``buf`` (unpacked plans; None: no tensor or no bytes)."""
+    views: list[torch.Tensor | None] = []
+    for e, off in zip(layout, plan.offsets, strict=True):
+        if e is None or off is None:
+            views.append(None)
+        else:
+            start = META_BYTES + off
+            views.append(buf[start : start + _nbytes(e[0], e[1])].view(e[0]).view(e[1]))
+    return views

@@ -32,7 +32,6 @@ the general path, bit for bit.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +40,7 @@ import torch
 
 from dualpipe_kernels.runtime.boundary_codec import MessageCodec
 from dualpipe_kernels.runtime.boundary_meta import Layout, LayoutMemory
-from dualpipe_kernels.runtime.inline import META_BYTES, InlinePlan, build, read
+from dualpipe_kernels.runtime.inline import META_BYTES, InlinePlan, build, data_views, read
 from dualpipe_kernels.transport.base import Handle, Transport
 
 __all__ = ["RepeatSend", "RepeatRecv", "RepeatRecvOp", "SmallSend", "signature", "header_bytes", "post_repeat"]
@@ -117,23 +116,11 @@ class RepeatSend:
                     v.copy_(t.detach())
         else:
             buf = build(self.meta, tensors, self.codec, self.layout, self.plan)
-            views = None if reuse or self.plan.pack is not None else _data_views(buf, self.layout, self.plan)
+            views = None if reuse or self.plan.pack is not None else data_views(buf, self.layout, self.plan)
         send = SmallSend(transport.isend(buf, peer, tag, what), buf)
         if views is not None:
             reuse[:] = [buf, views, send]
         return send
-
-
-def _data_views(buf: torch.Tensor, layout: Layout, plan: InlinePlan) -> list[torch.Tensor | None]:
-    """Each tensor's typed view into the inline buffer ``buf`` (``none`` format; None: no bytes)."""
-    views: list[torch.Tensor | None] = []
-    for e, off in zip(layout, plan.offsets, strict=True):
-        if e is None or off is None:
-            views.append(None)
-        else:
-            start = META_BYTES + off
-            views.append(buf[start : start + e[0].itemsize * math.prod(e[1])].view(e[0]).view(e[1]))
-    return views
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +154,7 @@ class RepeatRecv:
         if self.plan.pack is None and all(
             e is None or off is not None for e, off in zip(self.layout, self.plan.offsets, strict=True)
         ):
-            views = _data_views(buf, self.layout, self.plan)
+            views = data_views(buf, self.layout, self.plan)
         header = buf.numpy()[:META_BYTES]
         self.views[id(buf)] = (buf, header, views)
         return header, views
