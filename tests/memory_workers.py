@@ -10,8 +10,6 @@ saved by autograd (offload must move a storage once).
 
 from __future__ import annotations
 
-import gc
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from footprint import live_tensors_and_rss
 
 DIM = 32
 ROWS = 4  # per micro-batch
@@ -132,10 +131,9 @@ def long_offload(rank: int, world_size: int, steps: int, policy: str = "offload"
             pipe.step(x, labels=(label,), criterion=lambda y, t: F.mse_loss(y, t))
             for m in modules.values():
                 m.zero_grad(set_to_none=True)
-            gc.collect()
-            tensors.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
-            with open(f"/proc/{os.getpid()}/statm") as f:
-                rss.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+            live, resident = live_tensors_and_rss()
+            tensors.append(live)
+            rss.append(resident)
     finally:
         pipe.close()
     mem = pipe.activation_memory

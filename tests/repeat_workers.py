@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import gc
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from footprint import live_tensors_and_rss
 
 from dualpipe_kernels.runtime.executor import Pipeline
 from dualpipe_kernels.schedules.generators import build_schedule
 
 
-class _NoRepeats(dict):  # type: ignore[type-arg]
+class NoRepeats(dict):  # type: ignore[type-arg]
     """A repeat table that never keeps an entry: every message takes the general protocol."""
 
     def __setitem__(self, key: object, value: object) -> None:
@@ -38,7 +37,7 @@ def long_run(rank: int, world_size: int, steps: int, transport: str) -> dict[str
         pipe = Pipeline(sched, modules, transport=transport, timeout_s=60.0)
         mem = pipe._layouts
         if not repeats:
-            mem.repeat_send, mem.repeat_recv = _NoRepeats(), _NoRepeats()
+            mem.repeat_send, mem.repeat_recv = NoRepeats(), NoRepeats()
         losses, tensors, rss, pool, entries = [], [], [], [], []
         try:
             for step in range(steps):
@@ -53,10 +52,9 @@ def long_run(rank: int, world_size: int, steps: int, transport: str) -> dict[str
                     }
                 for m in modules.values():
                     m.zero_grad(set_to_none=True)
-                gc.collect()
-                tensors.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
-                with open(f"/proc/{os.getpid()}/statm") as f:
-                    rss.append(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+                live, resident = live_tensors_and_rss()
+                tensors.append(live)
+                rss.append(resident)
                 pool.append((mem.pool.allocations, mem.pool.free_bytes()))
                 entries.append((len(mem.repeat_send), len(mem.repeat_recv)))
             out[f"{repeats}"] = {"losses": losses, "tensors": tensors, "rss": rss, "pool": pool, "entries": entries}

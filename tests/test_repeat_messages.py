@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fake_transports import LoopbackPair
+from repeat_workers import NoRepeats
 
 import dualpipe_kernels.runtime.p2p as p2p
 from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState, Wire
@@ -117,20 +118,13 @@ def test_repeat_path_moves_the_same_bytes_as_the_general_path(monkeypatch: pytes
         ends = Ends()
         if not fast:  # no repeat entries: every message takes the general path
             for b in ends.b:
-                monkeypatch.setattr(b.wire.layouts, "repeat_send", _Never())
-                monkeypatch.setattr(b.wire.layouts, "repeat_recv", _Never())
+                monkeypatch.setattr(b.wire.layouts, "repeat_send", NoRepeats())
+                monkeypatch.setattr(b.wire.layouts, "repeat_recv", NoRepeats())
         for seed in (1, 2, 3, 4):
             ends.exchange(_msg(seed), flags)
         wires.append(list(ends.pair.box.sent))
         monkeypatch.undo()
     assert wires[0] == wires[1]
-
-
-class _Never(dict):  # type: ignore[type-arg]
-    """A layout memory's repeat table that never keeps anything."""
-
-    def __setitem__(self, key: object, value: object) -> None:
-        return None
 
 
 @pytest.mark.parametrize(
