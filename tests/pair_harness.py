@@ -3,7 +3,9 @@
 Made for the GPU tests, where one hang must not eat the whole test step:
 
 - each rank reports every scenario's outcome to the parent as soon as it has
-  it (so whatever ran before a hang is kept);
+  it, on its own pipe with a synchronous write (not a ``multiprocessing.Queue``,
+  whose feeder thread dies unflushed with a crashing process), so whatever ran
+  before a hang or a crash is kept;
 - the parent waits for each scenario at most ``scenario_timeout_s``; a
   scenario without an outcome by then is reported as stuck (one whose rank
   died is reported at once, with the exit code), the pair is
@@ -11,7 +13,7 @@ Made for the GPU tests, where one hang must not eat the whole test step:
   stuck scenario) runs the remaining scenarios, at most ``max_restarts`` times;
 - a pair that fails to set up is not retried, and the caller caches the
   result (every test of that set-up reads the same failure);
-- the parent itself only ever waits on a queue with a timeout, so pytest's
+- the parent itself only ever waits on the pipes with a timeout, so pytest's
   per-test timeout can always interrupt it and the JUnit XML gets written.
 
 ``prepare(rank, setup)`` runs once per process and returns a context (e.g. a
@@ -28,13 +30,12 @@ thread's native stack: what a stuck scenario is blocked in.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import faulthandler
 import multiprocessing as mp
+import multiprocessing.connection as mpc
 import os
 import platform
-import queue
 import signal
 import sys
 import threading
@@ -78,14 +79,15 @@ def barrier(store: Any, name: str, timeout_s: float = BARRIER_S) -> None:
 def _child(
     rank: int, runner: Runner, prepare: Prepare, store_path: str, setup: str, names: list[str], first: bool, out: Any
 ) -> None:
+    """``out``: this rank's write end; ``out.send`` has written the outcome into the pipe when it returns."""
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, 2)
         ctx = prepare(rank, setup)
     except Exception:  # noqa: BLE001 - reported to the parent
-        out.put((rank, "setup", traceback.format_exc()))
+        out.send((rank, "setup", traceback.format_exc()))
         return
-    out.put((rank, "setup", "ok"))
+    out.send((rank, "setup", "ok"))
     for i, name in enumerate(names):
         try:
             barrier(store, name)
@@ -104,7 +106,7 @@ def _child(
             result = "ok"
         except Exception:  # noqa: BLE001 - reported to the parent
             result = traceback.format_exc()
-        out.put((rank, name, result))
+        out.send((rank, name, result))
 
 
 def _dump_stacks(rank: int, name: str) -> None:
@@ -130,29 +132,32 @@ def _stop(procs: Sequence[Any]) -> None:
 
 
 def _collect(
-    out: Any, want: set[tuple[int, str]], got: dict[str, dict[int, str]], deadline: float, procs: Sequence[Any]
+    readers: list[Any],
+    want: set[tuple[int, str]],
+    got: dict[str, dict[int, str]],
+    deadline: float,
+    procs: Sequence[Any],
 ) -> bool:
     """Read outcomes until every (rank, name) of ``want`` arrived (True), or ``deadline`` passed or a rank that
-    still owes one died (False; see :func:`_dead`)."""
+    still owes one died (False; see :func:`_dead`).  ``readers``: the ranks' open read ends (a closed one, whose
+    rank exited, is dropped from the list)."""
     while want:
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        try:
-            rank, name, result = out.get(timeout=min(left, 0.25))
-        except queue.Empty:
-            if _dead(procs, want):
-                # what it put before dying may still be in the pipe
-                with contextlib.suppress(queue.Empty):
-                    while True:
-                        rank, name, result = out.get(timeout=0.5)
-                        got.setdefault(name, {})[rank] = result
-                        want.discard((rank, name))
-                return not want
-            continue
-        got.setdefault(name, {})[rank] = result
-        want.discard((rank, name))
-    return True
+        ready = mpc.wait(readers, timeout=min(left, 0.25)) if readers else []
+        for conn in ready:
+            assert isinstance(conn, mpc.Connection)
+            try:
+                rank, name, result = conn.recv()
+            except EOFError:  # that rank exited; everything it sent before was read first
+                readers.remove(conn)
+                continue
+            got.setdefault(name, {})[rank] = result
+            want.discard((rank, name))
+        if not ready and _dead(procs, want) and not any(conn.poll() for conn in readers):
+            return False
+    return not want
 
 
 def _dead(procs: Sequence[Any], want: set[tuple[int, str]]) -> dict[int, int | None]:
@@ -183,17 +188,20 @@ def run_pair(
     todo = list(names)
     ctx = mp.get_context("spawn")
     while todo:
-        out = ctx.Queue()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(2)]  # (read end, write end) per rank
         store_path = str(tmp_dir / f"store-{setup}-{run.restarts}")
-        args = (runner, prepare, store_path, setup, todo, run.restarts == 0, out)
-        procs = [ctx.Process(target=_child, args=(r, *args), daemon=True) for r in range(2)]
+        args = (runner, prepare, store_path, setup, todo, run.restarts == 0)
+        procs = [ctx.Process(target=_child, args=(r, *args, pipes[r][1]), daemon=True) for r in range(2)]
         for p in procs:
             p.start()
+        for _, w in pipes:
+            w.close()  # the children hold the write ends: a read end sees EOF once its rank exited
+        readers = [r for r, _ in pipes]
         run.pids += [p.pid for p in procs if p.pid is not None]
         stuck = None
         try:
             want = {(r, "setup") for r in (0, 1)}
-            ok = _collect(out, want, run.results, min(end, time.monotonic() + setup_timeout_s), procs)
+            ok = _collect(readers, want, run.results, min(end, time.monotonic() + setup_timeout_s), procs)
             if not ok or any(v != "ok" for v in run.results["setup"].values()):
                 dead = _dead(procs, want)
                 for r in (0, 1):
@@ -204,7 +212,7 @@ def run_pair(
                 break
             for name in todo:
                 want = {(r, name) for r in reporting}
-                if not _collect(out, want, run.results, min(end, time.monotonic() + scenario_timeout_s), procs):
+                if not _collect(readers, want, run.results, min(end, time.monotonic() + scenario_timeout_s), procs):
                     stuck = name
                     dead = _dead(procs, want)
                     for r in reporting:
@@ -217,6 +225,8 @@ def run_pair(
                     break
         finally:
             _stop(procs)
+            for reader, _ in pipes:
+                reader.close()
         if stuck is None or run.restarts >= max_restarts or time.monotonic() + setup_timeout_s > end:
             break
         run.restarts += 1
