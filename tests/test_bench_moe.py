@@ -62,6 +62,11 @@ def test_moe_quick_json_contract(quick: tuple[dict[str, Any], float, Path, str])
     if sys.platform == "linux":  # every process lowered its communication threads below its compute thread
         assert len(res["comm_threads_lowered"]) == 4 and min(res["comm_threads_lowered"]) > 0
     assert set(res["targets"]["values"]) == set(res["targets"]["limits"])
+    for r in res["rows"]:  # our contenders' simulation uses their own steps' timelines; torch records none
+        assert r["simulated_from"] == ("alone" if r["contender"] == "torch.ScheduleDualPipeV" else "in situ"), r
+        assert r["simulated_alone_s"] > 0
+        if r["simulated_from"] == "alone":
+            assert r["simulated_s"] == r["simulated_alone_s"]
     assert (out / "moe.json").is_file() and (out / "moe.md").is_file() and (out / "moe_step_vs_a2a.png").is_file()
     # CI budget: the whole quick run, process start included (generous on a shared machine).
     assert wall < 120, f"quick mode took {wall:.0f} s"
@@ -108,3 +113,33 @@ def test_native_all_to_all_delivers_what_gloo_does() -> None:
         assert r["backend"] == "native"
         for want, nat, glo in zip(r["expected"], r["native"], r["gloo"], strict=True):
             assert torch.equal(nat, want) and torch.equal(glo, want)
+
+
+def test_in_situ_simulation_of_a_simulated_step_gives_its_makespan() -> None:
+    """Timelines shaped as the runtime records them (here: the simulator's own events for known costs, one
+    pipeline per expert rank) fed back through the suite's in-situ costs simulate to the same step."""
+    from dualpipe_kernels.benchmarks.moe import _simulated_in_situ
+    from dualpipe_kernels.benchmarks.moe_ranks import MoeRun
+    from dualpipe_kernels.schedules.costs import CostModel
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.simulator import simulate
+
+    run = MoeRun(
+        pp=2, ep=2, microbatches=4, rows=8, cols=16, f_s=0.01, b_s=0.02, w_s=0.01, a2a_bytes=(0,), steps=1,
+        warmup=1, cost_repeats=1,
+    )  # fmt: skip
+    sim = simulate(build_schedule("dualpipev", 2, 4), CostModel(f=0.01, b=0.02, w=0.01, fb=0.025))
+    per_rank = []
+    for g in range(4):
+        p, e = divmod(g, 2)
+        # The runtime's shape: an action starts where the previous one ended and waits for its input inside
+        # (a RECV entry nested in its span); the rank's step ends with its last action.
+        tl, prev = [], 0.0
+        for ev in sorted((ev for ev in sim.events if ev.track == "compute" and ev.rank == p), key=lambda x: x.start):
+            if ev.start > prev:
+                tl.append((p, f"{ev.stage}RECV_F{ev.microbatch}", prev, float(ev.start)))
+            tl.append((p, ev.action, prev, float(ev.end)))
+            prev = float(ev.end)
+        per_rank.append({"p_rank": p, "e_rank": e, "timelines": {"ours": [[(tl, prev)]]}})
+    assert _simulated_in_situ(run, per_rank, "ours", 0) == pytest.approx(float(sim.makespan), rel=1e-9)
+    assert _simulated_in_situ(run, per_rank, "torch.ScheduleDualPipeV", 0) is None  # no timelines: None

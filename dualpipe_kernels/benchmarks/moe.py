@@ -21,9 +21,12 @@ is ``step_min_s``/``step_max_s``), ``pair_s`` (the pair this contender runs,
 timed alone on the expert group: the hook for ``ours``, F then B otherwise)
 against ``f_plus_b_s`` (F and B timed alone), ``exposed_a2a_s`` (step time
 minus the same contender's step at the sweep's first, few-bytes size),
-``simulated_s`` (our simulator, DualPipeV, fed the measured F, B = I + W, W and
-this contender's pair cost; free pipeline transfers: the boundary activations
-are a few KB) and ``ratio_vs_ours`` (our step time / this one's: below 1, we
+``simulated_s`` (our simulator, DualPipeV, fed this contender's F, B = I + W,
+W and pair costs as measured in situ in its own timed steps, from their
+timelines, :mod:`.in_situ_costs`; torch's schedule records no timeline, so its
+row, and ``simulated_alone_s`` for every row, use the costs timed alone on the
+expert group; free pipeline transfers: the boundary activations are a few KB)
+and ``ratio_vs_ours`` (our step time / this one's: below 1, we
 are faster).  The first step's gradients of every contender are compared with
 ``torch.equal``: every value is a small integer, so sums are exact in float32
 in any order (``grads``).
@@ -59,7 +62,7 @@ def _size_list(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=None, help="pipeline ranks (default 2)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks per pipeline rank (default 2)")
-    p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 8; quick 4)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 16; quick 4)")
     p.add_argument("--rows", type=int, default=None, help="tokens per micro-batch (default 8)")
     p.add_argument("--cols", type=int, default=None, help="token width (default 16)")
     p.add_argument("--f-ms", type=float, default=None, help="forward compute of one chunk, ms (default 10; quick 4)")
@@ -111,7 +114,7 @@ class MoeConfig:
         run = MoeRun(
             pp=int(pick("pp", 2, 2)),
             ep=int(pick("ep", 2, 2)),
-            microbatches=int(pick("microbatches", 8, 4)),
+            microbatches=int(pick("microbatches", 16, 4)),
             rows=int(pick("rows", 8, 8)),
             cols=int(pick("cols", 16, 16)),
             f_s=pick("f_ms", 10.0, 4.0) / 1e3,
@@ -202,6 +205,30 @@ def _simulated(run: MoeRun, c: dict[str, float], pair_s: float) -> tuple[float, 
     ), fb
 
 
+def _simulated_in_situ(run: MoeRun, per_rank: list[dict[str, Any]], name: str, k: int) -> float | None:
+    """The simulator fed the costs ``name``'s own timed steps at size index ``k`` measured in situ
+    (:mod:`.in_situ_costs`: each action's span less its receive waits, plus the runtime's gap before it;
+    per stage, median over the steps of both pipelines), plus the steps' fixed set-up; None without
+    timelines (torch's schedule records none)."""
+    from dualpipe_kernels.benchmarks.in_situ_costs import in_situ_costs
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.simulator import simulate
+
+    steps = []
+    for e in range(run.ep):
+        ranks = sorted((r for r in per_rank if r["e_rank"] == e), key=lambda r: r["p_rank"])
+        got = [r.get("timelines", {}).get(name) for r in ranks]
+        if not ranks or any(not g for g in got):
+            return None
+        for j in range(min(len(g[k]) for g in got)):
+            steps.append([g[k][j] for g in got])
+    if not steps:
+        return None
+    sched = build_schedule("dualpipev", run.pp, run.microbatches)
+    costs = in_situ_costs(steps, sched.num_stages)
+    return float(simulate(sched, costs.cost_model()).makespan) + costs.fixed_s
+
+
 def _pair_floor(run: MoeRun, c: dict[str, float]) -> float:
     """The shortest a hooked pair can be on CPU processes, the longest of three chains:
     its four all_to_alls back to back (the copies share the cores, and ``a2a`` is measured with every
@@ -221,7 +248,9 @@ def _rows(run: MoeRun, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for name in CONTENDERS:
             step = statistics.median(steps[name])
             pair = c["pair_hook"] if name == "ours" else c["pair_seq"]
-            sim, fb = _simulated(run, c, pair)
+            alone, fb = _simulated(run, c, pair)
+            in_situ = _simulated_in_situ(run, per_rank, name, k)
+            sim = alone if in_situ is None else in_situ
             rows.append(
                 {
                     "contender": name,
@@ -242,6 +271,9 @@ def _rows(run: MoeRun, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "b_s": c["b"],
                     "i_s": c["i"],
                     "w_s": c["w"],
+                    "simulated_alone_s": alone,
+                    "simulated_from": "alone" if in_situ is None else "in situ",
+                    "alone_over_simulated": step / alone,
                     "simulated_pair_s": fb,
                     "pair_floor_s": _pair_floor(run, c),
                 }
@@ -329,6 +361,8 @@ _COLUMNS = [
     "step_s",
     "simulated_s",
     "measured_over_simulated",
+    "simulated_alone_s",
+    "alone_over_simulated",
     "pair_s",
     "f_plus_b_s",
     "pair_over_f_plus_b",
@@ -339,7 +373,8 @@ _COLUMNS = [
 
 
 _A2A_TEXT = {
-    "native": "our shared-memory engine (a send and a receive per peer block, one copy each)",
+    "native": "our shared-memory engine (a send and a receive per peer block, one copy each; the own block's "
+    "tokens copied locally, its padding not, as on a GPU it crosses no link)",
     "gloo": "gloo over TCP loopback",
 }
 
@@ -351,7 +386,11 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"B {c['b_s'] * 1e3:g} ms (W {c['w_s'] * 1e3:g} ms), sleep-timed; all_to_all: {_A2A_TEXT[c['a2a']]}, "
         "dispatch + combine in forward and backward. `ratio_vs_ours` = our step / theirs (below 1: we are faster); "
         "`exposed_a2a_s` = step minus the same contender at the smallest size; `simulated_s`: our simulator fed "
-        "the measured F, B, W and this contender's pair cost.",
+        "this contender's F, B, W and pair costs measured in situ in its own timed steps (ours, hook off: each "
+        "action's span less its receive waits plus the runtime's gap before it; torch records no timeline, so "
+        "its row uses the costs timed alone); `simulated_alone_s`: the simulator fed the costs timed alone on "
+        "the expert group (all four processes running the same call in step), `alone_over_simulated` = step / "
+        "that. `a2a_s`: one all_to_all right after a compute phase's sleep, as a chunk posts it.",
         "",
         markdown_table(result["rows"], _COLUMNS),
         "",

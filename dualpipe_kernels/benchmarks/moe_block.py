@@ -35,11 +35,13 @@ Two implementations of the all_to_all (:class:`ExpertGroup`), both real
 collectives over the expert group, with the same bytes and results:
 
 * ``native`` (given a :class:`~dualpipe_kernels.transport.native.NativeTransport`
-  over the expert group): each peer block is one send and one receive on the
-  shared-memory engine, whose per-peer worker threads move it (a single
-  ``process_vm_readv`` copy for large blocks) while the posting thread goes on;
-  the own block is a local copy on the group's copy thread (off the compute
-  thread, as a GPU all_to_all copies it on its communication stream).  Forward and backward exchanges share the
+  over the expert group): each peer block, padding included, is one send and
+  one receive on the shared-memory engine, whose per-peer worker threads move
+  it (a single ``process_vm_readv`` copy for large blocks) while the posting
+  thread goes on; the own block's tokens are a local copy on the group's copy
+  thread (off the compute thread, as a GPU all_to_all copies it on its
+  communication stream), its padding is not copied (it would not cross a link
+  on a GPU; see :func:`_native_all_to_all`).  Forward and backward exchanges share the
   transport, so a rank's exchanges run in posting order, like collectives on
   one communication stream: the one posted first finishes first instead of two
   sharing the copy bandwidth and both finishing late.
@@ -141,7 +143,7 @@ class ExpertGroup:
         if self.native is not None:
             if self._copier is None:
                 self._copier = ThreadPoolExecutor(1, thread_name_prefix="moe-a2a-copy")
-            yield _native_all_to_all(self.native, self._copier, recv, send, next(self._tags))
+            yield _native_all_to_all(self.native, self._copier, recv, send, next(self._tags), block)
         else:
             group = self.group_b if backward else self.group_f
             yield dist.all_to_all_single(recv.view(-1), send.view(-1), group=group, async_op=True)
@@ -167,13 +169,16 @@ class _NativeAllToAll:
 
 
 def _native_all_to_all(
-    transport: Any, copier: ThreadPoolExecutor, recv: torch.Tensor, send: torch.Tensor, tag: int
+    transport: Any, copier: ThreadPoolExecutor, recv: torch.Tensor, send: torch.Tensor, tag: int, local: int
 ) -> _NativeAllToAll:
     """Post block ``p`` of ``send [size, n]`` to expert rank ``p`` and receive its block for us into ``recv[p]``.
 
-    The receives go first, so a peer's large send finds its receive posted; the own block is copied on
-    ``copier`` (torch's copy releases the GIL), so posting returns at once.  ``tag``: the same sequence
-    number on every expert rank.
+    The receives go first, so a peer's large send finds its receive posted; the own block's first ``local``
+    elements (its tokens) are copied on ``copier`` (torch's copy releases the GIL), so posting returns at
+    once.  The own block's padding is not copied: the padding stands for the bytes that cross the expert
+    group's links, and on a GPU the own block never crosses one (it is a device-local copy at memory
+    bandwidth, a few percent of the link's time), whereas here a copy of it would cost the cores as much
+    as a peer block does.  ``tag``: the same sequence number on every expert rank.
     """
     me = transport.rank
     handles = []
@@ -183,7 +188,7 @@ def _native_all_to_all(
     for p in range(send.shape[0]):
         if p != me:
             handles.append(transport.isend(send[p], p, tag, f"all_to_all {tag}: block to expert rank {p}"))
-    return _NativeAllToAll(handles, copier.submit(recv[me].copy_, send[me]))
+    return _NativeAllToAll(handles, copier.submit(recv[me, :local].copy_, send[me, :local]))
 
 
 def run_phases(*programs: Phases) -> list[Any]:

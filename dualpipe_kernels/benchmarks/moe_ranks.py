@@ -40,6 +40,7 @@ from dualpipe_kernels.benchmarks.moe_block import (
     init_chunk,
     moe_criterion,
 )
+from dualpipe_kernels.benchmarks.sleep_stages import sleep_seconds
 
 __all__ = ["CONTENDERS", "MoeRun", "rank_main", "pad_for_bytes"]
 
@@ -97,18 +98,23 @@ def _zero(modules: dict[int, Any]) -> None:
 
 
 # ---------------------------------------------------------------- chunk costs alone
-def _per_call_s(setup: Any, fn: Any, repeats: int, group: Any, batch: int = 4) -> float:
+def _per_call_s(setup: Any, fn: Any, repeats: int, group: Any, batch: int = 4, gap_s: float = 0.0) -> float:
     """Median over ``repeats`` rounds (after one warm-up round) of the time per call of ``fn`` run ``batch`` times
     back to back, on states made by ``setup`` before the round (untimed), as a pipeline runs them: the
-    barrier that starts a round is paid once per round, not once per call."""
+    barrier that starts a round is paid once per round, not once per call.  ``gap_s``: an untimed sleep
+    before each call (what precedes it in a chunk: a compute phase)."""
     per_call = []
     for _ in range(repeats + 1):
         states = [setup() for _ in range(batch)]
         dist.barrier(group=group)
-        t0 = time.perf_counter()
+        spent = 0.0
         for st in states:
+            if gap_s > 0:
+                sleep_seconds(gap_s)
+            t0 = time.perf_counter()
             fn(st)
-        per_call.append((time.perf_counter() - t0) / batch)
+            spent += time.perf_counter() - t0
+        per_call.append(spent / batch)
     return statistics.median(per_call[1:])
 
 
@@ -160,7 +166,8 @@ def chunk_costs(run: MoeRun, group: ExpertGroup, e_rank: int) -> dict[str, float
             "w": _per_call_s(deferred, weight, reps, g),
             "pair_seq": _per_call_s(fwd1, sequential, reps, g),
             "pair_hook": _per_call_s(fwd1, hook, reps, g),
-            "a2a": _per_call_s(none, lambda _: group.exchange(ones, backward=False), reps, g),
+            # as a chunk runs it: posted right after a compute phase (threads asleep, caches cold)
+            "a2a": _per_call_s(none, lambda _: group.exchange(ones, backward=False), reps, g, gap_s=m0.f_phase),
         }
     finally:
         store.clear()
@@ -220,14 +227,17 @@ class _Ours:
         sched = build_schedule("dualpipev", run.pp, run.microbatches)
         cls = OverlappedMoEChunk if hook else MoEChunk
         self.modules = _chunks(cls, run, group, sched.stages_of_rank(p_rank), e_rank)
+        # scale_grads as torch's peer; the timeline (one clock read per action) feeds the in-situ simulation
         self.pipe = Pipeline(
-            sched, self.modules, group=pp_group, transport=run.transport, scale_grads=False
-        )  # as torch's peer
+            sched, self.modules, group=pp_group, transport=run.transport, scale_grads=False, record_timeline=True
+        )
         self.x = _batch(run, e_rank)
+        self.last: tuple[list[Any], float] | None = None  # (timeline entries, step seconds) of the last step
 
     def step(self) -> None:
         _zero(self.modules)
-        self.pipe.step(self.x, labels=(), criterion=moe_criterion)
+        res = self.pipe.step(self.x, labels=(), criterion=moe_criterion)
+        self.last = (list(res.timeline), float(res.step_time_s))
 
     def pairs(self) -> int:
         return sum(int(getattr(m, "overlapped_pairs", 0)) for m in self.modules.values())
@@ -298,7 +308,15 @@ def rank_main(rank: int, world: int, run: MoeRun) -> dict[str, Any]:
         "ours-hook-off": _Ours(run, False, group, pp_group, p_rank, e_rank),
         "torch.ScheduleDualPipeV": _Torch(run, group, pp_group, p_rank, e_rank),
     }
-    out: dict[str, Any] = {"costs": [], "times": {c: [] for c in contenders}, "grads": {}, "pairs": {}}
+    out: dict[str, Any] = {
+        "costs": [],
+        "times": {c: [] for c in contenders},
+        "timelines": {c: [] for c, obj in contenders.items() if isinstance(obj, _Ours)},
+        "grads": {},
+        "pairs": {},
+        "p_rank": p_rank,
+        "e_rank": e_rank,
+    }
     try:
         group.exchange(torch.zeros(run.rows, run.cols), backward=False)  # starts the exchange's threads
         for k, size in enumerate(run.a2a_bytes):
@@ -311,11 +329,15 @@ def rank_main(rank: int, world: int, run: MoeRun) -> dict[str, Any]:
                     if k == 0 and j == 0:  # the first step of every contender, from the same weights and data
                         out["grads"][name] = _grads(c.modules)
                 out["times"][name].append([])
+                if name in out["timelines"]:
+                    out["timelines"][name].append([])
             out["comm_threads_lowered"] = comm_below_compute(run.comm_nice)  # the pipelines' threads too
             # Contenders take turns step by step, so a change of the machine's load hits them alike.
             for _ in range(run.steps):
                 for name, c in contenders.items():
                     out["times"][name][k].append(_timed(c.step))
+                    if isinstance(c, _Ours) and c.last is not None:
+                        out["timelines"][name][k].append(c.last)
             _note(
                 rank,
                 f"a2a {out['costs'][k]['a2a_bytes']} B: "
