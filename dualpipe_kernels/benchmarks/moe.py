@@ -51,7 +51,7 @@ __all__ = ["NAME", "MoeConfig", "add_arguments", "run", "to_markdown", "write_pl
 #: Must-show targets at the size whose all_to_all is closest to a chunk's forward compute (issue 15).
 TARGETS = {"pair_over_f_plus_b": 0.65, "ours_over_torch": 0.8, "ours_over_hook_off": 0.8, "ours_vs_simulated": 0.05}
 
-_FULL_SIZES = (0, 1 << 22, 1 << 23, 1 << 24, 1 << 25, 3 << 24, 1 << 26)
+_FULL_SIZES = (0, 1 << 22, 1 << 23, 1 << 24, 1 << 25, 3 << 24, 1 << 26, 3 << 25, 1 << 27)
 _QUICK_SIZES = (0, 1 << 20)
 
 
@@ -62,7 +62,7 @@ def _size_list(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=None, help="pipeline ranks (default 2)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks per pipeline rank (default 2)")
-    p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 16; quick 4)")
+    p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 24; quick 4)")
     p.add_argument("--rows", type=int, default=None, help="tokens per micro-batch (default 8)")
     p.add_argument("--cols", type=int, default=None, help="token width (default 16)")
     p.add_argument("--f-ms", type=float, default=None, help="forward compute of one chunk, ms (default 10; quick 4)")
@@ -114,7 +114,7 @@ class MoeConfig:
         run = MoeRun(
             pp=int(pick("pp", 2, 2)),
             ep=int(pick("ep", 2, 2)),
-            microbatches=int(pick("microbatches", 16, 4)),
+            microbatches=int(pick("microbatches", 24, 4)),
             rows=int(pick("rows", 8, 8)),
             cols=int(pick("cols", 16, 16)),
             f_s=pick("f_ms", 10.0, 4.0) / 1e3,
