@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="measured steps per contender and size (default 5; quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1)")
     p.add_argument(
-        "--cost-repeats", type=int, default=None, help="rounds of each cost timed alone (default 7; quick 2)"
+        "--cost-repeats", type=int, default=None, help="rounds of each cost timed alone (default 11; quick 2)"
     )
     p.add_argument("--transport", choices=("auto", "torch", "native"), default=None, help="our pipeline transport")
     p.add_argument(
@@ -123,7 +123,7 @@ class MoeConfig:
             a2a_bytes=tuple(sizes),
             steps=int(pick("steps", 5, 1)),
             warmup=int(pick("warmup", 1, 1)),
-            cost_repeats=int(pick("cost_repeats", 7, 2)),
+            cost_repeats=int(pick("cost_repeats", 11, 2)),
             transport=str(pick("transport", "auto", "auto")),
             a2a=str(pick("a2a", "native", "native")),
             comm_nice=int(pick("comm_nice", 10, 10)),
