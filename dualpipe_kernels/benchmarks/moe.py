@@ -424,7 +424,8 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:
-    """``moe_step_vs_a2a.png``: step time against all_to_all size per contender with the simulator's lines (top),
+    """``moe_step_vs_a2a.png``: step time against all_to_all size per contender with the simulator's lines (in
+    situ; for ours also from the costs timed alone) (top),
     and one all_to_all alone against the compute phases it has to hide behind (bottom)."""
     from pathlib import Path
 
@@ -441,6 +442,12 @@ def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:
         line = ax.plot(xs, [p[1] for p in pts], style, label=f"{name} (measured)")[0]
         if name != "torch.ScheduleDualPipeV":  # torch's pair is F then B, as our hook-off one: the same line
             ax.plot(xs, [p[2] for p in pts], "--", color=line.get_color(), alpha=0.7, label=f"{name} (simulator)")
+        if name == "ours":  # the prediction from the costs timed alone, before any step ran
+            alone = sorted((r["a2a_bytes"], r["simulated_alone_s"]) for r in rows if r["contender"] == name)
+            ax.plot(
+                [p[0] for p in alone], [p[1] for p in alone], ":", color=line.get_color(), alpha=0.8,
+                label=f"{name} (simulator, costs timed alone)",
+            )  # fmt: skip
     ax.set_xscale("symlog", linthresh=max(1, min(r["a2a_bytes"] for r in rows)))
     ax.set_ylabel("step time (s)")
     ax.set_title(
