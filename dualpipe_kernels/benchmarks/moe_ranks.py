@@ -9,10 +9,12 @@ of the sweep, in the same processes:
 
 * the chunk costs alone on the expert group, pipelines idle: F, a full B, the
   I/W split of B, a sequential pair (F of one chunk then B of another), the
-  overlapped pair (the hook), one all_to_all;
+  overlapped pair (the hook), one all_to_all (each posted after a compute
+  phase's sleep, as a chunk posts it);
 * per contender (``CONTENDERS``), ``warmup + steps`` pipeline steps (each after
-  a barrier of all processes; a step's time is this process's wall time of it)
-  and, at the first size, the first step's gradients.
+  a barrier of all processes; a step's time is this process's wall time of it;
+  our Pipeline's also their timelines, for the in-situ costs the suite feeds
+  the simulator) and, at the first size, the first step's gradients.
 
 Contenders: ``ours`` (our Pipeline, chunks with the overlap hook),
 ``ours-hook-off`` (the same chunks without it: a pair runs F then B) and
