@@ -51,7 +51,7 @@ void wait_or_raise(const Request& r, double timeout_s) {
 std::unique_ptr<Engine> make_engine(int rank, std::uint32_t num_slots, std::uint64_t slot_bytes, double spin_us,
                                     double liveness_interval_s, std::uint64_t inline_max_bytes,
                                     std::vector<std::string> dtype_names, bool single_copy,
-                                    std::uint64_t single_copy_min_bytes) {
+                                    std::uint64_t single_copy_min_bytes, double recv_poll_ms) {
   ChannelConfig c;
   c.num_slots = num_slots;
   c.slot_bytes = slot_bytes;
@@ -61,6 +61,7 @@ std::unique_ptr<Engine> make_engine(int rank, std::uint32_t num_slots, std::uint
   c.dtype_names = std::move(dtype_names);
   c.single_copy = single_copy;
   c.single_copy_min_bytes = single_copy_min_bytes;
+  c.recv_poll_ms = recv_poll_ms;
   return std::make_unique<Engine>(rank, std::move(c));  // std::invalid_argument -> ValueError
 }
 
@@ -120,7 +121,8 @@ void register_apis(py::module_& parent) {
            py::arg("liveness_interval_s") = defaults.liveness_interval_s,
            py::arg("inline_max_bytes") = defaults.inline_max_bytes,
            py::arg("dtype_names") = std::vector<std::string>{}, py::arg("single_copy") = defaults.single_copy,
-           py::arg("single_copy_min_bytes") = defaults.single_copy_min_bytes)
+           py::arg("single_copy_min_bytes") = defaults.single_copy_min_bytes,
+           py::arg("recv_poll_ms") = defaults.recv_poll_ms)
       .def("create_send_channel", &Engine::create_send_channel, py::arg("peer"))
       .def("attach_recv_channel", &Engine::attach_recv_channel, py::arg("peer"), py::arg("segment_name"))
       .def("unlink_send_segment", &Engine::unlink_send_segment, py::arg("peer"))

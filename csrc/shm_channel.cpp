@@ -32,6 +32,7 @@ void ChannelConfig::validate() const {
   if (num_slots > (1u << 20)) throw std::invalid_argument("num_slots must be <= 2^20");
   if (slot_bytes < 64) throw std::invalid_argument("slot_bytes must be >= 64, got " + std::to_string(slot_bytes));
   if (spin_us < 0) throw std::invalid_argument("spin_us must be >= 0");
+  if (!(recv_poll_ms >= 0)) throw std::invalid_argument("recv_poll_ms must be >= 0");
   if (!(liveness_interval_s > 0)) throw std::invalid_argument("liveness_interval_s must be > 0");
   if (single_copy_min_bytes < 1) throw std::invalid_argument("single_copy_min_bytes must be >= 1");
 }

@@ -70,6 +70,11 @@ struct ChannelConfig {
   std::vector<std::string> dtype_names;        //!< optional names of dtype codes, for error messages
   bool single_copy = true;                     //!< allow the process_vm_readv path (receiver probes, both must allow)
   std::uint64_t single_copy_min_bytes = 256 * 1024;  //!< sends of at least this size use it (>= 1)
+  //! > 0: a receive of at most inline_max_bytes is its waiter's to copy (the worker
+  //! takes one over only when its waiter stops spinning), and the worker looks
+  //! every recv_poll_ms for ones nobody waits on. 0: the worker watches the ring
+  //! for every posted receive (each publish wakes it).
+  double recv_poll_ms = 20.0;
 
   //! Throws std::invalid_argument naming the violated constraint.
   void validate() const;
@@ -286,7 +291,20 @@ class RecvChannel final : public Channel, public std::enable_shared_from_this<Re
   //! Mark the channel broken: fail `req` and everything posted, tell the sender.
   void break_channel(const std::shared_ptr<Request>& req, const std::string& why);
 
+  //! Whether the worker must watch the ring itself (woken by each publish): a posted receive is
+  //! larger than inline_max_bytes, or a waiter gave up spinning (engaged_). Otherwise every posted
+  //! receive is small and its waiter copies it (poll_ready), so the worker only looks every
+  //! kLazyPoll (a receive nobody waits on still completes) and no publish or post wakes it.
+  bool eager_locked() const;
+  static constexpr std::chrono::milliseconds kLazyPoll{20};
+  static constexpr int kLazyIdlePolls = 5;  //!< lazy looks with nothing posted before an untimed sleep
+  //! The engage hook of small receive `req` (see Request::set_engage): watch the ring while it is posted.
+  void engage(const Request* req);
+
   std::deque<std::shared_ptr<Request>> posted_;  // guarded by mu_
+  std::size_t large_posted_ = 0;                 // guarded by mu_: posted receives > inline_max_bytes
+  std::vector<const Request*> engaged_;          // guarded by mu_: posted small receives whose waiters sleep
+  bool worker_idle_ = false;                     // guarded by mu_: the worker sleeps until notified
   std::deque<Stashed> stash_;                    // guarded by mu_
   std::uint64_t tail_ = 0;                       // chunks drained (64-bit); owned by the busy-token holder
   std::uint64_t next_seq_ = 0;                   // owned by the busy-token holder

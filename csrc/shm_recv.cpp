@@ -63,10 +63,25 @@ std::shared_ptr<Request> RecvChannel::take_posted_locked(std::int64_t tag) {
     if ((*it)->info().tag == tag) {
       auto r = *it;
       posted_.erase(it);
+      if (r->info().nbytes > cfg_.inline_max_bytes) --large_posted_;
+      engaged_.erase(std::remove(engaged_.begin(), engaged_.end(), r.get()), engaged_.end());
       return r;
     }
   }
   return nullptr;
+}
+
+bool RecvChannel::eager_locked() const { return cfg_.recv_poll_ms <= 0 || large_posted_ != 0 || !engaged_.empty(); }
+
+void RecvChannel::engage(const Request* req) {
+  if (cfg_.recv_poll_ms <= 0) return;  // the worker watches every receive anyway
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    const bool pending = std::any_of(posted_.begin(), posted_.end(), [&](const auto& r) { return r.get() == req; });
+    if (!pending || std::find(engaged_.begin(), engaged_.end(), req) != engaged_.end()) return;
+    engaged_.push_back(req);
+  }
+  cv_.notify_one();
 }
 
 std::shared_ptr<Request> RecvChannel::post(void* dst, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
@@ -75,11 +90,16 @@ std::shared_ptr<Request> RecvChannel::post(void* dst, std::uint64_t nbytes, std:
                                                                  " bytes into a null pointer");
   auto req = std::make_shared<Request>(make_info(Direction::kRecv, nbytes, tag, dtype, std::move(what)), dst,
                                        cfg_.spin_us);
-  if (nbytes <= cfg_.inline_max_bytes) {
+  const bool small = nbytes <= cfg_.inline_max_bytes;
+  if (small) {
     // Weak: a request may outlive its channel (the Python side holds it after close()).
     req->set_poll([self = weak_from_this()] {
       auto ch = self.lock();
       return ch && ch->poll_ready();
+    });
+    // The raw pointer: the hook belongs to the request, so the request outlives it.
+    req->set_engage([self = weak_from_this(), r = req.get()] {
+      if (auto ch = self.lock()) ch->engage(r);
     });
   }
   std::unique_lock<std::mutex> lk(mu_);
@@ -100,7 +120,8 @@ std::shared_ptr<Request> RecvChannel::post(void* dst, std::uint64_t nbytes, std:
     return req;
   }
   posted_.push_back(req);
-  if (posted_.size() == 1 && !busy_ && nbytes <= cfg_.inline_max_bytes && whole_message_ready_locked(tag, nbytes)) {
+  if (!small) ++large_posted_;
+  if (posted_.size() == 1 && !busy_ && small && whole_message_ready_locked(tag, nbytes)) {
     // Fast path: the message is already in the ring, whole, and nobody else is
     // receiving: copy it on this thread (no hand-off to the worker, no wake-up).
     busy_ = true;  // the busy token: tail_ / next_seq_ are ours until we clear it
@@ -116,8 +137,11 @@ std::shared_ptr<Request> RecvChannel::post(void* dst, std::uint64_t nbytes, std:
   }
   post_count_.fetch_add(1, std::memory_order_relaxed);
   ensure_worker();
+  // A small receive is its waiter's to copy: the worker, polling lazily, is woken
+  // only from an untimed sleep (nothing was posted) or to watch for a large one.
+  const bool wake = worker_idle_ || eager_locked();
   lk.unlock();
-  cv_.notify_one();
+  if (wake) cv_.notify_one();
   return req;
 }
 
@@ -151,8 +175,9 @@ bool RecvChannel::poll_ready() {
     broken_ = err;
     fail_pending_locked(err);
   }
+  const bool wake = eager_locked();  // a lazy worker does not wait for !busy_
   lk.unlock();
-  cv_.notify_one();  // the worker may be waiting for !busy_
+  if (wake) cv_.notify_one();  // the worker may be waiting for !busy_
   return true;
 }
 
@@ -323,21 +348,44 @@ std::string RecvChannel::receive_one() {
 
 void RecvChannel::worker_loop() {
   RingHeader* h = ring_.header();
+  const bool lazy = cfg_.recv_poll_ms > 0;
+  const auto poll_period = std::chrono::duration_cast<detail::Clock::duration>(
+      std::chrono::duration<double, std::milli>(lazy ? cfg_.recv_poll_ms : 0.0));
+  int idle_polls = 0;  // lazy looks in a row that found nothing posted
   for (;;) {
     std::uint32_t seen = 0;
     bool have = false;
     {
       std::unique_lock<std::mutex> lk(mu_);
+      const auto stopped = [&] { return stop_.load(std::memory_order_relaxed); };
       // !busy_: a posting or waiting thread may be receiving inline (see post(), poll_ready()).
-      auto ready = [&] {
-        return stop_.load(std::memory_order_relaxed) || (!posted_.empty() && broken_.empty() && !busy_);
-      };
-      if (!ready()) spin_for_post(lk);
-      cv_.wait(lk, ready);
-      if (stop_.load(std::memory_order_relaxed)) return;
+      auto ready = [&] { return stopped() || (!posted_.empty() && broken_.empty() && !busy_); };
+      if (!ready()) {
+        if (eager_locked()) spin_for_post(lk);
+        if (lazy && idle_polls < kLazyIdlePolls) {
+          // Recently busy with small receives: look again after poll_period, without being woken.
+          if (!cv_.wait_for(lk, poll_period, ready)) {
+            if (posted_.empty()) ++idle_polls;
+            continue;
+          }
+        } else {
+          worker_idle_ = true;  // every post wakes us now
+          cv_.wait(lk, ready);
+          worker_idle_ = false;
+        }
+      }
+      if (stopped()) return;
+      idle_polls = 0;
       seen = static_cast<std::uint32_t>(tail_);  // stable while !busy_
       have = h->head.load(std::memory_order_acquire) != seen;
-      if (have) busy_ = true;
+      if (have) {
+        busy_ = true;
+      } else if (!eager_locked()) {
+        // Only small receives, whose waiters copy them: look again after poll_period
+        // (or when a large receive is posted or a waiter engages us), not at each publish.
+        cv_.wait_for(lk, poll_period, [&] { return stopped() || eager_locked(); });
+        continue;
+      }
     }
     if (!have) {
       // Nothing has arrived: wait for the sender without the busy token, so that
@@ -368,6 +416,8 @@ void RecvChannel::worker_loop() {
 void RecvChannel::fail_pending_locked(const std::string& why) {
   for (auto& r : posted_) r->fail(describe(r->info()) + ": " + why);
   posted_.clear();
+  large_posted_ = 0;
+  engaged_.clear();
 }
 
 }  // namespace dualpipe::shm

@@ -55,6 +55,7 @@ class shm:
             dtype_names: Sequence[str] = ...,
             single_copy: bool = True,
             single_copy_min_bytes: int = 262144,
+            recv_poll_ms: float = 20.0,
         ) -> None: ...
         @property
         def rank(self) -> int: ...

@@ -92,6 +92,8 @@ def _rejects_bad_arguments(rank: int) -> None:
         NativeTransport(num_slots=1)
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         NativeTransport(timeout_s=0)
+    with pytest.raises(ValueError, match="recv_poll_ms must be >= 0"):
+        NativeTransport(recv_poll_ms=-1.0)
     with NativeTransport(timeout_s=WAIT_S) as t:
         with pytest.raises(ValueError, match="peer must be another rank"):
             t.isend(torch.zeros(2), WORLD, tag=0)

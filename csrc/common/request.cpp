@@ -37,6 +37,7 @@ bool Request::wait(double timeout_s) const {
     cpu_relax();
   }
   if (query()) return true;
+  if (engage_) engage_();
   std::unique_lock<std::mutex> lk(mu_);
   if (timeout_s < 0) {
     cv_.wait(lk, [&] { return query(); });

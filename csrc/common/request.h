@@ -9,6 +9,8 @@
 // request's poll hook, if any: a receive's hook lets the waiting thread copy a
 // small message that has landed itself instead of waiting for the worker to
 // wake up and hand it over (one thread hand-off less on the latency path).
+// A request with an engage hook calls it before it sleeps: the shm engine's
+// worker leaves small receives to their waiters and takes one over only then.
 #pragma once
 
 #include <atomic>
@@ -66,6 +68,10 @@ class Request {
   //! Set before the request is shared: called by wait() while it spins; returns
   //! true when it made progress. It must not block.
   void set_poll(std::function<bool()> poll) { poll_ = std::move(poll); }
+  //! Set before the request is shared: called by wait() when it stops spinning and
+  //! is about to sleep, so that whoever polls on the waiter's behalf (the channel's
+  //! worker) takes over. It must not block.
+  void set_engage(std::function<void()> engage) { engage_ = std::move(engage); }
 
   //! Called once by whoever finishes the request.
   void complete();
@@ -78,6 +84,7 @@ class Request {
   void* const ptr_;
   const double spin_us_;
   std::function<bool()> poll_;  // fixed before the request is shared
+  std::function<void()> engage_;  // fixed before the request is shared
   std::atomic<int> state_{static_cast<int>(State::kPending)};
   std::atomic<std::uint64_t> bytes_done_{0};
   mutable std::mutex mu_;

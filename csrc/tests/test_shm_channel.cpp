@@ -108,11 +108,14 @@ TEST(ShmChannel, InlineAndWorkerReceivesRaceSafely) {
   sender.join();
 }
 
-TEST(ShmChannel, PingPongWaitersReceiveThemselvesAndRaceTheWorkers) {
+void ping_pong(double recv_poll_ms) {
   // Two threads bounce small messages over two rings; each waits on its receive, so
-  // the waiting thread's poll and the receive worker race for every message.
+  // the waiting thread's poll and the receive worker race for every message (with
+  // recv_poll_ms 0 the worker watches every receive; otherwise it looks lazily and
+  // is engaged by a waiter that stops spinning).
   ChannelConfig cfg = small_config(4, 4096);
   cfg.spin_us = 200.0;
+  cfg.recv_poll_ms = recv_poll_ms;
   LocalPair ab(cfg, 0, 1), ba(cfg, 1, 0);
   constexpr int kRounds = 2000;
   std::thread b([&] {
@@ -136,6 +139,106 @@ TEST(ShmChannel, PingPongWaitersReceiveThemselvesAndRaceTheWorkers) {
     ASSERT_EQ(back, src) << "round " << k;
   }
   b.join();
+}
+
+TEST(ShmChannel, PingPongWaitersReceiveThemselvesAndRaceTheWorkers) {
+  ping_pong(0.0);
+  ping_pong(1.0);
+}
+
+// ---------------------------------------------------------------- small receives left to their waiters
+
+//! Polls query() (never wait(), which would copy or engage) until done or `limit` passes.
+bool completes_unwaited(const Request& r, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!r.query()) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
+TEST(ShmChannelLazy, SmallReceiveNobodyWaitsOnCompletesByTheWorkersLook) {
+  ChannelConfig cfg = small_config(4, 4096);
+  cfg.recv_poll_ms = 2.0;
+  LocalPair p(cfg);
+  const auto src = payload(300, 5);
+  std::vector<unsigned char> dst(src.size());
+  auto r = p.rx->post(dst.data(), dst.size(), 1, 0);  // posted first: nothing to copy yet
+  ASSERT_TRUE(p.tx->post(src.data(), src.size(), 1, 0)->wait(10.0));
+  ASSERT_TRUE(completes_unwaited(*r, std::chrono::seconds(5))) << r->timeout_message(5.0);
+  EXPECT_EQ(r->state(), Request::State::kDone) << r->error();
+  EXPECT_EQ(dst, src);
+}
+
+TEST(ShmChannelLazy, EagerWorkerCompletesAnUnwaitedReceiveAsItLands) {
+  ChannelConfig cfg = small_config(4, 4096);
+  cfg.recv_poll_ms = 0.0;  // the worker watches every receive
+  LocalPair p(cfg);
+  const auto src = payload(300, 6);
+  std::vector<unsigned char> dst(src.size());
+  auto r = p.rx->post(dst.data(), dst.size(), 1, 0);
+  ASSERT_TRUE(p.tx->post(src.data(), src.size(), 1, 0)->wait(10.0));
+  ASSERT_TRUE(completes_unwaited(*r, std::chrono::seconds(5))) << r->timeout_message(5.0);
+  EXPECT_EQ(dst, src);
+}
+
+TEST(ShmChannelLazy, WaiterThatStopsSpinningIsTakenOverByTheWorker) {
+  // The lazy look is an hour away, so only the engaged worker can complete the receive
+  // of a message that lands after its waiter went to sleep.
+  ChannelConfig cfg = small_config(4, 4096);
+  cfg.recv_poll_ms = 3.6e6;
+  cfg.spin_us = 10.0;
+  LocalPair p(cfg);
+  const auto src = payload(1000, 7);
+  std::vector<unsigned char> dst(src.size());
+  auto r = p.rx->post(dst.data(), dst.size(), 2, 0);
+  std::thread sender([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ASSERT_TRUE(p.tx->post(src.data(), src.size(), 2, 0)->wait(10.0));
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(r->wait(10.0)) << r->timeout_message(10.0);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  sender.join();
+  EXPECT_EQ(r->state(), Request::State::kDone) << r->error();
+  EXPECT_EQ(dst, src);
+}
+
+TEST(ShmChannelLazy, MultiChunkMessageOfASmallReceiveReachesItsWaiter) {
+  // 5000 B through 256 B slots: the waiter cannot copy it itself (not one chunk), so it engages the worker.
+  ChannelConfig cfg = small_config(2, 256);
+  cfg.recv_poll_ms = 3.6e6;
+  LocalPair p(cfg);
+  const auto src = payload(5000, 8);
+  std::vector<unsigned char> dst(src.size());
+  auto r = p.rx->post(dst.data(), dst.size(), 4, 0);
+  auto s = p.tx->post(src.data(), src.size(), 4, 0);
+  ASSERT_TRUE(r->wait(10.0)) << r->timeout_message(10.0);
+  ASSERT_TRUE(s->wait(10.0)) << s->timeout_message(10.0);
+  EXPECT_EQ(dst, src);
+}
+
+TEST(ShmChannelLazy, FullRingOfUnwaitedSmallMessagesDrainsSoSendsComplete) {
+  // More small messages than slots, receives posted but never waited on: the sender's
+  // last send completes only because the lazy worker drains the ring.
+  ChannelConfig cfg = small_config(2, 512);
+  cfg.recv_poll_ms = 1.0;
+  LocalPair p(cfg);
+  constexpr int kCount = 12;
+  std::vector<std::vector<unsigned char>> src, dst;
+  std::vector<std::shared_ptr<Request>> rs, ss;
+  for (int k = 0; k < kCount; ++k) {
+    src.push_back(payload(static_cast<std::size_t>(100 + k), k));
+    dst.emplace_back(src.back().size());
+    rs.push_back(p.rx->post(dst.back().data(), dst.back().size(), k % 3, 0));
+  }
+  for (int k = 0; k < kCount; ++k) ss.push_back(p.tx->post(src[k].data(), src[k].size(), k % 3, 0));
+  for (int k = 0; k < kCount; ++k) ASSERT_TRUE(ss[k]->wait(10.0)) << ss[k]->timeout_message(10.0);
+  for (int k = 0; k < kCount; ++k) {
+    ASSERT_TRUE(completes_unwaited(*rs[k], std::chrono::seconds(5))) << k;
+    EXPECT_EQ(dst[k], src[k]) << "message " << k;
+  }
 }
 
 TEST(ShmChannel, ManyInFlightOutOfOrderWaits) {
@@ -317,6 +420,11 @@ TEST(ShmChannel, ConfigIsValidated) {
   c.slot_bytes = 64;
   c.single_copy_min_bytes = 0;
   EXPECT_THROW(c.validate(), std::invalid_argument);
+  c.single_copy_min_bytes = 1;
+  c.recv_poll_ms = -1.0;
+  EXPECT_THROW(c.validate(), std::invalid_argument);
+  c.recv_poll_ms = 0.0;
+  EXPECT_NO_THROW(c.validate());
 }
 
 // ---------------------------------------------------------------- single copy (process_vm_readv)

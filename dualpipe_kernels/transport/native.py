@@ -210,6 +210,14 @@ class NativeTransport(Transport):
     for grouping peers (default: :func:`~dualpipe_kernels.transport.hosts.host_id`,
     the hostname refined by torchrun's node rank); ranks with different host ids
     talk through torch.distributed.
+
+    ``recv_poll_ms`` (> 0, the default 20): a receive that fits the inline path
+    (at most 64 KiB) is copied by the thread that waits for it, which spins
+    ``spin_us`` polling the ring and only then hands it to the engine's worker
+    thread and sleeps; the worker looks for small messages nobody waits on every
+    ``recv_poll_ms``, so it is neither woken by every message nor run on the
+    waiter's core between actions.  ``0``: the worker watches the ring for every
+    posted receive (each message wakes it), the engine's behaviour before.
     """
 
     name = "native"
@@ -227,6 +235,7 @@ class NativeTransport(Transport):
         single_copy_min_bytes: int = DEFAULT_SINGLE_COPY_MIN_BYTES,
         host_id: str | None = None,
         pack_in_place: bool | None = None,
+        recv_poll_ms: float = 20.0,
     ) -> None:
         super().__init__(timeout_s)
         require_process_group("NativeTransport", timeout_s)
@@ -236,6 +245,8 @@ class NativeTransport(Transport):
             raise ValueError(f"slot_bytes must be >= 64, got {slot_bytes}")
         if single_copy_min_bytes < 1:
             raise ValueError(f"single_copy_min_bytes must be >= 1, got {single_copy_min_bytes}")
+        if not recv_poll_ms >= 0:
+            raise ValueError(f"recv_poll_ms must be >= 0, got {recv_poll_ms}")
         if single_copy is None:
             single_copy = os.environ.get(SINGLE_COPY_ENV, "1").strip() != "0"
         if pack_in_place is None:
@@ -261,6 +272,7 @@ class NativeTransport(Transport):
             dtype_names=[str(d).removeprefix("torch.") for d in DTYPES],
             single_copy=single_copy,
             single_copy_min_bytes=single_copy_min_bytes,
+            recv_poll_ms=recv_poll_ms,
         )
         try:  # the engine swept stale segments of both engines when it started
             hosts = self._rendezvous(_group_store(self.group), host_id or default_host_id())
