@@ -300,6 +300,11 @@ class RecvChannel final : public Channel, public std::enable_shared_from_this<Re
   static constexpr int kLazyIdlePolls = 5;  //!< lazy looks with nothing posted before an untimed sleep
   //! The engage hook of small receive `req` (see Request::set_engage): watch the ring while it is posted.
   void engage(const Request* req);
+  //! The block hook of a small receive (see Request::set_block): copy what has landed, else sleep on the
+  //! ring's head until the sender publishes (at most min(slice_s, liveness_interval_s)). False when the
+  //! waiter cannot help: the channel is closed or broken, a chunk it cannot copy waits at the tail, or a
+  //! whole sleep passed without a publish.
+  bool block_for_message(double slice_s);
 
   std::deque<std::shared_ptr<Request>> posted_;  // guarded by mu_
   std::size_t large_posted_ = 0;                 // guarded by mu_: posted receives > inline_max_bytes

@@ -73,6 +73,36 @@ std::shared_ptr<Request> RecvChannel::take_posted_locked(std::int64_t tag) {
 
 bool RecvChannel::eager_locked() const { return cfg_.recv_poll_ms <= 0 || large_posted_ != 0 || !engaged_.empty(); }
 
+bool RecvChannel::block_for_message(double slice_s) {
+  RingHeader* h = ring_.header();
+  const std::uint32_t seen = h->head.load(std::memory_order_acquire);
+  if (poll_ready()) return true;  // a message was there: ours, or one out of our way
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (closed_ || !broken_.empty()) return false;  // the condition-variable wait reports it
+    if (busy_) {
+      // Another thread is copying (maybe our message): it completes the request without a publish.
+      lk.unlock();
+      std::this_thread::yield();
+      return true;
+    }
+    // A chunk we cannot copy ourselves (a multi-chunk or large message): the worker's.
+    if (static_cast<std::uint32_t>(tail_) != seen) return false;
+  }
+  // One sleep of at most a liveness interval: a longer wait goes to the worker,
+  // which watches the peer process while it waits.
+  const double cap = std::min(slice_s, cfg_.liveness_interval_s);
+  h->head_waiters.fetch_add(1, std::memory_order_seq_cst);
+  bool slept_through = false;
+  if (h->head.load(std::memory_order_seq_cst) == seen) {
+    const auto t0 = detail::Clock::now();
+    futex_wait(&h->head, seen, static_cast<long>(cap * 1e9));
+    slept_through = h->head.load(std::memory_order_acquire) == seen && detail::Clock::now() - t0 >= detail::seconds(cap);
+  }
+  h->head_waiters.fetch_sub(1, std::memory_order_seq_cst);
+  return !slept_through;
+}
+
 void RecvChannel::engage(const Request* req) {
   if (cfg_.recv_poll_ms <= 0) return;  // the worker watches every receive anyway
   {
@@ -101,6 +131,12 @@ std::shared_ptr<Request> RecvChannel::post(void* dst, std::uint64_t nbytes, std:
     req->set_engage([self = weak_from_this(), r = req.get()] {
       if (auto ch = self.lock()) ch->engage(r);
     });
+    if (cfg_.recv_poll_ms > 0) {
+      req->set_block([self = weak_from_this()](double slice_s) {
+        auto ch = self.lock();
+        return ch && ch->block_for_message(slice_s);
+      });
+    }
   }
   std::unique_lock<std::mutex> lk(mu_);
   if (fail_if_unusable_locked(*req)) return req;

@@ -37,6 +37,19 @@ bool Request::wait(double timeout_s) const {
     cpu_relax();
   }
   if (query()) return true;
+  if (block_) {
+    // Sleep where the progress comes from (one wake-up: the sender's), up to the timeout.
+    for (;;) {
+      if (query()) return true;
+      double slice = 3600.0;
+      if (timeout_s >= 0) {
+        slice = timeout_s - std::chrono::duration<double>(clock::now() - start).count();
+        if (slice <= 0) return query();
+      }
+      if (!block_(slice)) break;
+    }
+    if (query()) return true;
+  }
   if (engage_) engage_();
   std::unique_lock<std::mutex> lk(mu_);
   if (timeout_s < 0) {

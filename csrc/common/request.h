@@ -9,8 +9,11 @@
 // request's poll hook, if any: a receive's hook lets the waiting thread copy a
 // small message that has landed itself instead of waiting for the worker to
 // wake up and hand it over (one thread hand-off less on the latency path).
-// A request with an engage hook calls it before it sleeps: the shm engine's
-// worker leaves small receives to their waiters and takes one over only then.
+// A request with a block hook then sleeps through it (the shm engine: on the
+// ring's futex, woken by the sender's publish, and copies the message itself),
+// and one with an engage hook calls it before it sleeps on its condition
+// variable: the shm engine's worker leaves small receives to their waiters and
+// takes one over only then.
 #pragma once
 
 #include <atomic>
@@ -72,6 +75,11 @@ class Request {
   //! is about to sleep, so that whoever polls on the waiter's behalf (the channel's
   //! worker) takes over. It must not block.
   void set_engage(std::function<void()> engage) { engage_ = std::move(engage); }
+  //! Set before the request is shared: called by wait() after its spin, in a loop,
+  //! to sleep until the request may have progressed (at most `slice_s` seconds),
+  //! copying what it can on the way (see set_poll). Returns false when it cannot
+  //! help (the caller then engages and sleeps on the condition variable).
+  void set_block(std::function<bool(double)> block) { block_ = std::move(block); }
 
   //! Called once by whoever finishes the request.
   void complete();
@@ -85,6 +93,7 @@ class Request {
   const double spin_us_;
   std::function<bool()> poll_;  // fixed before the request is shared
   std::function<void()> engage_;  // fixed before the request is shared
+  std::function<bool(double)> block_;  // fixed before the request is shared
   std::atomic<int> state_{static_cast<int>(State::kPending)};
   std::atomic<std::uint64_t> bytes_done_{0};
   mutable std::mutex mu_;

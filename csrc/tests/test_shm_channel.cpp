@@ -205,6 +205,29 @@ TEST(ShmChannelLazy, WaiterThatStopsSpinningIsTakenOverByTheWorker) {
   EXPECT_EQ(dst, src);
 }
 
+TEST(ShmChannelLazy, WaiterSleepsOnTheRingAndCopiesTheMessageItself) {
+  // Neither the worker's look (an hour) nor an engagement (after a whole 5 s sleep) can
+  // complete this receive in time: only the waiter, woken on the ring by the publish.
+  ChannelConfig cfg = small_config(4, 4096);
+  cfg.recv_poll_ms = 3.6e6;
+  cfg.liveness_interval_s = 5.0;
+  cfg.spin_us = 10.0;
+  LocalPair p(cfg);
+  const auto src = payload(700, 11);
+  std::vector<unsigned char> dst(src.size());
+  auto r = p.rx->post(dst.data(), dst.size(), 6, 0);
+  std::thread sender([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    ASSERT_TRUE(p.tx->post(src.data(), src.size(), 6, 0)->wait(10.0));
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(r->wait(20.0)) << r->timeout_message(20.0);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  sender.join();
+  EXPECT_EQ(r->state(), Request::State::kDone) << r->error();
+  EXPECT_EQ(dst, src);
+}
+
 TEST(ShmChannelLazy, MultiChunkMessageOfASmallReceiveReachesItsWaiter) {
   // 5000 B through 256 B slots: the waiter cannot copy it itself (not one chunk), so it engages the worker.
   ChannelConfig cfg = small_config(2, 256);
