@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <tuple>
 
 #include "common/errors.h"
 #include "common/liveness.h"
@@ -132,6 +133,18 @@ void register_apis(py::module_& parent) {
              std::string what) { return e.send(peer, reinterpret_cast<const void*>(ptr), nbytes, tag, dtype, what); },
           py::arg("peer"), py::arg("ptr"), py::arg("nbytes"), py::arg("tag"), py::arg("dtype") = 0,
           py::arg("what") = "", "Post a send of nbytes at address ptr; returns a Request at once.")
+      .def(
+          "try_send_gather",
+          [](Engine& e, int peer, const std::vector<std::tuple<std::uint64_t, std::uintptr_t, std::uint64_t>>& pieces,
+             std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype) {
+            std::vector<SendChannel::Piece> ps;
+            ps.reserve(pieces.size());
+            for (const auto& [offset, ptr, n] : pieces) ps.push_back({offset, reinterpret_cast<const void*>(ptr), n});
+            return e.try_send_gather(peer, ps, nbytes, tag, dtype);
+          },
+          py::arg("peer"), py::arg("pieces"), py::arg("nbytes"), py::arg("tag"), py::arg("dtype") = 0,
+          "Write a small message of nbytes from (offset, ptr, nbytes) pieces straight into the ring; True if "
+          "sent (complete), False if it must be posted with send() instead.")
       .def(
           "recv",
           [](Engine& e, int peer, std::uintptr_t ptr, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,

@@ -7,9 +7,17 @@
 // thread itself (saves a thread hand-off on the latency path); likewise a small
 // receive whose whole message already sits in the ring while no other receive
 // is pending. A thread waiting on a small receive polls the ring while it
-// spins and copies a whole one-chunk message itself when it lands; the
-// receive worker waits for the sender without holding the token so that it
-// can. Whoever copies holds the channel's "busy" token (busy_ under mu_).
+// spins and copies a whole one-chunk message itself when it lands; after its
+// spin it sleeps on the ring's head futex (the sender's publish wakes it) and
+// copies it then. With recv_poll_ms > 0 (the default) the receive worker leaves
+// small receives to their waiters: it is not woken by posts or publishes for
+// them, looks every recv_poll_ms for messages nobody waits on, and watches the
+// ring (woken by each publish) only while a large receive is posted or a waiter
+// has handed its receive over (a chunk it cannot copy itself, or a whole
+// liveness interval asleep). With recv_poll_ms == 0 it watches the ring for
+// every posted receive. The worker waits for the sender without holding the
+// token so that a waiter can copy. Whoever copies holds the channel's "busy"
+// token (busy_ under mu_).
 //
 // Ordering and matching. Sends are written into the ring in post order. A
 // message is delivered to the earliest posted, still unmatched receive with
@@ -212,6 +220,19 @@ class SendChannel final : public Channel {
   std::unique_ptr<SlotReservation> reserve(std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
                                            std::string what, double wait_s, std::string* why_not = nullptr);
   SendStats stats() const;
+  //! One piece of a gathered message: `nbytes` bytes at `src` go to byte `offset` of the message.
+  struct Piece {
+    std::uint64_t offset;
+    const void* src;
+    std::uint64_t nbytes;
+  };
+  //! Write a one-chunk message of `nbytes` made of `pieces` (in increasing offset order, not
+  //! overlapping; the bytes between them are zero) straight into the next ring slot and publish
+  //! it, if that can be done at once: nothing queued or running, a free slot, at most
+  //! inline_max_bytes and slot_bytes. True: sent and complete (the receiver posts an ordinary
+  //! receive of `nbytes` with `dtype`). False: nothing was written (post() it instead, which also
+  //! reports a closed or broken channel). std::invalid_argument for pieces outside the message.
+  bool try_post_gather(const std::vector<Piece>& pieces, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype);
 
  private:
   friend class SlotReservation;

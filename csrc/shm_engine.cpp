@@ -75,6 +75,11 @@ std::shared_ptr<Request> Engine::recv(int peer, void* dst, std::uint64_t nbytes,
   return recv_channel(peer)->post(dst, nbytes, tag, dtype, std::move(what));
 }
 
+bool Engine::try_send_gather(int peer, const std::vector<SendChannel::Piece>& pieces, std::uint64_t nbytes,
+                             std::int64_t tag, std::int32_t dtype) {
+  return send_channel(peer)->try_post_gather(pieces, nbytes, tag, dtype);
+}
+
 std::shared_ptr<SlotReservation> Engine::reserve(int peer, std::uint64_t nbytes, std::int64_t tag,
                                                  std::int32_t dtype, std::string what, double wait_s,
                                                  std::string* why_not) {

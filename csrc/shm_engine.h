@@ -37,6 +37,9 @@ class Engine {
                                 std::string what = "");
   std::shared_ptr<Request> recv(int peer, void* dst, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,
                                 std::string what = "");
+  //! SendChannel::try_post_gather() on the ring to `peer`.
+  bool try_send_gather(int peer, const std::vector<SendChannel::Piece>& pieces, std::uint64_t nbytes, std::int64_t tag,
+                       std::int32_t dtype);
 
   //! SendChannel::reserve() on the ring to `peer`; the reservation keeps the channel alive.
   std::shared_ptr<SlotReservation> reserve(int peer, std::uint64_t nbytes, std::int64_t tag, std::int32_t dtype,

@@ -54,6 +54,45 @@ std::shared_ptr<Request> SendChannel::post(const void* src, std::uint64_t nbytes
   return req;
 }
 
+bool SendChannel::try_post_gather(const std::vector<Piece>& pieces, std::uint64_t nbytes, std::int64_t tag,
+                                  std::int32_t dtype) {
+  std::uint64_t end = 0;
+  for (const Piece& p : pieces) {
+    if (p.offset < end || p.offset > nbytes || p.nbytes > nbytes - p.offset || (p.src == nullptr && p.nbytes != 0)) {
+      throw std::invalid_argument("gather piece of " + std::to_string(p.nbytes) + " B at offset " +
+                                  std::to_string(p.offset) + " lies outside a " + std::to_string(nbytes) +
+                                  " B message or overlaps the piece before it");
+    }
+    end = p.offset + p.nbytes;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  RingHeader* h = ring_.header();
+  if (closed_ || !broken_.empty() || !queue_.empty() || busy_ || nbytes > cfg_.inline_max_bytes ||
+      nbytes > ring_.slot_bytes() ||
+      static_cast<std::uint32_t>(head_) - h->tail.load(std::memory_order_acquire) >= ring_.num_slots() ||
+      !ring_.error().empty()) {
+    return false;
+  }
+  TransferInfo info;
+  info.nbytes = nbytes;
+  info.tag = tag;
+  info.dtype = dtype;
+  fill_header(info, 0, nbytes, ChunkKind::kPayload);
+  unsigned char* dst = ring_.slot_data(head_);
+  std::uint64_t pos = 0;
+  for (const Piece& p : pieces) {
+    if (p.offset > pos) std::memset(dst + pos, 0, p.offset - pos);
+    if (p.nbytes != 0) std::memcpy(dst + p.offset, p.src, p.nbytes);
+    pos = p.offset + p.nbytes;
+  }
+  if (pos < nbytes) std::memset(dst + pos, 0, nbytes - pos);
+  copied_messages_.fetch_add(1, std::memory_order_relaxed);
+  copied_bytes_.fetch_add(nbytes, std::memory_order_relaxed);
+  publish();
+  ++next_seq_;
+  return true;
+}
+
 void SendChannel::fill_header(const TransferInfo& info, std::uint64_t offset, std::uint64_t n, ChunkKind kind) {
   SlotHeader* sh = ring_.slot_header(head_);
   sh->msg_seq = next_seq_;

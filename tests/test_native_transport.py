@@ -146,6 +146,31 @@ def _finished_transfers_hold_no_tensor(rank: int) -> None:
     assert not problems, f"rank {rank}: {problems}"
 
 
+def _gathered_send_is_one_message_with_zero_gaps(rank: int) -> None:
+    """try_isend_gather writes its pieces into the ring at their offsets (zeros between them) and the peer
+    receives them with an ordinary irecv; a peer on another host or a bad piece is declined or named."""
+    peer, src = (rank + 1) % WORLD, (rank - 1) % WORLD
+    head = torch.arange(4, dtype=torch.int64) + 10 * rank
+    body = torch.arange(6, dtype=torch.float32) * (rank + 1)
+    with NativeTransport(timeout_s=WAIT_S) as t:
+        buf = torch.full((80,), 0xEE, dtype=torch.uint8)
+        h = t.irecv(buf, src, tag=9)
+        assert t.try_isend_gather([(0, head), (48, body)], 80, peer, tag=9)
+        h.wait()
+        want = torch.zeros(80, dtype=torch.uint8)
+        want[:32] = (torch.arange(4, dtype=torch.int64) + 10 * src).view(torch.uint8)
+        want[48:72] = (torch.arange(6, dtype=torch.float32) * (src + 1)).view(torch.uint8)
+        assert torch.equal(buf, want), buf
+        with pytest.raises(ValueError, match="contiguous CPU"):
+            t.try_isend_gather([(0, torch.zeros(4, 4).t())], 80, peer, tag=9)
+        with pytest.raises(ValueError, match="outside"):
+            t.try_isend_gather([(70, body)], 80, peer, tag=9)
+        dist.barrier()
+    with NativeTransport(timeout_s=WAIT_S, host_id="host-b" if rank == 2 else "host-a") as t:
+        far = 2 if rank != 2 else 0
+        assert not t.try_isend_gather([(0, head)], 32, far, tag=9), "a peer on another host has no ring"
+
+
 SCENARIOS: dict[str, Callable[[int], None]] = {
     "make_transport_native": _make_transport_native,
     "other_host_falls_back": _other_host_falls_back,
@@ -153,6 +178,7 @@ SCENARIOS: dict[str, Callable[[int], None]] = {
     "two_transports_do_not_mix": _two_transports_do_not_mix,
     "rejects_bad_arguments": _rejects_bad_arguments,
     "finished_transfers_hold_no_tensor": _finished_transfers_hold_no_tensor,
+    "gathered_send_is_one_message_with_zero_gaps": _gathered_send_is_one_message_with_zero_gaps,
 }
 
 

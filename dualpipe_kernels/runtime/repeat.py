@@ -64,11 +64,13 @@ def header_bytes(buf: torch.Tensor) -> bytes:
 
 
 class SmallSend:
-    """A posted inline message: holds its own buffer until :meth:`wait` (the caller's tensors are not held)."""
+    """A posted inline message: holds its own buffer until :meth:`wait` (the caller's tensors are not held).
+
+    ``SmallSend(None, None)`` stands for a message already delivered to the ring (a gathered send)."""
 
     __slots__ = ("_handle", "_buf")
 
-    def __init__(self, handle: Handle, buf: torch.Tensor) -> None:
+    def __init__(self, handle: Handle | None, buf: torch.Tensor | None) -> None:
         self._handle: Handle | None = handle
         self._buf: torch.Tensor | None = buf
 
@@ -81,6 +83,9 @@ class SmallSend:
         if self._handle is not None:
             self._handle.wait(timeout_s)
             self._handle = self._buf = None
+
+
+_SENT = SmallSend(None, None)  # a message the transport took at once (gathered into its ring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +111,24 @@ class RepeatSend:
         is free again: its header stays, the data is copied over (one copy per
         tensor, no allocation).  A buffer still in flight is never written: a new
         one is built then.
+
+        A transport that can gather (the native one, to a same-host peer) gets the
+        header and the tensors' bytes written straight into its ring slot instead,
+        when it can take the message at once: no buffer, no copy into it, no
+        handle; the bytes on the wire are the same (the gaps between tensors zero).
         """
+        gather = getattr(transport, "try_isend_gather", None)
+        if gather is not None and self.plan.pack is None:
+            pieces: list[tuple[int, torch.Tensor]] = [(0, self.meta)]
+            for t, off in zip(tensors, self.plan.offsets, strict=True):
+                if off is not None:
+                    assert t is not None
+                    if not t.is_cpu or not t.is_contiguous():
+                        pieces = []
+                        break
+                    pieces.append((META_BYTES + off, t))
+            if pieces and gather(pieces, META_BYTES + self.plan.nbytes, peer, tag):
+                return _SENT
         reuse = self.reuse
         if reuse and reuse[2].done:
             buf, views = reuse[0], reuse[1]

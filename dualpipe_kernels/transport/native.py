@@ -4,7 +4,9 @@ Per directed pair of same-host ranks there is one ring of ``num_slots`` slots of
 ``slot_bytes`` bytes in a POSIX shared-memory segment; an engine-owned worker
 thread per channel copies messages through it (large ones split into slots and
 pipelined), so ``isend``/``irecv`` return at once and a receive lands straight
-in the caller's tensor.  Messages between a pair are matched per tag in posting
+in the caller's tensor.  Small messages (up to 64 KiB) are copied by the posting
+thread and by the thread that waits for them (see ``recv_poll_ms``), not by the
+worker, which then stays off the waiter's core.  Messages between a pair are matched per tag in posting
 order (like gloo); a size or dtype mismatch fails with an error naming both
 sides and never writes the receive tensor.
 
@@ -92,6 +94,9 @@ def dtype_code(dtype: torch.dtype) -> int:
     if code is not None:
         return code
     return len(DTYPES) + zlib.crc32(str(dtype).encode()) % (2**30)
+
+
+_UINT8_CODE = dtype_code(torch.uint8)
 
 
 def load_engine_module() -> Any:
@@ -379,6 +384,31 @@ class NativeTransport(Transport):
         if code is None:
             code = dtype_code(tensor.dtype)
         return self._track(post(peer, tensor.data_ptr(), nbytes, tag, code, what), tensor)
+
+    def try_isend_gather(
+        self, pieces: Sequence[tuple[int, torch.Tensor]], nbytes: int, peer: int, tag: int
+    ) -> bool:
+        """Send one small uint8 message of ``nbytes`` made of ``pieces`` at once, or do nothing.
+
+        ``pieces``: ``(byte offset, tensor)`` in increasing offset order, each a contiguous CPU tensor
+        whose bytes go to that offset (the bytes between pieces are zero).  The engine writes them
+        straight into the next ring slot to same-host ``peer`` and publishes it when it can do so at
+        once (nothing queued ahead, a free slot, at most 64 KiB and ``slot_bytes``): then the send is
+        complete (nothing to wait for or keep) and this returns True.  Otherwise nothing was sent and it
+        returns False: post the message with :meth:`isend` (which also reports a closed transport).
+        The receiver posts an ordinary ``irecv`` of ``nbytes`` uint8 with the same tag.
+        """
+        if self._closed or peer not in self._local:
+            return False
+        spec = []
+        for off, t in pieces:
+            if not t.is_cpu or not t.is_contiguous():
+                raise ValueError(f"rank {self._rank}: gathered pieces must be contiguous CPU tensors (tag {tag})")
+            spec.append((off, t.data_ptr(), t.numel() * t.element_size()))
+        try:
+            return bool(self._engine.try_send_gather(peer, spec, nbytes, tag, _UINT8_CODE))
+        except ValueError as exc:  # std::invalid_argument: a piece outside the message
+            raise ValueError(f"rank {self._rank}: {exc} (tag {tag}, to peer rank {peer})") from None
 
     # ------------------------------------------------------------------ packed sends in place
 
