@@ -31,7 +31,7 @@ def test_bench_overhead_quick_json(tmp_path: Path) -> None:
     rows = res["rows"]
     assert {(r["impl"], r["transport"], r["schedule"]) for r in rows} >= {
         ("ours", "native", "dualpipev"),
-        ("ours", "native-eager", "dualpipev"),
+        ("ours", "native-prev", "dualpipev"),
         ("ours", "torch", "dualpipev"),
         ("ours", "native", "1f1b"),
         ("ours", "torch", "zb1p"),
@@ -49,12 +49,12 @@ def test_bench_overhead_quick_json(tmp_path: Path) -> None:
     )
     torch_dpv = next(r for r in rows if r["impl"] == "torch" and r["schedule"] == "dualpipev")
     assert gloo_dpv["ratio_to_torch"] == gloo_dpv["step_s"] / torch_dpv["step_s"]
-    native_dpv, eager_dpv = (
+    native_dpv, prev_dpv = (
         next(r for r in rows if r["impl"] == "ours" and r["transport"] == t and r["schedule"] == "dualpipev")
-        for t in ("native", "native-eager")
+        for t in ("native", "native-prev")
     )
-    assert native_dpv["ratio_to_eager"] == native_dpv["step_s"] / eager_dpv["step_s"]
-    assert "ratio_to_eager" not in eager_dpv and "ratio_to_eager" not in gloo_dpv
+    assert native_dpv["ratio_to_prev"] == native_dpv["step_s"] / prev_dpv["step_s"]
+    assert "ratio_to_prev" not in prev_dpv and "ratio_to_prev" not in gloo_dpv
     prof = res["profile"]
     assert 0 < len(prof) <= 25 and 0 < len(res["profile_self"]) <= 25 and "profile_error" not in res
     assert any("runtime/executor.py" in p["function"] and "(step)" in p["function"] for p in prof)

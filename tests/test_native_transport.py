@@ -166,6 +166,8 @@ def _gathered_send_is_one_message_with_zero_gaps(rank: int) -> None:
         with pytest.raises(ValueError, match="outside"):
             t.try_isend_gather([(70, body)], 80, peer, tag=9)
         dist.barrier()
+    with NativeTransport(timeout_s=WAIT_S, gather_sends=False) as t:
+        assert not t.try_isend_gather([(0, head)], 32, peer, tag=9), "gather_sends=False always declines"
     with NativeTransport(timeout_s=WAIT_S, host_id="host-b" if rank == 2 else "host-a") as t:
         far = 2 if rank != 2 else 0
         assert not t.try_isend_gather([(0, head)], 32, far, tag=9), "a peer on another host has no ring"

@@ -4,9 +4,9 @@ Every stage chunk is one ``nn.Linear(8, 8)`` and every micro-batch one 1x8
 row, so a step is almost all framework cost plus the latency of the transfers
 on the critical path.  Each case runs on the same 2 ranks (spawned, gloo on
 127.0.0.1, one thread per rank): our runtime for each schedule on each
-transport (``native``, ``torch`` = gloo; ``native-eager``: the native transport
-with ``recv_poll_ms=0``, whose receive worker watches every posted receive, the
-engine's behaviour before small receives were left to their waiters), and
+transport (``native``, ``torch`` = gloo; ``native-prev``: the native transport
+as the engine was before its small-message paths, with ``recv_poll_ms=0``, whose
+receive worker watches every posted receive, and ``gather_sends=False``), and
 torch.distributed.pipelining's
 schedules of the same placement on gloo.  A step's time is the slowest rank's
 wall time of that step (every step starts after a barrier); the figure is the
@@ -16,7 +16,7 @@ machine's load reaches ours and torch's alike.
 ``per_action_us`` divides it by the compute actions of the busiest rank of our
 schedule with the same placement (torch's rows use the same count: same work).
 ``ratio_to_torch`` is ours-on-gloo / torch-on-gloo per step, per schedule;
-``ratio_to_eager`` ours-on-native / ours-on-native-eager.
+``ratio_to_prev`` ours-on-native / ours-on-native-prev.
 
 Then rank 0 runs the same number of steps of ours on the native transport for
 ``--profile-schedule`` (default dualpipev) under cProfile; the top entries by
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 NAME = "overhead"
-TRANSPORTS = ("native", "native-eager", "torch")
+TRANSPORTS = ("native", "native-prev", "torch")
 DEFAULT_TRANSPORTS = TRANSPORTS
 FULL_SCHEDULES = ("dualpipev", "1f1b", "zb1p", "zbv", "interleaved1f1b", "gpipe", "dualpipe")
 QUICK_SCHEDULES = ("dualpipev", "1f1b", "zb1p")
@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--transports",
         default=",".join(DEFAULT_TRANSPORTS),
-        help="our transports, comma list (default native,native-eager,torch; native-eager: the native transport "
-        "whose receive worker watches every receive, recv_poll_ms=0)",
+        help="our transports, comma list (default native,native-prev,torch; native-prev: the native transport as "
+        "before its small-message paths, recv_poll_ms=0 and gather_sends=False)",
     )
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 16; quick 8)")
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 15; quick 5)")
@@ -170,7 +170,7 @@ def _timed(n: int, step: Any) -> list[float]:
 
 
 def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str) -> tuple[Any, Any]:
-    """(Pipeline, a step callable) of ours for ``schedule`` on ``transport`` (a ``native-eager`` pipeline
+    """(Pipeline, a step callable) of ours for ``schedule`` on ``transport`` (a ``native-prev`` pipeline
     owns its transport: ``pipe.close()`` closes it)."""
     import torch
 
@@ -181,10 +181,10 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
     sched = build_schedule(schedule, cfg.ranks, cfg.microbatches)
     k = chunks_per_stage(sched)
     tr: Any = transport
-    if transport == "native-eager":
+    if transport == "native-prev":
         from dualpipe_kernels.transport.native import NativeTransport
 
-        tr = NativeTransport(recv_poll_ms=0.0)
+        tr = NativeTransport(recv_poll_ms=0.0, gather_sends=False)
     pipe = Pipeline(sched, {s: _chunk_stack(k) for s in sched.stages_of_rank(rank)}, transport=tr)
     if tr is not transport:
         close = pipe.close
@@ -405,23 +405,23 @@ def _row(cfg: OverheadConfig, case: tuple[str, str, str], per_rank: list[dict[st
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
     """``ratio_to_torch`` on our gloo rows: our step / torch's step of the same schedule (both on gloo);
-    ``ratio_to_eager`` on our native rows: our step / ours on native-eager of the same schedule."""
+    ``ratio_to_prev`` on our native rows: our step / ours on native-prev of the same schedule."""
     torch_step = {r["schedule"]: r["step_s"] for r in rows if r["impl"] == "torch" and r["step_s"]}
-    eager_step = {
+    prev_step = {
         r["schedule"]: r["step_s"]
         for r in rows
-        if r["impl"] == "ours" and r["transport"] == "native-eager" and r["step_s"]
+        if r["impl"] == "ours" and r["transport"] == "native-prev" and r["step_s"]
     }
     for r in rows:
         if r["impl"] == "ours" and r["transport"] == "torch" and r["step_s"] and r["schedule"] in torch_step:
             r["ratio_to_torch"] = r["step_s"] / torch_step[r["schedule"]]
-        if r["impl"] == "ours" and r["transport"] == "native" and r["step_s"] and r["schedule"] in eager_step:
-            r["ratio_to_eager"] = r["step_s"] / eager_step[r["schedule"]]
+        if r["impl"] == "ours" and r["transport"] == "native" and r["step_s"] and r["schedule"] in prev_step:
+            r["ratio_to_prev"] = r["step_s"] / prev_step[r["schedule"]]
 
 
 def _combine(launches: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per case over the launches: the median of their step medians (min and max over every step),
-    and the medians of their ours/torch and native/native-eager ratios with their ranges; an error in any
+    and the medians of their ours/torch and native/native-prev ratios with their ranges; an error in any
     launch is the row's."""
     import statistics
 
@@ -443,12 +443,12 @@ def _combine(launches: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         ratios = [r["ratio_to_torch"] for r in rows if r.get("ratio_to_torch") is not None]
         if ratios:
             row.update(ratio_to_torch=float(statistics.median(ratios)), ratio_min=min(ratios), ratio_max=max(ratios))
-        eager = [r["ratio_to_eager"] for r in rows if r.get("ratio_to_eager") is not None]
-        if eager:
+        prev = [r["ratio_to_prev"] for r in rows if r.get("ratio_to_prev") is not None]
+        if prev:
             row.update(
-                ratio_to_eager=float(statistics.median(eager)),
-                ratio_to_eager_min=min(eager),
-                ratio_to_eager_max=max(eager),
+                ratio_to_prev=float(statistics.median(prev)),
+                ratio_to_prev_min=min(prev),
+                ratio_to_prev_max=max(prev),
             )
         out.append(row)
     return out
@@ -497,9 +497,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"1x8 rows; median of {c.get('launches', 1)} launches (fresh rank processes) of the median of "
         f"{c.get('steps')} steps of the slowest rank (min, max: over every step). per action: step / compute "
         "actions of the busiest rank. 'ours/torch': our step on gloo over torch's on gloo, per launch, median "
-        "(min, max) over the launches; in a launch the cases take turns step by step. 'native/eager': our step "
-        "on native over ours on native-eager (the same engine with recv_poll_ms=0: its receive worker watches "
-        "every receive), per launch, median (min, max). "
+        "(min, max) over the launches; in a launch the cases take turns step by step. 'native/prev': our step "
+        "on native over ours on native-prev (the same engine as before its small-message paths: recv_poll_ms=0, "
+        "its receive worker watching every receive, and gather_sends=False), per launch, median (min, max). "
         + (
             "Each rank process pinned to its own core (ours and torch's alike; --no-pin: not)."
             if c.get("pin")
@@ -520,9 +520,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("ratio_to_torch", "ours/torch"),
         ("ratio_min", "min"),
         ("ratio_max", "max"),
-        ("ratio_to_eager", "native/eager"),
-        ("ratio_to_eager_min", "min"),
-        ("ratio_to_eager_max", "max"),
+        ("ratio_to_prev", "native/prev"),
+        ("ratio_to_prev_min", "min"),
+        ("ratio_to_prev_max", "max"),
         ("error", "error"),
     ]
     parts = [head, "", markdown_table(result["rows"], [k for k, _ in cols], [h for _, h in cols])]

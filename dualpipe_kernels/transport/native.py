@@ -223,6 +223,9 @@ class NativeTransport(Transport):
     ``recv_poll_ms``, so it is neither woken by every message nor run on the
     waiter's core between actions.  ``0``: the worker watches the ring for every
     posted receive (each message wakes it), the engine's behaviour before.
+    ``gather_sends`` (default on): :meth:`try_isend_gather` writes a small
+    message's pieces straight into the ring (the runtime's repeated boundary
+    messages); off, it always declines and the message goes through a buffer.
     """
 
     name = "native"
@@ -241,6 +244,7 @@ class NativeTransport(Transport):
         host_id: str | None = None,
         pack_in_place: bool | None = None,
         recv_poll_ms: float = 20.0,
+        gather_sends: bool = True,
     ) -> None:
         super().__init__(timeout_s)
         require_process_group("NativeTransport", timeout_s)
@@ -257,6 +261,7 @@ class NativeTransport(Transport):
         if pack_in_place is None:
             pack_in_place = os.environ.get(PACK_IN_PLACE_ENV, "1").strip() != "0"
         self.pack_in_place = bool(pack_in_place)
+        self.gather_sends = bool(gather_sends)
         self.slot_bytes = int(slot_bytes)
         shm = load_engine_module()
         self.group = group if group is not None else dist.group.WORLD
@@ -385,9 +390,7 @@ class NativeTransport(Transport):
             code = dtype_code(tensor.dtype)
         return self._track(post(peer, tensor.data_ptr(), nbytes, tag, code, what), tensor)
 
-    def try_isend_gather(
-        self, pieces: Sequence[tuple[int, torch.Tensor]], nbytes: int, peer: int, tag: int
-    ) -> bool:
+    def try_isend_gather(self, pieces: Sequence[tuple[int, torch.Tensor]], nbytes: int, peer: int, tag: int) -> bool:
         """Send one small uint8 message of ``nbytes`` made of ``pieces`` at once, or do nothing.
 
         ``pieces``: ``(byte offset, tensor)`` in increasing offset order, each a contiguous CPU tensor
@@ -398,7 +401,7 @@ class NativeTransport(Transport):
         returns False: post the message with :meth:`isend` (which also reports a closed transport).
         The receiver posts an ordinary ``irecv`` of ``nbytes`` uint8 with the same tag.
         """
-        if self._closed or peer not in self._local:
+        if self._closed or not self.gather_sends or peer not in self._local:
             return False
         spec = []
         for off, t in pieces:
