@@ -112,6 +112,15 @@ def _check(rank: int, name: str, make: Any, batch: int, n: int, **kw: Any) -> di
         inf = pipe.step(x, labels=(t,), criterion=_criterion, return_outputs=True)
     pipe.close()
     loss_stages = [m for m in range(n) if sched.path(m)[-1] in sched.stages_of_rank(rank)]
+    # A hook-less F&B pair posts its forward half's send between the halves (inside the pair's span); a
+    # hooked one after the hook returns (after the pair).
+    hooked = isinstance(next(iter(mine.values())), _HookStage)
+    spans = {label: (t0, t1) for _, label, t0, t1 in res.timeline}
+    labels = pipe._loop.labels
+    early = True
+    for i, j in pipe._loop.early_send.items():
+        (p0, p1), (s0, s1) = spans[labels[i]], spans[labels[j]]
+        early = early and (s0 >= p1 if hooked else p0 <= s0 <= s1 <= p1)
     return {
         "losses": sorted(res.losses) == loss_stages
         and all(torch.equal(res.losses[m], ref_losses[m]) for m in loss_stages),
@@ -122,6 +131,7 @@ def _check(rank: int, name: str, make: Any, batch: int, n: int, **kw: Any) -> di
         "timeline": len(res.timeline) == len(pipe.schedule.actions[rank])
         and all(e[0] == rank and 0.0 <= e[2] <= e[3] <= res.step_time_s for e in res.timeline)
         and len(to_events(res.timeline)) == len(res.timeline),
+        "early_send": early,
         "hook": not isinstance(next(iter(mine.values())), _HookStage)
         or name == "1f1b"
         or sum(m.hook_calls for m in mine.values()) > 0,
@@ -462,6 +472,34 @@ def test_receive_window_defaults_to_the_transports_and_an_explicit_one_wins() ->
         assert got == {"torch": 8, "native": 2, "torch_3": 3}, got
     with pytest.raises(ValueError, match="recv_lookahead must be >= 1"):
         Pipeline(build_schedule("1f1b", 1, 2), {0: _mlp(), 1: _mlp()}, recv_lookahead=0)
+
+
+def test_early_sends_map_each_pair_to_its_forward_halfs_send() -> None:
+    from dualpipe_kernels.runtime.loop import early_sends
+    from dualpipe_kernels.schedules.lowering import lower_comms
+
+    sched = lower_comms(build_schedule("dualpipev", 2, 16))
+    for r in range(2):
+        acts = sched.actions[r]
+        got = early_sends(acts)
+        pairs = [i for i, a in enumerate(acts) if a.type.name == "OVERLAP_F_B"]
+        assert pairs and set(got) <= set(pairs)
+        for i in pairs:
+            f = acts[i].sub_actions[0]
+            nxt = next((k for k in range(i + 1, len(acts)) if acts[k].is_compute), len(acts))
+            sends = [
+                k
+                for k in range(i + 1, nxt)
+                if acts[k].type.name == "SEND_F" and (acts[k].stage, acts[k].microbatch) == (f.stage, f.microbatch)
+            ]
+            # (none: the loss stage's forward, or a forward whose consumer is on this rank)
+            assert got.get(i) == (sends[0] if sends else None)
+        assert len(got) >= len(pairs) // 2
+    # A SEND_F that comes after another compute action is left where it is.
+    acts = list(sched.actions[0])
+    i = next(iter(early_sends(acts)))
+    other = next(a for a in acts if a.is_compute)
+    assert i not in early_sends([*acts[: i + 1], other, *acts[i + 1 :]])
 
 
 def test_gradient_edge_matches_torch() -> None:

@@ -267,14 +267,20 @@ class StageCompute:
         self.memory.release(st.mem, s, mb)  # type: ignore[union-attr]  # the I kept the graph for this W
 
     # ---- the F&B pair ---------------------------------------------------------
-    def pair(self, st: ComputeState, a: Action) -> None:
-        """An OVERLAP_F_B pair: through the modules' overlap hook when they have one, else F then B."""
+    def pair(self, st: ComputeState, a: Action, after_forward: Callable[[], None] | None = None) -> None:
+        """An OVERLAP_F_B pair: through the modules' overlap hook when they have one, else F then B.
+
+        ``after_forward``: called between the halves when they run one after the other (the loop posts the
+        forward half's send there); not called on the hook path, whose outputs exist only at its end.
+        """
         f, b = a.sub_actions
         mf, mb_ = self.modules[f.stage], self.modules[b.stage]
         # The hook runs a full backward of ``b`` (for an I half, custom autograd
         # functions may still defer their weight work through the store).
         if st.forward_only or not self.overlap_hook or type(mf) is not type(mb_):
             self.forward(st, f.stage, f.microbatch)
+            if after_forward is not None:
+                after_forward()
             if not st.forward_only:
                 self.backward(st, b.stage, b.microbatch, split=b.type is T_I)
             return

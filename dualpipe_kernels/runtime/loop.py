@@ -10,6 +10,14 @@ not waited for there but by the compute that reads its data (``fetch``), so an
 F&B pair runs its forward half while its backward half's gradient is still in
 flight; its timeline entry spans the actual wait.
 
+An F&B pair that runs its halves one after the other (no overlap hook) posts
+its forward half's activation send as soon as that half is done, before its
+backward half runs, when the lowered list has that SEND_F right after the pair
+(before the next compute): the peer's next forward can start while this rank
+runs the backward half.  The loop then skips the SEND_F when it reaches it.
+The same tensors go to the same peer under the same key; only the posting
+moves earlier (the simulator still times the pair's sends at its end).
+
 Under an active torch profiler every executed action runs inside
 ``torch.profiler.record_function(<action>)`` (``0F3``, ``(0F7;7B3)OVERLAP_F_B``,
 ``1SEND_F2``; a receive's range spans its wait).  Whether a profiler is on is
@@ -79,6 +87,8 @@ class StepRun:
     rec: TimelineRecorder
     done_hooks: Mapping[int, Callable[[], Any]] = field(default_factory=dict)
     profiling: bool = False  # a torch profiler is recording this step: record_function per action
+    # SEND_F actions an F&B pair already posted after its forward half (skipped when the loop reaches them)
+    sent_early: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.cst.fetch = self.fetch
@@ -125,6 +135,27 @@ class StepRun:
             grads = cst.outbox_b.pop(key)
             self.boundary.send(self.bst, i, grads, [False] * len(grads))
 
+    def pair(self, i: int, a: Action) -> None:
+        """F&B pair ``i``; its forward half's SEND_F, if the list has it right after, goes out between the halves."""
+        j = self.loop.early_send.get(i)
+        if j is None:
+            self.compute.pair(self.cst, a)
+        else:
+            self.compute.pair(self.cst, a, lambda: self._send_early(j))
+
+    def _send_early(self, j: int) -> None:
+        a = self.loop.actions[j]
+        if self.profiling or self.rec.enabled:
+            label = self.loop.labels[j]
+            with contextlib.ExitStack() as stack:
+                if self.profiling:
+                    stack.enter_context(record_function(label))
+                stack.enter_context(self.rec.span(label))
+                self.send(j, a)
+        else:
+            self.send(j, a)
+        self.sent_early.add(j)
+
     def finish(self) -> None:
         """End of the step's list: wait for every send, drain reached receives, check nothing is left."""
         self.boundary.reap(self.bst, block=True)
@@ -142,7 +173,7 @@ HANDLERS: dict[ActionType, Handler] = {
     T_B: lambda run, i, a: run.compute.backward(run.cst, a.stage, a.microbatch, split=False),
     T_I: lambda run, i, a: run.compute.backward(run.cst, a.stage, a.microbatch, split=True),
     T_W: lambda run, i, a: run.compute.weight(run.cst, a.stage, a.microbatch),
-    T_PAIR: lambda run, i, a: run.compute.pair(run.cst, a),
+    T_PAIR: StepRun.pair,
     T_SEND_F: StepRun.send,
     T_SEND_B: StepRun.send,
     T_RECV_F: lambda run, i, a: run.receive(i),
@@ -162,6 +193,24 @@ def _kind(t: ActionType) -> int:
     if t is T_RECV_B:
         return _K_RECV_B
     return _K_GRAD_WORK if t in (T_B, T_I, T_W, T_SEND_B) else _K_OTHER
+
+
+def early_sends(actions: Sequence[Action]) -> dict[int, int]:
+    """``{pair index: SEND_F index}``: each F&B pair whose forward half's SEND_F comes after it, before the
+    next compute action (where lowering puts it), and which may therefore go out between the pair's halves."""
+    out: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if a.type is not T_PAIR:
+            continue
+        f = a.sub_actions[0]
+        for j in range(i + 1, len(actions)):
+            b = actions[j]
+            if b.is_compute:
+                break
+            if b.type is T_SEND_F and b.stage == f.stage and b.microbatch == f.microbatch:
+                out[i] = j
+                break
+    return out
 
 
 class ActionLoop:
@@ -185,6 +234,7 @@ class ActionLoop:
         # Handlers are looked up per step by type (a test may add a kind): once per distinct type.
         self.types = list(dict.fromkeys(a.type for a in self.actions))
         self.type_index = [self.types.index(a.type) for a in self.actions]
+        self.early_send = early_sends(self.actions)
 
     def run(self, run: StepRun) -> None:
         acts, bst, boundary, rec, kinds, posts = self.actions, run.bst, run.boundary, run.rec, self.kinds, self.posts
@@ -199,6 +249,7 @@ class ActionLoop:
         by_type = [HANDLERS.get(t) for t in self.types]
         type_index = self.type_index
         hooks = run.done_hooks
+        sent_early = run.sent_early
         for i, kind in enumerate(kinds):
             # Post the receives of the next `recv_lookahead` compute actions after
             # this one (double buffering with the default 2: while compute i runs,
@@ -211,6 +262,9 @@ class ActionLoop:
             if bst.sends:
                 boundary.reap(bst, block=False)
             if forward_only and kind >= _K_GRAD_WORK:
+                continue
+            if sent_early and i in sent_early:  # posted by its F&B pair between the halves
+                sent_early.discard(i)
                 continue
             if kind == _K_RECV_F or kind == _K_RECV_B:
                 a = acts[i]
