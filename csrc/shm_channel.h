@@ -323,8 +323,8 @@ class RecvChannel final : public Channel, public std::enable_shared_from_this<Re
   void engage(const Request* req);
   //! The block hook of a small receive (see Request::set_block): copy what has landed, else sleep on the
   //! ring's head until the sender publishes (at most min(slice_s, liveness_interval_s)). False when the
-  //! waiter cannot help: the channel is closed or broken, a chunk it cannot copy waits at the tail, or a
-  //! whole sleep passed without a publish.
+  //! waiter cannot help: the channel is closed or broken, another thread is copying, a chunk it cannot
+  //! copy waits at the tail, or a whole sleep passed without a publish.
   bool block_for_message(double slice_s);
 
   std::deque<std::shared_ptr<Request>> posted_;  // guarded by mu_

@@ -80,12 +80,9 @@ bool RecvChannel::block_for_message(double slice_s) {
   {
     std::unique_lock<std::mutex> lk(mu_);
     if (closed_ || !broken_.empty()) return false;  // the condition-variable wait reports it
-    if (busy_) {
-      // Another thread is copying (maybe our message): it completes the request without a publish.
-      lk.unlock();
-      std::this_thread::yield();
-      return true;
-    }
+    // Another thread is copying (maybe our message, maybe a large one for a while): it completes
+    // requests without a publish, so the waiter sleeps on its request instead (engaging the worker).
+    if (busy_) return false;
     // A chunk we cannot copy ourselves (a multi-chunk or large message): the worker's.
     if (static_cast<std::uint32_t>(tail_) != seen) return false;
   }
