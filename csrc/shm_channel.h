@@ -238,6 +238,10 @@ class SendChannel final : public Channel {
   friend class SlotReservation;
   void worker_loop() override;
   void fail_pending_locked(const std::string& why) override;
+  //! Whether a message of `nbytes` may be written into the next slot by the calling thread now: nothing
+  //! queued or running, at most inline_max_bytes and slot_bytes, a free slot, the ring not broken.
+  //! Caller holds mu_.
+  bool inline_slot_free_locked(std::uint64_t nbytes) const;
   //! Take the busy token once nothing is queued or running, by `deadline`; "" / "timeout" / the error.
   std::string take_token_until(std::chrono::steady_clock::time_point deadline, const TransferInfo& info);
   //! Give the busy token back and wake the worker and other reservers.
@@ -312,14 +316,15 @@ class RecvChannel final : public Channel, public std::enable_shared_from_this<Re
   //! Mark the channel broken: fail `req` and everything posted, tell the sender.
   void break_channel(const std::shared_ptr<Request>& req, const std::string& why);
 
-  //! Whether the worker must watch the ring itself (woken by each publish): a posted receive is
-  //! larger than inline_max_bytes, or a waiter gave up spinning (engaged_). Otherwise every posted
-  //! receive is small and its waiter copies it (poll_ready), so the worker only looks every
-  //! kLazyPoll (a receive nobody waits on still completes) and no publish or post wakes it.
+  //! Whether the worker must watch the ring itself (woken by each publish): recv_poll_ms is 0, a
+  //! posted receive is larger than inline_max_bytes, or a waiter handed its receive over (engaged_).
+  //! Otherwise every posted receive is small and its waiter copies it (poll_ready, block_for_message),
+  //! so the worker only looks every recv_poll_ms (a receive nobody waits on still completes) and no
+  //! publish or post wakes it.
   bool eager_locked() const;
-  static constexpr std::chrono::milliseconds kLazyPoll{20};
   static constexpr int kLazyIdlePolls = 5;  //!< lazy looks with nothing posted before an untimed sleep
-  //! The engage hook of small receive `req` (see Request::set_engage): watch the ring while it is posted.
+  //! The engage hook of small receive `req` (see Request::set_engage; set when recv_poll_ms > 0): watch
+  //! the ring while it is posted.
   void engage(const Request* req);
   //! The block hook of a small receive (see Request::set_block): copy what has landed, else sleep on the
   //! ring's head until the sender publishes (at most min(slice_s, liveness_interval_s)). False when the

@@ -101,7 +101,6 @@ bool RecvChannel::block_for_message(double slice_s) {
 }
 
 void RecvChannel::engage(const Request* req) {
-  if (cfg_.recv_poll_ms <= 0) return;  // the worker watches every receive anyway
   {
     std::lock_guard<std::mutex> lk(mu_);
     const bool pending = std::any_of(posted_.begin(), posted_.end(), [&](const auto& r) { return r.get() == req; });
@@ -124,14 +123,14 @@ std::shared_ptr<Request> RecvChannel::post(void* dst, std::uint64_t nbytes, std:
       auto ch = self.lock();
       return ch && ch->poll_ready();
     });
-    // The raw pointer: the hook belongs to the request, so the request outlives it.
-    req->set_engage([self = weak_from_this(), r = req.get()] {
-      if (auto ch = self.lock()) ch->engage(r);
-    });
-    if (cfg_.recv_poll_ms > 0) {
+    if (cfg_.recv_poll_ms > 0) {  // the waiter's to copy; otherwise the worker watches every receive
       req->set_block([self = weak_from_this()](double slice_s) {
         auto ch = self.lock();
         return ch && ch->block_for_message(slice_s);
+      });
+      // The raw pointer: the hook belongs to the request, so the request outlives it.
+      req->set_engage([self = weak_from_this(), r = req.get()] {
+        if (auto ch = self.lock()) ch->engage(r);
       });
     }
   }

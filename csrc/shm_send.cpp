@@ -37,10 +37,8 @@ std::shared_ptr<Request> SendChannel::post(const void* src, std::uint64_t nbytes
   std::unique_lock<std::mutex> lk(mu_);
   if (fail_if_unusable_locked(*req)) return req;
   copied_messages_.fetch_add(1, std::memory_order_relaxed);
-  RingHeader* h = ring_.header();
   // Fast path: nothing ahead of us and the whole message fits in a free slot.
-  if (queue_.empty() && !busy_ && nbytes <= cfg_.inline_max_bytes && nbytes <= ring_.slot_bytes() &&
-      static_cast<std::uint32_t>(head_) - h->tail.load(std::memory_order_acquire) < ring_.num_slots() && ring_.error().empty()) {
+  if (inline_slot_free_locked(nbytes)) {
     write_chunk(*req, 0, nbytes);
     ++next_seq_;
     req->complete();
@@ -66,13 +64,7 @@ bool SendChannel::try_post_gather(const std::vector<Piece>& pieces, std::uint64_
     end = p.offset + p.nbytes;
   }
   std::lock_guard<std::mutex> lk(mu_);
-  RingHeader* h = ring_.header();
-  if (closed_ || !broken_.empty() || !queue_.empty() || busy_ || nbytes > cfg_.inline_max_bytes ||
-      nbytes > ring_.slot_bytes() ||
-      static_cast<std::uint32_t>(head_) - h->tail.load(std::memory_order_acquire) >= ring_.num_slots() ||
-      !ring_.error().empty()) {
-    return false;
-  }
+  if (closed_ || !broken_.empty() || !inline_slot_free_locked(nbytes)) return false;
   TransferInfo info;
   info.nbytes = nbytes;
   info.tag = tag;
@@ -91,6 +83,12 @@ bool SendChannel::try_post_gather(const std::vector<Piece>& pieces, std::uint64_
   publish();
   ++next_seq_;
   return true;
+}
+
+bool SendChannel::inline_slot_free_locked(std::uint64_t nbytes) const {
+  return queue_.empty() && !busy_ && nbytes <= cfg_.inline_max_bytes && nbytes <= ring_.slot_bytes() &&
+         static_cast<std::uint32_t>(head_) - ring_.header()->tail.load(std::memory_order_acquire) < ring_.num_slots() &&
+         ring_.error().empty();
 }
 
 void SendChannel::fill_header(const TransferInfo& info, std::uint64_t offset, std::uint64_t n, ChunkKind kind) {

@@ -66,7 +66,7 @@ def test_bench_overhead_quick_json(tmp_path: Path) -> None:
 
 
 def test_launches_combine_to_medians_with_the_ratio_range_and_keep_an_error() -> None:
-    from dualpipe_kernels.benchmarks.overhead import _combine
+    from dualpipe_kernels.benchmarks.overhead_report import combine_launches as _combine
 
     def row(step: float, ratio: float | None = None, **kw: object) -> dict[str, object]:
         r: dict[str, object] = {"impl": "ours", "step_s": step, "step_min_s": step - 1, "step_max_s": step + 1,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_transports import LoopbackPair
+from fake_transports import LoopbackEndpoint, LoopbackPair
 from repeat_workers import NoRepeats
 
 import dualpipe_kernels.runtime.p2p as p2p
@@ -221,3 +221,42 @@ def test_a_buffer_still_in_flight_is_not_written_again() -> None:
     ends.b[0].reap(st_s, block=True)
     _same(got[0], _msg(5), flags)
     _same(got[1], _msg(6), flags)
+
+
+def test_gathered_repeats_move_the_same_bytes_and_a_non_contiguous_tensor_falls_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transport that gathers (as the native one does: pieces into its ring, zero gaps, ValueError for a
+    non-contiguous piece) gets a repeated message's header and tensors as pieces; the bytes on the wire are
+    those of the buffer path, and a piece it refuses goes through the buffer path instead."""
+    flags = [True, False, False]
+    wires, gathered = [], []
+    for gather in (False, True):
+        ends = Ends()
+        if gather:
+            end = ends.pair.ends[0]
+
+            def try_isend_gather(
+                pieces: list[tuple[int, torch.Tensor]], nbytes: int, peer: int, tag: int, end: LoopbackEndpoint = end
+            ) -> bool:
+                if any(not t.is_contiguous() for _, t in pieces):
+                    raise ValueError("gathered pieces must be contiguous CPU tensors")
+                buf = torch.zeros(nbytes, dtype=torch.uint8)
+                for off, t in pieces:
+                    src = t.reshape(-1).view(torch.uint8)
+                    buf[off : off + src.numel()] = src
+                end.isend(buf, peer, tag)
+                gathered.append(tag)
+                return True
+
+            monkeypatch.setattr(end, "try_isend_gather", try_isend_gather, raising=False)
+        for seed in (1, 2, 3, 4):  # two steps through the general path, then two repeats
+            _same(ends.exchange(_msg(seed), flags)[0], _msg(seed), flags)
+        wires.append(list(ends.pair.box.sent))
+    assert wires[0] == wires[1]
+    assert len(gathered) == 2, "each repeat was gathered"
+    msg = _msg(5)
+    msg[0] = msg[0].t().contiguous().t()  # same shape, not contiguous: the transport refuses it
+    assert msg[0] is not None and not msg[0].is_contiguous()
+    _same(ends.exchange(msg, flags)[0], msg, flags)
+    assert len(gathered) == 2 and len(ends.last_small) == 1

@@ -158,11 +158,12 @@ bool completes_unwaited(const Request& r, std::chrono::milliseconds limit) {
   return true;
 }
 
-TEST(ShmChannelLazy, SmallReceiveNobodyWaitsOnCompletesByTheWorkersLook) {
+//! A receive posted before its message, never waited on: it completes (the worker copies it).
+void expect_unwaited_receive_completes(double recv_poll_ms, std::uint32_t seed) {
   ChannelConfig cfg = small_config(4, 4096);
-  cfg.recv_poll_ms = 2.0;
+  cfg.recv_poll_ms = recv_poll_ms;
   LocalPair p(cfg);
-  const auto src = payload(300, 5);
+  const auto src = payload(300, seed);
   std::vector<unsigned char> dst(src.size());
   auto r = p.rx->post(dst.data(), dst.size(), 1, 0);  // posted first: nothing to copy yet
   ASSERT_TRUE(p.tx->post(src.data(), src.size(), 1, 0)->wait(10.0));
@@ -171,38 +172,38 @@ TEST(ShmChannelLazy, SmallReceiveNobodyWaitsOnCompletesByTheWorkersLook) {
   EXPECT_EQ(dst, src);
 }
 
+TEST(ShmChannelLazy, SmallReceiveNobodyWaitsOnCompletesByTheWorkersLook) { expect_unwaited_receive_completes(2.0, 5); }
+
 TEST(ShmChannelLazy, EagerWorkerCompletesAnUnwaitedReceiveAsItLands) {
-  ChannelConfig cfg = small_config(4, 4096);
-  cfg.recv_poll_ms = 0.0;  // the worker watches every receive
+  expect_unwaited_receive_completes(0.0, 6);  // the worker watches every receive
+}
+
+//! A small receive waited on from before its message, sent `delay` later: done within `within`.
+void expect_late_message_reaches_waiter(const ChannelConfig& cfg, std::size_t n, std::uint32_t seed,
+                                        std::chrono::milliseconds delay, std::chrono::seconds within) {
   LocalPair p(cfg);
-  const auto src = payload(300, 6);
+  const auto src = payload(n, seed);
   std::vector<unsigned char> dst(src.size());
-  auto r = p.rx->post(dst.data(), dst.size(), 1, 0);
-  ASSERT_TRUE(p.tx->post(src.data(), src.size(), 1, 0)->wait(10.0));
-  ASSERT_TRUE(completes_unwaited(*r, std::chrono::seconds(5))) << r->timeout_message(5.0);
+  auto r = p.rx->post(dst.data(), dst.size(), 2, 0);
+  std::thread sender([&] {
+    std::this_thread::sleep_for(delay);
+    ASSERT_TRUE(p.tx->post(src.data(), src.size(), 2, 0)->wait(10.0));
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(r->wait(20.0)) << r->timeout_message(20.0);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, within);
+  sender.join();
+  EXPECT_EQ(r->state(), Request::State::kDone) << r->error();
   EXPECT_EQ(dst, src);
 }
 
 TEST(ShmChannelLazy, WaiterThatStopsSpinningIsTakenOverByTheWorker) {
   // The lazy look is an hour away, so only the engaged worker can complete the receive
-  // of a message that lands after its waiter went to sleep.
+  // of a message that lands after its waiter slept a whole liveness interval (20 ms).
   ChannelConfig cfg = small_config(4, 4096);
   cfg.recv_poll_ms = 3.6e6;
   cfg.spin_us = 10.0;
-  LocalPair p(cfg);
-  const auto src = payload(1000, 7);
-  std::vector<unsigned char> dst(src.size());
-  auto r = p.rx->post(dst.data(), dst.size(), 2, 0);
-  std::thread sender([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    ASSERT_TRUE(p.tx->post(src.data(), src.size(), 2, 0)->wait(10.0));
-  });
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_TRUE(r->wait(10.0)) << r->timeout_message(10.0);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
-  sender.join();
-  EXPECT_EQ(r->state(), Request::State::kDone) << r->error();
-  EXPECT_EQ(dst, src);
+  expect_late_message_reaches_waiter(cfg, 1000, 7, std::chrono::milliseconds(50), std::chrono::seconds(5));
 }
 
 TEST(ShmChannelLazy, WaiterSleepsOnTheRingAndCopiesTheMessageItself) {
@@ -212,20 +213,7 @@ TEST(ShmChannelLazy, WaiterSleepsOnTheRingAndCopiesTheMessageItself) {
   cfg.recv_poll_ms = 3.6e6;
   cfg.liveness_interval_s = 5.0;
   cfg.spin_us = 10.0;
-  LocalPair p(cfg);
-  const auto src = payload(700, 11);
-  std::vector<unsigned char> dst(src.size());
-  auto r = p.rx->post(dst.data(), dst.size(), 6, 0);
-  std::thread sender([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(30));
-    ASSERT_TRUE(p.tx->post(src.data(), src.size(), 6, 0)->wait(10.0));
-  });
-  const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_TRUE(r->wait(20.0)) << r->timeout_message(20.0);
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
-  sender.join();
-  EXPECT_EQ(r->state(), Request::State::kDone) << r->error();
-  EXPECT_EQ(dst, src);
+  expect_late_message_reaches_waiter(cfg, 700, 11, std::chrono::milliseconds(30), std::chrono::seconds(2));
 }
 
 TEST(ShmChannelLazy, MultiChunkMessageOfASmallReceiveReachesItsWaiter) {

@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dualpipe_kernels.benchmarks.overhead_report import add_ratios, case_row, combine_launches, to_markdown
+
 NAME = "overhead"
 TRANSPORTS = ("native", "native-prev", "torch")
 DEFAULT_TRANSPORTS = TRANSPORTS
@@ -170,8 +172,8 @@ def _timed(n: int, step: Any) -> list[float]:
 
 
 def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str) -> tuple[Any, Any]:
-    """(Pipeline, a step callable) of ours for ``schedule`` on ``transport`` (a ``native-prev`` pipeline
-    owns its transport: ``pipe.close()`` closes it)."""
+    """(a step callable, a close callable) of ours for ``schedule`` on ``transport`` (``native-prev``: a
+    NativeTransport made here, which the close callable closes after the pipeline)."""
     import torch
 
     from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
@@ -180,25 +182,23 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
 
     sched = build_schedule(schedule, cfg.ranks, cfg.microbatches)
     k = chunks_per_stage(sched)
-    tr: Any = transport
+    owned = None
     if transport == "native-prev":
         from dualpipe_kernels.transport.native import NativeTransport
 
-        tr = NativeTransport(recv_poll_ms=0.0, gather_sends=False)
-    pipe = Pipeline(sched, {s: _chunk_stack(k) for s in sched.stages_of_rank(rank)}, transport=tr)
-    if tr is not transport:
-        close = pipe.close
+        owned = NativeTransport(recv_poll_ms=0.0, gather_sends=False)
+    pipe = Pipeline(sched, {s: _chunk_stack(k) for s in sched.stages_of_rank(rank)}, transport=owned or transport)
 
-        def close_both() -> None:
-            try:
-                close()
-            finally:
-                tr.close()
+    def close() -> None:
+        try:
+            pipe.close()
+        finally:
+            if owned is not None:
+                owned.close()
 
-        pipe.close = close_both  # type: ignore[method-assign]
     x = torch.randn(cfg.microbatches, WIDTH)
     target = torch.zeros(cfg.microbatches, WIDTH)
-    return pipe, lambda: pipe.step(x, labels=(target,), criterion=_loss)
+    return lambda: pipe.step(x, labels=(target,), criterion=_loss), close
 
 
 def _torch_actions(sched: Any, rank: int) -> int | None:
@@ -244,8 +244,8 @@ def _build(rank: int, cfg: OverheadConfig, case: tuple[str, str, str]) -> tuple[
     if impl == "torch":
         step, actions = _torch_step(rank, cfg, name)
         return step, actions, lambda: None
-    pipe, step = _our_pipeline(rank, cfg, name, transport)
-    return step, None, pipe.close
+    step, close = _our_pipeline(rank, cfg, name, transport)
+    return step, None, close
 
 
 def _measure_all(rank: int, cfg: OverheadConfig) -> dict[str, Any]:
@@ -287,7 +287,7 @@ def _profile(rank: int, cfg: OverheadConfig) -> dict[str, list[dict[str, Any]]]:
     import cProfile
     import pstats
 
-    pipe, step = _our_pipeline(rank, cfg, cfg.profile_schedule, "native")
+    step, close = _our_pipeline(rank, cfg, cfg.profile_schedule, "native")
     try:
         _timed(cfg.warmup, step)
         prof = cProfile.Profile()
@@ -302,7 +302,7 @@ def _profile(rank: int, cfg: OverheadConfig) -> dict[str, list[dict[str, Any]]]:
 
         _timed(cfg.steps, profiled)
     finally:
-        pipe.close()
+        close()
     if rank != 0:
         return {"cumulative": [], "self": []}
     stats: dict[Any, Any] = pstats.Stats(prof).stats  # type: ignore[attr-defined]
@@ -355,105 +355,6 @@ def _worker(rank: int, world: int, cfg: OverheadConfig, profile: bool = True) ->
 
 
 # ---------------------------------------------------------------- parent side
-def _actions(cfg: OverheadConfig, schedule: str) -> int:
-    """Compute actions of the busiest rank of our ``schedule``."""
-    from dualpipe_kernels.schedules.generators import build_schedule
-
-    return max(len(a) for a in build_schedule(schedule, cfg.ranks, cfg.microbatches).actions)
-
-
-def _row(cfg: OverheadConfig, case: tuple[str, str, str], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    import statistics
-
-    from dualpipe_kernels.schedules.generators import SCHEDULE_NAMES
-
-    impl, transport, name = case
-    schedule = TORCH_PEERS[name][0] if impl == "torch" else name
-    row: dict[str, Any] = {
-        "impl": impl,
-        "transport": transport,
-        "schedule": schedule,
-        "ranks": cfg.ranks,
-        "microbatches": cfg.microbatches,
-    }
-    if impl == "torch":
-        row["torch_class"] = name
-    got = [o["/".join(case)] for o in per_rank]
-    err = next((g for g in got if isinstance(g, str)), None)
-    if err is not None:
-        return {**row, "error": err, "step_s": None, "per_action_us": None}
-    slowest = [max(ts) for ts in zip(*(g["times"] for g in got), strict=True)]
-    step = float(statistics.median(slowest))
-    theirs = [g["actions"] for g in got if g["actions"] is not None]
-    if theirs:
-        row["torch_compute_actions"] = max(theirs)
-    if schedule in SCHEDULE_NAMES:
-        actions = _actions(cfg, schedule)
-    elif theirs:
-        actions = max(theirs)
-    else:
-        return {**row, "error": f"no compute-action count for {name}", "step_s": step, "per_action_us": None}
-    return {
-        **row,
-        "step_s": step,
-        "step_min_s": min(slowest),
-        "step_max_s": max(slowest),
-        "compute_actions": actions,
-        "per_action_us": step / actions * 1e6,
-    }
-
-
-def _add_ratios(rows: list[dict[str, Any]]) -> None:
-    """``ratio_to_torch`` on our gloo rows: our step / torch's step of the same schedule (both on gloo);
-    ``ratio_to_prev`` on our native rows: our step / ours on native-prev of the same schedule."""
-    torch_step = {r["schedule"]: r["step_s"] for r in rows if r["impl"] == "torch" and r["step_s"]}
-    prev_step = {
-        r["schedule"]: r["step_s"]
-        for r in rows
-        if r["impl"] == "ours" and r["transport"] == "native-prev" and r["step_s"]
-    }
-    for r in rows:
-        if r["impl"] == "ours" and r["transport"] == "torch" and r["step_s"] and r["schedule"] in torch_step:
-            r["ratio_to_torch"] = r["step_s"] / torch_step[r["schedule"]]
-        if r["impl"] == "ours" and r["transport"] == "native" and r["step_s"] and r["schedule"] in prev_step:
-            r["ratio_to_prev"] = r["step_s"] / prev_step[r["schedule"]]
-
-
-def _combine(launches: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per case over the launches: the median of their step medians (min and max over every step),
-    and the medians of their ours/torch and native/native-prev ratios with their ranges; an error in any
-    launch is the row's."""
-    import statistics
-
-    out = []
-    for rows in zip(*launches, strict=True):
-        err = next((r for r in rows if r.get("error")), None)
-        if err is not None:
-            out.append(err)
-            continue
-        row = dict(rows[0])
-        step = float(statistics.median(r["step_s"] for r in rows))
-        row.update(
-            step_s=step,
-            step_min_s=min(r["step_min_s"] for r in rows),
-            step_max_s=max(r["step_max_s"] for r in rows),
-            per_action_us=step / row["compute_actions"] * 1e6,
-            launches=len(rows),
-        )
-        ratios = [r["ratio_to_torch"] for r in rows if r.get("ratio_to_torch") is not None]
-        if ratios:
-            row.update(ratio_to_torch=float(statistics.median(ratios)), ratio_min=min(ratios), ratio_max=max(ratios))
-        prev = [r["ratio_to_prev"] for r in rows if r.get("ratio_to_prev") is not None]
-        if prev:
-            row.update(
-                ratio_to_prev=float(statistics.median(prev)),
-                ratio_to_prev_min=min(prev),
-                ratio_to_prev_max=max(prev),
-            )
-        out.append(row)
-    return out
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualpipe_kernels.benchmarks.common import Progress
     from dualpipe_kernels.runtime.launch import spawn
@@ -465,12 +366,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     launches = []
     for k in range(cfg.launches):  # the first launch also profiles
         per_rank = spawn(_worker, cfg.ranks, cfg, k == 0, timeout_s=900, pg_timeout_s=300, threads=1)
-        rows = [_row(cfg, case, per_rank) for case in cfg.cases()]
-        _add_ratios(rows)
+        rows = [case_row(cfg, case, per_rank) for case in cfg.cases()]
+        add_ratios(rows)
         launches.append(rows)
         if k == 0:
             prof = per_rank[0]["profile"]
-    rows = _combine(launches)
+    rows = combine_launches(launches)
     bar.update(f"done in {time.perf_counter() - t0:.1f} s")
     bar.close()
     result: dict[str, Any] = {"rows": rows, "config": asdict(cfg)}
@@ -486,59 +387,3 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": cfg.steps,
     }
     return result
-
-
-def to_markdown(result: dict[str, Any]) -> str:
-    from dualpipe_kernels.benchmarks.common import markdown_table
-
-    c = result.get("config", {})
-    head = (
-        f"{c.get('ranks')} ranks x {c.get('microbatches')} micro-batches, every stage chunk one Linear(8, 8) on "
-        f"1x8 rows; median of {c.get('launches', 1)} launches (fresh rank processes) of the median of "
-        f"{c.get('steps')} steps of the slowest rank (min, max: over every step). per action: step / compute "
-        "actions of the busiest rank. 'ours/torch': our step on gloo over torch's on gloo, per launch, median "
-        "(min, max) over the launches; in a launch the cases take turns step by step. 'native/prev': our step "
-        "on native over ours on native-prev (the same engine as before its small-message paths: recv_poll_ms=0, "
-        "its receive worker watching every receive, and gather_sends=False), per launch, median (min, max). "
-        + (
-            "Each rank process pinned to its own core (ours and torch's alike; --no-pin: not)."
-            if c.get("pin")
-            else "Rank processes not pinned (--no-pin)."
-        )
-    )
-    cols = [
-        ("impl", "impl"),
-        ("transport", "transport"),
-        ("schedule", "schedule"),
-        ("torch_class", "torch class"),
-        ("step_s", "step (s)"),
-        ("step_min_s", "min (s)"),
-        ("step_max_s", "max (s)"),
-        ("compute_actions", "actions"),
-        ("torch_compute_actions", "torch actions"),
-        ("per_action_us", "per action (us)"),
-        ("ratio_to_torch", "ours/torch"),
-        ("ratio_min", "min"),
-        ("ratio_max", "max"),
-        ("ratio_to_prev", "native/prev"),
-        ("ratio_to_prev_min", "min"),
-        ("ratio_to_prev_max", "max"),
-        ("error", "error"),
-    ]
-    parts = [head, "", markdown_table(result["rows"], [k for k, _ in cols], [h for _, h in cols])]
-    pc = result.get("profile_case", {})
-    parts += ["", f"## Profile: ours on native, {pc.get('schedule')}, rank 0, {pc.get('steps')} steps (cProfile)", ""]
-    if result.get("profile_error"):
-        parts.append(f"profile failed: {result['profile_error']}")
-    pcols = [
-        ("function", "function"),
-        ("ncalls", "calls"),
-        ("tottime_s", "tottime (s)"),
-        ("cumtime_s", "cumtime (s)"),
-        ("tottime_per_step_ms", "own per step (ms)"),
-        ("cumtime_per_step_ms", "cum per step (ms)"),
-    ]
-    keys, heads = [k for k, _ in pcols], [h for _, h in pcols]
-    parts += ["By cumulative time:", "", markdown_table(result.get("profile", []), keys, heads)]
-    parts += ["", "By own time:", "", markdown_table(result.get("profile_self", []), keys, heads)]
-    return "\n".join(parts)

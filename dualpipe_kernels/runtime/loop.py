@@ -146,12 +146,7 @@ class StepRun:
     def _send_early(self, j: int) -> None:
         a = self.loop.actions[j]
         if self.profiling or self.rec.enabled:
-            label = self.loop.labels[j]
-            with contextlib.ExitStack() as stack:
-                if self.profiling:
-                    stack.enter_context(record_function(label))
-                stack.enter_context(self.rec.span(label))
-                self.send(j, a)
+            self.loop._traced(self, j, a, StepRun.send)  # its own profiler range / timeline span, as in the loop
         else:
             self.send(j, a)
         self.sent_early.add(j)

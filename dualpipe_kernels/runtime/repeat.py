@@ -123,12 +123,12 @@ class RepeatSend:
             for t, off in zip(tensors, self.plan.offsets, strict=True):
                 if off is not None:
                     assert t is not None
-                    if not t.is_cpu or not t.is_contiguous():
-                        pieces = []
-                        break
                     pieces.append((META_BYTES + off, t))
-            if pieces and gather(pieces, META_BYTES + self.plan.nbytes, peer, tag):
-                return _SENT
+            try:
+                if gather(pieces, META_BYTES + self.plan.nbytes, peer, tag):
+                    return _SENT
+            except ValueError:
+                pass  # a non-contiguous or device tensor: the buffer below copies it
         reuse = self.reuse
         if reuse and reuse[2].done:
             buf, views = reuse[0], reuse[1]

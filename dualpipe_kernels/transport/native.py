@@ -218,11 +218,13 @@ class NativeTransport(Transport):
 
     ``recv_poll_ms`` (> 0, the default 20): a receive that fits the inline path
     (at most 64 KiB) is copied by the thread that waits for it, which spins
-    ``spin_us`` polling the ring and only then hands it to the engine's worker
-    thread and sleeps; the worker looks for small messages nobody waits on every
-    ``recv_poll_ms``, so it is neither woken by every message nor run on the
-    waiter's core between actions.  ``0``: the worker watches the ring for every
-    posted receive (each message wakes it), the engine's behaviour before.
+    ``spin_us`` polling the ring, then sleeps on the ring until the sender's
+    write wakes it; it hands the receive to the engine's worker thread only for a
+    message it cannot copy (split into chunks) or after a whole
+    ``liveness_interval_s`` asleep.  The worker looks for small messages nobody
+    waits on every ``recv_poll_ms``, so it is neither woken by every message nor
+    run on the waiter's core between actions.  ``0``: the worker watches the ring
+    for every posted receive (each message wakes it), the engine's behaviour before.
     ``gather_sends`` (default on): :meth:`try_isend_gather` writes a small
     message's pieces straight into the ring (the runtime's repeated boundary
     messages); off, it always declines and the message goes through a buffer.

@@ -1,0 +1,168 @@
+"""bench overhead's parent side: a case's row from the ranks' step times, the ratios between cases,
+the combination of launches, and the Markdown report (the measuring is in overhead.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dualpipe_kernels.benchmarks.overhead import OverheadConfig
+
+__all__ = ["case_row", "add_ratios", "combine_launches", "to_markdown"]
+
+
+def _actions(cfg: OverheadConfig, schedule: str) -> int:
+    """Compute actions of the busiest rank of our ``schedule``."""
+    from dualpipe_kernels.schedules.generators import build_schedule
+
+    return max(len(a) for a in build_schedule(schedule, cfg.ranks, cfg.microbatches).actions)
+
+
+def case_row(cfg: OverheadConfig, case: tuple[str, str, str], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    import statistics
+
+    from dualpipe_kernels.schedules.generators import SCHEDULE_NAMES
+
+    impl, transport, name = case
+    from dualpipe_kernels.benchmarks.overhead import TORCH_PEERS
+
+    schedule = TORCH_PEERS[name][0] if impl == "torch" else name
+    row: dict[str, Any] = {
+        "impl": impl,
+        "transport": transport,
+        "schedule": schedule,
+        "ranks": cfg.ranks,
+        "microbatches": cfg.microbatches,
+    }
+    if impl == "torch":
+        row["torch_class"] = name
+    got = [o["/".join(case)] for o in per_rank]
+    err = next((g for g in got if isinstance(g, str)), None)
+    if err is not None:
+        return {**row, "error": err, "step_s": None, "per_action_us": None}
+    slowest = [max(ts) for ts in zip(*(g["times"] for g in got), strict=True)]
+    step = float(statistics.median(slowest))
+    theirs = [g["actions"] for g in got if g["actions"] is not None]
+    if theirs:
+        row["torch_compute_actions"] = max(theirs)
+    if schedule in SCHEDULE_NAMES:
+        actions = _actions(cfg, schedule)
+    elif theirs:
+        actions = max(theirs)
+    else:
+        return {**row, "error": f"no compute-action count for {name}", "step_s": step, "per_action_us": None}
+    return {
+        **row,
+        "step_s": step,
+        "step_min_s": min(slowest),
+        "step_max_s": max(slowest),
+        "compute_actions": actions,
+        "per_action_us": step / actions * 1e6,
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``ratio_to_torch`` on our gloo rows: our step / torch's step of the same schedule (both on gloo);
+    ``ratio_to_prev`` on our native rows: our step / ours on native-prev of the same schedule."""
+    torch_step = {r["schedule"]: r["step_s"] for r in rows if r["impl"] == "torch" and r["step_s"]}
+    prev_step = {
+        r["schedule"]: r["step_s"]
+        for r in rows
+        if r["impl"] == "ours" and r["transport"] == "native-prev" and r["step_s"]
+    }
+    for r in rows:
+        if r["impl"] == "ours" and r["transport"] == "torch" and r["step_s"] and r["schedule"] in torch_step:
+            r["ratio_to_torch"] = r["step_s"] / torch_step[r["schedule"]]
+        if r["impl"] == "ours" and r["transport"] == "native" and r["step_s"] and r["schedule"] in prev_step:
+            r["ratio_to_prev"] = r["step_s"] / prev_step[r["schedule"]]
+
+
+def combine_launches(launches: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per case over the launches: the median of their step medians (min and max over every step),
+    and the medians of their ours/torch and native/native-prev ratios with their ranges; an error in any
+    launch is the row's."""
+    import statistics
+
+    out = []
+    for rows in zip(*launches, strict=True):
+        err = next((r for r in rows if r.get("error")), None)
+        if err is not None:
+            out.append(err)
+            continue
+        row = dict(rows[0])
+        step = float(statistics.median(r["step_s"] for r in rows))
+        row.update(
+            step_s=step,
+            step_min_s=min(r["step_min_s"] for r in rows),
+            step_max_s=max(r["step_max_s"] for r in rows),
+            per_action_us=step / row["compute_actions"] * 1e6,
+            launches=len(rows),
+        )
+        ratios = [r["ratio_to_torch"] for r in rows if r.get("ratio_to_torch") is not None]
+        if ratios:
+            row.update(ratio_to_torch=float(statistics.median(ratios)), ratio_min=min(ratios), ratio_max=max(ratios))
+        prev = [r["ratio_to_prev"] for r in rows if r.get("ratio_to_prev") is not None]
+        if prev:
+            row.update(
+                ratio_to_prev=float(statistics.median(prev)),
+                ratio_to_prev_min=min(prev),
+                ratio_to_prev_max=max(prev),
+            )
+        out.append(row)
+    return out
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    from dualpipe_kernels.benchmarks.common import markdown_table
+
+    c = result.get("config", {})
+    head = (
+        f"{c.get('ranks')} ranks x {c.get('microbatches')} micro-batches, every stage chunk one Linear(8, 8) on "
+        f"1x8 rows; median of {c.get('launches', 1)} launches (fresh rank processes) of the median of "
+        f"{c.get('steps')} steps of the slowest rank (min, max: over every step). per action: step / compute "
+        "actions of the busiest rank. 'ours/torch': our step on gloo over torch's on gloo, per launch, median "
+        "(min, max) over the launches; in a launch the cases take turns step by step. 'native/prev': our step "
+        "on native over ours on native-prev (the same engine as before its small-message paths: recv_poll_ms=0, "
+        "its receive worker watching every receive, and gather_sends=False), per launch, median (min, max). "
+        + (
+            "Each rank process pinned to its own core (ours and torch's alike; --no-pin: not)."
+            if c.get("pin")
+            else "Rank processes not pinned (--no-pin)."
+        )
+    )
+    cols = [
+        ("impl", "impl"),
+        ("transport", "transport"),
+        ("schedule", "schedule"),
+        ("torch_class", "torch class"),
+        ("step_s", "step (s)"),
+        ("step_min_s", "min (s)"),
+        ("step_max_s", "max (s)"),
+        ("compute_actions", "actions"),
+        ("torch_compute_actions", "torch actions"),
+        ("per_action_us", "per action (us)"),
+        ("ratio_to_torch", "ours/torch"),
+        ("ratio_min", "min"),
+        ("ratio_max", "max"),
+        ("ratio_to_prev", "native/prev"),
+        ("ratio_to_prev_min", "min"),
+        ("ratio_to_prev_max", "max"),
+        ("error", "error"),
+    ]
+    parts = [head, "", markdown_table(result["rows"], [k for k, _ in cols], [h for _, h in cols])]
+    pc = result.get("profile_case", {})
+    parts += ["", f"## Profile: ours on native, {pc.get('schedule')}, rank 0, {pc.get('steps')} steps (cProfile)", ""]
+    if result.get("profile_error"):
+        parts.append(f"profile failed: {result['profile_error']}")
+    pcols = [
+        ("function", "function"),
+        ("ncalls", "calls"),
+        ("tottime_s", "tottime (s)"),
+        ("cumtime_s", "cumtime (s)"),
+        ("tottime_per_step_ms", "own per step (ms)"),
+        ("cumtime_per_step_ms", "cum per step (ms)"),
+    ]
+    keys, heads = [k for k, _ in pcols], [h for _, h in pcols]
+    parts += ["By cumulative time:", "", markdown_table(result.get("profile", []), keys, heads)]
+    parts += ["", "By own time:", "", markdown_table(result.get("profile_self", []), keys, heads)]
+    return "\n".join(parts)
