@@ -37,6 +37,8 @@ def test_bench_overhead_quick_json(tmp_path: Path) -> None:
         ("ours", "torch", "zb1p"),
         ("torch", "torch", "dualpipev"),
         ("torch", "torch", "1f1b"),
+        ("floor", "none", "dualpipev"),
+        ("floor", "none", "1f1b"),
     }
     for r in rows:
         assert ROW_KEYS <= r.keys(), r
@@ -55,13 +57,18 @@ def test_bench_overhead_quick_json(tmp_path: Path) -> None:
     )
     assert native_dpv["ratio_to_prev"] == native_dpv["step_s"] / prev_dpv["step_s"]
     assert "ratio_to_prev" not in prev_dpv and "ratio_to_prev" not in gloo_dpv
+    floor_dpv = next(r for r in rows if r["impl"] == "floor" and r["schedule"] == "dualpipev")
+    # the floor is torch's own work with nothing around it: below ours, and what over_floor subtracts
+    assert native_dpv["floor_us"] == floor_dpv["per_action_us"] < native_dpv["per_action_us"]
+    assert native_dpv["over_floor_us"] == native_dpv["per_action_us"] - floor_dpv["per_action_us"]
+    assert "floor_us" not in floor_dpv and "floor_us" not in torch_dpv
     prof = res["profile"]
     assert 0 < len(prof) <= 25 and 0 < len(res["profile_self"]) <= 25 and "profile_error" not in res
     assert any("runtime/executor.py" in p["function"] and "(step)" in p["function"] for p in prof)
     cums = [p["cumtime_s"] for p in prof]
     assert cums == sorted(cums, reverse=True) and cums[0] > 0
     md = (tmp_path / "overhead.md").read_text()
-    assert "## Profile" in md and "per action (us)" in md
+    assert "## Profile" in md and "per action (us)" in md and "over floor (us)" in md
     assert json.loads((tmp_path / "overhead.json").read_text())["rows"] == rows
 
 

@@ -18,6 +18,16 @@ schedule with the same placement (torch's rows use the same count: same work).
 ``ratio_to_torch`` is ours-on-gloo / torch-on-gloo per step, per schedule;
 ``ratio_to_prev`` ours-on-native / ours-on-native-prev.
 
+The ``floor`` rows (impl ``floor``, transport ``none``; ``--no-floor``: none) are
+torch's own work with no pipeline around it, measured in the same rounds: each
+rank runs its stage modules for its compute actions in its schedule's order,
+with no transfers (an F: the module on a fresh leaf input, and the criterion on
+a loss stage; a B, an I, or a pair's B half: one ``torch.autograd.backward``
+with a ones gradient; a W: nothing, its work was in the I).  It is what a
+hand-written loop over the same modules costs at least, so ``over_floor_us``
+(our per-action cost minus the floor's, same schedule) is the runtime's own
+share of a compute action.
+
 Then rank 0 runs the same number of steps of ours on the native transport for
 ``--profile-schedule`` (default dualpipev) under cProfile; the top entries by
 cumulative time go into the results, so the fast-path work is driven by
@@ -32,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dualpipe_kernels.benchmarks.overhead_report import add_ratios, case_row, combine_launches, to_markdown
+from dualpipe_kernels.benchmarks.overhead_report import add_floor, add_ratios, case_row, combine_launches, to_markdown
 
 NAME = "overhead"
 TRANSPORTS = ("native", "native-prev", "torch")
@@ -70,6 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--launches", type=int, default=None, help="fresh rank-process sets, medians over them (default 3; quick 1)"
     )
     p.add_argument("--no-torch", dest="no_torch", action="store_true", help="skip torch.distributed.pipelining")
+    p.add_argument(
+        "--no-floor",
+        dest="no_floor",
+        action="store_true",
+        help="skip the floor rows (torch's own work per rank with no pipeline, transfers or runtime)",
+    )
     p.add_argument("--profile-schedule", default="dualpipev", help="schedule profiled on native (default dualpipev)")
     p.add_argument("--profile-top", type=int, default=25, help="profile entries kept (default 25)")
     p.add_argument(
@@ -93,6 +109,7 @@ class OverheadConfig:
     ranks: int = 2
     pin: bool = True  # each rank process on its own core (when there are enough)
     launches: int = 3  # fresh sets of rank processes, each measuring every case (medians over them)
+    floor: bool = True  # also the floor rows (torch's own work, no pipeline)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> OverheadConfig:
@@ -113,6 +130,7 @@ class OverheadConfig:
             profile_top=int(getattr(args, "profile_top", 25)),
             pin=not getattr(args, "no_pin", False),
             launches=int(option(args, "launches", 3, 1)),
+            floor=not getattr(args, "no_floor", False),
         )
         cfg.check()
         return cfg
@@ -141,7 +159,8 @@ class OverheadConfig:
         """(impl, transport, schedule or torch class) of every row, in order."""
         ours = [("ours", tr, s) for s in self.schedules for tr in self.transports]
         peers = [("torch", "torch", c) for c, (_, s) in TORCH_PEERS.items() if self.torch_peers and s in self.schedules]
-        return ours + peers
+        floors = [("floor", "none", s) for s in self.schedules] if self.floor else []
+        return ours + peers + floors
 
 
 # ---------------------------------------------------------------- rank side
@@ -201,6 +220,37 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
     return lambda: pipe.step(x, labels=(target,), criterion=_loss), close
 
 
+def _floor_step(rank: int, cfg: OverheadConfig, schedule: str) -> Any:
+    """A step callable of torch's own work of this rank in ``schedule``: its stage modules (the same as ours)
+    for its compute actions in order, no pipeline (see the module docstring)."""
+    import torch
+
+    from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.ir import T_F, T_W
+
+    sched = build_schedule(schedule, cfg.ranks, cfg.microbatches)
+    k = chunks_per_stage(sched)
+    modules = {s: _chunk_stack(k) for s in sched.stages_of_rank(rank)}
+    first_in = torch.randn(1, WIDTH)
+    row, target, ones = torch.randn(1, WIDTH), torch.zeros(1, WIDTH), torch.ones(1, WIDTH)
+    work = [c for a in sched.actions[rank] for c in a.computes()]  # a pair: its F half, then its B half
+
+    def step() -> None:
+        outs: dict[tuple[int, int], Any] = {}
+        for a in work:
+            key = (a.stage, a.microbatch)
+            if a.type is T_F:
+                x = first_in if sched.is_first_stage(*key) else row.detach().requires_grad_(True)
+                y = modules[a.stage](x)
+                outs[key] = _loss(y, target) if sched.is_loss_stage(*key) else y
+            elif a.type is not T_W:  # B or I: the full backward (a W's work is in it)
+                y = outs.pop(key)
+                torch.autograd.backward(y, None if y.dim() == 0 else ones)
+
+    return step
+
+
 def _torch_actions(sched: Any, rank: int) -> int | None:
     """Compute actions (F, I, W, B, overlapped F&B) of ``rank`` in torch's ``pipeline_order``; None without one."""
     order = getattr(sched, "pipeline_order", None)
@@ -244,6 +294,8 @@ def _build(rank: int, cfg: OverheadConfig, case: tuple[str, str, str]) -> tuple[
     if impl == "torch":
         step, actions = _torch_step(rank, cfg, name)
         return step, actions, lambda: None
+    if impl == "floor":
+        return _floor_step(rank, cfg, name), None, lambda: None
     step, close = _our_pipeline(rank, cfg, name, transport)
     return step, None, close
 
@@ -372,6 +424,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if k == 0:
             prof = per_rank[0]["profile"]
     rows = combine_launches(launches)
+    add_floor(rows)
     bar.update(f"done in {time.perf_counter() - t0:.1f} s")
     bar.close()
     result: dict[str, Any] = {"rows": rows, "config": asdict(cfg)}

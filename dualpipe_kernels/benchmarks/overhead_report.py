@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dualpipe_kernels.benchmarks.overhead import OverheadConfig
 
-__all__ = ["case_row", "add_ratios", "combine_launches", "to_markdown"]
+__all__ = ["case_row", "add_ratios", "add_floor", "combine_launches", "to_markdown"]
 
 
 def _actions(cfg: OverheadConfig, schedule: str) -> int:
@@ -77,6 +77,16 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r["ratio_to_prev"] = r["step_s"] / prev_step[r["schedule"]]
 
 
+def add_floor(rows: list[dict[str, Any]]) -> None:
+    """``floor_us`` and ``over_floor_us`` on our rows: the floor's per-action cost of the same schedule (torch's
+    own work, no pipeline) and our per-action cost minus it (the runtime's own share of a compute action)."""
+    floor = {r["schedule"]: r["per_action_us"] for r in rows if r["impl"] == "floor" and r.get("per_action_us")}
+    for r in rows:
+        if r["impl"] == "ours" and r.get("per_action_us") and r["schedule"] in floor:
+            r["floor_us"] = floor[r["schedule"]]
+            r["over_floor_us"] = r["per_action_us"] - floor[r["schedule"]]
+
+
 def combine_launches(launches: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per case over the launches: the median of their step medians (min and max over every step),
     and the medians of their ours/torch and native/native-prev ratios with their ranges; an error in any
@@ -124,6 +134,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "(min, max) over the launches; in a launch the cases take turns step by step. 'native/prev': our step "
         "on native over ours on native-prev (the same engine as before its small-message paths: recv_poll_ms=0, "
         "its receive worker watching every receive, and gather_sends=False), per launch, median (min, max). "
+        "floor rows: torch's own work of each rank (its stage modules for its compute actions in order: forward, "
+        "criterion, one autograd.backward per B or I) with no pipeline, no transfers, no runtime; 'over floor': "
+        "our per-action cost minus the floor's of the same schedule. "
         + (
             "Each rank process pinned to its own core (ours and torch's alike; --no-pin: not)."
             if c.get("pin")
@@ -141,6 +154,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("compute_actions", "actions"),
         ("torch_compute_actions", "torch actions"),
         ("per_action_us", "per action (us)"),
+        ("floor_us", "floor (us)"),
+        ("over_floor_us", "over floor (us)"),
         ("ratio_to_torch", "ours/torch"),
         ("ratio_min", "min"),
         ("ratio_max", "max"),
