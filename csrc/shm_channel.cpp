@@ -117,7 +117,7 @@ void Channel::ensure_worker() {
 void Channel::spin_for_post(std::unique_lock<std::mutex>& lk) {
   const std::uint32_t seen = post_count_.load(std::memory_order_relaxed);
   lk.unlock();
-  const auto spin_until = Clock::now() + seconds(cfg_.spin_us * 1e-6);
+  const auto spin_until = Clock::now() + seconds(std::min(cfg_.spin_us, kWorkerSpinUs) * 1e-6);
   for (int i = 0; post_count_.load(std::memory_order_relaxed) == seen && !stop_.load(std::memory_order_relaxed);
        ++i) {
     if ((i & 63) == 63) {

@@ -524,3 +524,22 @@ def test_gradient_edge_matches_torch() -> None:
         assert ours.node is theirs.node or (ours.node.name() == theirs.node.name() and t.is_leaf)
         assert ours.output_nr == theirs.output_nr
     assert gradient_edge(b).output_nr == 1
+
+
+def test_loss_seed_is_shared_until_written_in_place() -> None:
+    """A loss's gradient seed is made once per kind of loss and shared; one that a hook wrote into in place
+    is replaced by a fresh one with the right value."""
+    from types import SimpleNamespace
+
+    from dualpipe_kernels.runtime.compute import StageCompute
+
+    owner = SimpleNamespace(_seeds={})
+    loss = torch.tensor(2.0, requires_grad=True) * 1.5
+    s1 = StageCompute._seed(owner, loss, 0.25)  # type: ignore[arg-type]
+    assert s1.shape == loss.shape and s1.dtype == loss.dtype and s1.item() == 0.25
+    assert StageCompute._seed(owner, loss, 0.25) is s1  # type: ignore[arg-type]
+    other = StageCompute._seed(owner, loss.double(), 0.25)  # type: ignore[arg-type]
+    assert other is not s1 and other.dtype == torch.float64
+    s1.mul_(3)  # what a gradient hook doing g.mul_() would leave behind
+    s2 = StageCompute._seed(owner, loss, 0.25)  # type: ignore[arg-type]
+    assert s2 is not s1 and s2.item() == 0.25 and StageCompute._seed(owner, loss, 1.0).item() == 1.0  # type: ignore[arg-type]

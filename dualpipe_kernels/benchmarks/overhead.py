@@ -6,7 +6,8 @@ on the critical path.  Each case runs on the same 2 ranks (spawned, gloo on
 127.0.0.1, one thread per rank): our runtime for each schedule on each
 transport (``native``, ``torch`` = gloo; ``native-prev``: the native transport
 as the engine was before its small-message paths, with ``recv_poll_ms=0``, whose
-receive worker watches every posted receive, and ``gather_sends=False``), and
+receive worker watches every posted receive, ``gather_sends=False`` and the waiters'
+old 50 us spin), and
 torch.distributed.pipelining's
 schedules of the same placement on gloo.  A step's time is the slowest rank's
 wall time of that step (every step starts after a barrier); the figure is the
@@ -205,7 +206,7 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
     if transport == "native-prev":
         from dualpipe_kernels.transport.native import NativeTransport
 
-        owned = NativeTransport(recv_poll_ms=0.0, gather_sends=False)
+        owned = NativeTransport(recv_poll_ms=0.0, gather_sends=False, spin_us=50.0)
     pipe = Pipeline(sched, {s: _chunk_stack(k) for s in sched.stages_of_rank(rank)}, transport=owned or transport)
 
     def close() -> None:

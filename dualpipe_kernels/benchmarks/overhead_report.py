@@ -133,7 +133,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "actions of the busiest rank. 'ours/torch': our step on gloo over torch's on gloo, per launch, median "
         "(min, max) over the launches; in a launch the cases take turns step by step. 'native/prev': our step "
         "on native over ours on native-prev (the same engine as before its small-message paths: recv_poll_ms=0, "
-        "its receive worker watching every receive, and gather_sends=False), per launch, median (min, max). "
+        "its receive worker watching every receive, gather_sends=False and spin_us=50), per launch, median (min, max). "
         "floor rows: torch's own work of each rank (its stage modules for its compute actions in order: forward, "
         "criterion, one autograd.backward per B or I) with no pipeline, no transfers, no runtime; 'over floor': "
         "our per-action cost minus the floor's of the same schedule. "

@@ -102,6 +102,7 @@ class StageCompute:
     memory: ActivationMemory | None = None
     overlap_hook: bool = field(init=False)
     _hooked_stages: frozenset[int] = field(init=False)
+    _seeds: dict[tuple[Any, ...], torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         types = {type(m) for m in self.modules.values()}
@@ -213,12 +214,23 @@ class StageCompute:
         roots = st.roots.pop(key, [])
         if self.topo.is_loss_stage(s, mb):
             loss = st.loss_tensors.pop(key, None)
-            seed = None if loss is None else torch.full_like(loss, st.loss_scale)
+            seed = None if loss is None else self._seed(loss, st.loss_scale)
             return [(e, seed) for e, _ in roots]
         grads = st.out_grads.pop(key, None)
         if grads is None:
             raise RuntimeError(f"pipeline rank {self.rank}: backward of stage {s} micro-batch {mb} has no output grads")
         return [(e, grads[i]) for e, i in roots if i < len(grads) and grads[i] is not None]
+
+    def _seed(self, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        """The gradient seed of ``loss`` (``scale`` everywhere, like ``loss``), one tensor per kind of loss:
+        the engine only reads a root's gradient, and the cache's reference keeps it from being stolen as
+        a leaf's ``.grad``, so every backward may share it (one tensor op less per micro-batch).  A hook
+        that wrote into it in place (its version moved) gets a fresh one next time."""
+        k = (loss.dtype, loss.device, loss.shape, scale)
+        seed = self._seeds.get(k)
+        if seed is None or seed._version:
+            seed = self._seeds[k] = torch.full_like(loss, scale, memory_format=torch.contiguous_format)
+        return seed
 
     def _after_backward(self, st: ComputeState, s: int, mb: int) -> None:
         """Hand the stage's input gradients to the previous stage (locally or to the outbox of a SEND_B)."""

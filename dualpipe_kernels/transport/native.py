@@ -207,7 +207,9 @@ class NativeTransport(Transport):
 
     Construction is collective over the group.  ``num_slots`` (>= 2) and
     ``slot_bytes`` size each ring; ``spin_us`` is how long a waiting thread
-    spins before it sleeps; ``liveness_interval_s`` how often a sleeping wait
+    spins before it sleeps (default 500: long enough to cover a peer's gap
+    between actions, so that the sender's write needs no wake-up call; the
+    engine's worker threads spin at most 50); ``liveness_interval_s`` how often a sleeping wait
     checks that the peer process still exists.  ``single_copy`` (default: on
     unless ``DUALPIPE_KERNELS_SINGLE_COPY=0``) lets messages of at least
     ``single_copy_min_bytes`` bytes be read by the receiver straight from the
@@ -239,7 +241,7 @@ class NativeTransport(Transport):
         *,
         num_slots: int = DEFAULT_NUM_SLOTS,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
-        spin_us: float = 50.0,
+        spin_us: float = 500.0,
         liveness_interval_s: float = 0.05,
         single_copy: bool | None = None,
         single_copy_min_bytes: int = DEFAULT_SINGLE_COPY_MIN_BYTES,
