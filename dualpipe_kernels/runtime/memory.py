@@ -147,7 +147,9 @@ class ActivationMemory:
         # The parameters' storages matter only to the saved-tensor hooks (never moved); keep stages run
         # without hooks unless tracked, so a keep-only rank skips the walk over its parameters.
         hooked = self.track or any(p.kind != "keep" for p in self.policies.values())
-        params = {storage_ptr(p) for m in self.modules.values() for p in m.parameters()} if training and hooked else set()
+        params = set()
+        if training and hooked:
+            params = {storage_ptr(p) for m in self.modules.values() for p in m.parameters()}
         return StepMemory(training=training, params=params)
 
     def end_step(self, sm: StepMemory) -> None:
