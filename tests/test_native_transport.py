@@ -193,3 +193,17 @@ def results() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario(results: list[dict[str, Any]], name: str) -> None:
     check_scenario(results, name)
+
+
+def test_default_spin_follows_cpus_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiters spin long only where every local rank has a CPU (LOCAL_WORLD_SIZE, where set, counts them)."""
+    from dualpipe_kernels.transport import native
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(native.os, "cpu_count", lambda: 2)
+    assert native.default_spin_us(2) == native.SPIN_US_OWN_CORE == 500.0
+    assert native.default_spin_us(4) == native.SPIN_US_SHARED == 50.0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 8 ranks over 4 hosts of 2 CPUs
+    assert native.default_spin_us(8) == native.SPIN_US_OWN_CORE
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not-a-number")
+    assert native.default_spin_us(3) == native.SPIN_US_SHARED

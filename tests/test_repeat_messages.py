@@ -260,3 +260,26 @@ def test_gathered_repeats_move_the_same_bytes_and_a_non_contiguous_tensor_falls_
     assert msg[0] is not None and not msg[0].is_contiguous()
     _same(ends.exchange(msg, flags)[0], msg, flags)
     assert len(gathered) == 2 and len(ends.last_small) == 1
+
+
+def test_same_signature_agrees_with_comparing_signatures() -> None:
+    """The in-place check is exactly ``signature(...) == sig`` over dtype, shape, grad flag, None and length."""
+    from dualpipe_kernels.runtime.repeat import same_signature, signature
+
+    a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.int64)
+    base = ([a, None, b], [True, False, False])
+    sig = signature(*base)
+    variants = [
+        base,
+        ([a, None, b], [False, False, False]),  # grad flag
+        ([a.double(), None, b], [True, False, False]),  # dtype
+        ([a.view(3, 2), None, b], [True, False, False]),  # shape
+        ([a, b, b], [True, False, False]),  # a tensor where None was
+        ([None, None, b], [True, False, False]),  # None where a tensor was
+        ([a, None], [True, False]),  # fewer tensors
+        ([a, None, b, b], [True, False, False, False]),  # more tensors
+        ([a, None, b], [1, 0, 0]),  # truthy flags
+    ]
+    for tensors, flags in variants:
+        assert same_signature(sig, tensors, flags) == (signature(tensors, flags) == sig), (tensors, flags)
+    assert same_signature(sig, *base) and not same_signature(sig, [a, None, b], [True])

@@ -22,7 +22,7 @@ import torch
 
 from dualpipe_kernels.runtime.boundary_codec import BoundaryFormat
 from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace
-from dualpipe_kernels.runtime.repeat import RepeatRecvOp, SmallSend, post_repeat, signature
+from dualpipe_kernels.runtime.repeat import RepeatRecvOp, SmallSend, post_repeat, same_signature
 from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import T_SEND_B, T_SEND_F, Action
 from dualpipe_kernels.transport import Transport
@@ -178,7 +178,7 @@ class Boundary:
         r = self._route(i)
         w = self.wire
         repeat = None if keep else w.layouts.repeat_send.get(r.key)
-        if repeat is not None and signature(tensors, grad_flags) == repeat.sig:
+        if repeat is not None and same_signature(repeat.sig, tensors, grad_flags):
             # The layout of the last step's message, which the receiver posted inline (repeat.py).
             st.small_sends.append(repeat.post(w.transport, tensors, r.peer, r.meta_tag, r.what))
             nbytes = repeat.plan.nbytes

@@ -43,7 +43,16 @@ from dualpipe_kernels.runtime.boundary_meta import Layout, LayoutMemory
 from dualpipe_kernels.runtime.inline import META_BYTES, InlinePlan, build, data_views, read
 from dualpipe_kernels.transport.base import Handle, Transport
 
-__all__ = ["RepeatSend", "RepeatRecv", "RepeatRecvOp", "SmallSend", "signature", "header_bytes", "post_repeat"]
+__all__ = [
+    "RepeatSend",
+    "RepeatRecv",
+    "RepeatRecvOp",
+    "SmallSend",
+    "signature",
+    "same_signature",
+    "header_bytes",
+    "post_repeat",
+]
 
 _MAX_VIEWS = 16  # pooled buffers remembered per entry (the receive window needs a few)
 
@@ -56,6 +65,19 @@ def signature(tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool]
     for t, g in zip(tensors, grad_flags, strict=False):  # a loop, not a generator: once per message
         out.append(None if t is None else (t.dtype, t.shape, bool(g)))
     return tuple(out)
+
+
+def same_signature(sig: Signature, tensors: Sequence[torch.Tensor | None], grad_flags: Sequence[bool]) -> bool:
+    """``signature(tensors, grad_flags) == sig`` without building the signature (once per repeated send)."""
+    if len(sig) != len(tensors) or len(grad_flags) < len(tensors):
+        return False
+    for e, t, g in zip(sig, tensors, grad_flags, strict=False):
+        if t is None or e is None:
+            if t is not e:
+                return False
+        elif e[0] != t.dtype or e[2] != bool(g) or e[1] != t.shape:
+            return False
+    return True
 
 
 def header_bytes(buf: torch.Tensor) -> bytes:

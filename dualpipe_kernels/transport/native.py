@@ -72,7 +72,15 @@ if TYPE_CHECKING:
     from dualpipe_kernels.kernels import PackLayout
     from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
-__all__ = ["NativeTransport", "NativeHandle", "ReservedSlot", "DTYPES", "dtype_code", "load_engine_module"]
+__all__ = [
+    "NativeTransport",
+    "NativeHandle",
+    "ReservedSlot",
+    "DTYPES",
+    "dtype_code",
+    "default_spin_us",
+    "load_engine_module",
+]
 
 #: dtypes with fixed codes in message headers (the package-wide wire table); others get a stable hash code.
 DTYPES = WIRE_DTYPES
@@ -118,6 +126,20 @@ def _group_store(group: dist.ProcessGroup | None) -> dist.Store:
         return dist.distributed_c10d._get_process_group_store(group)
     except (AttributeError, KeyError):
         return dist.distributed_c10d._get_default_store()
+
+
+#: A waiter's spin before it sleeps when every local rank has a CPU, and when ranks share CPUs.
+SPIN_US_OWN_CORE, SPIN_US_SHARED = 500.0, 50.0
+
+
+def default_spin_us(group_size: int) -> float:
+    """``NativeTransport``'s default ``spin_us``: :data:`SPIN_US_OWN_CORE` when this host's CPUs are at least
+    its ranks (``LOCAL_WORLD_SIZE`` where a launcher set it, else ``group_size``), else :data:`SPIN_US_SHARED`."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", group_size))
+    except ValueError:
+        local = group_size
+    return SPIN_US_OWN_CORE if (os.cpu_count() or 1) >= local else SPIN_US_SHARED
 
 
 class NativeHandle(Handle):
@@ -207,9 +229,11 @@ class NativeTransport(Transport):
 
     Construction is collective over the group.  ``num_slots`` (>= 2) and
     ``slot_bytes`` size each ring; ``spin_us`` is how long a waiting thread
-    spins before it sleeps (default 500: long enough to cover a peer's gap
-    between actions, so that the sender's write needs no wake-up call; the
-    engine's worker threads spin at most 50); ``liveness_interval_s`` how often a sleeping wait
+    spins before it sleeps (the engine's worker threads spin at most 50).  By
+    default (None) :func:`default_spin_us`: 500 when this host has a CPU for
+    every local rank, long enough to cover a peer's gap between two actions so
+    that the sender's write needs no wake-up call, and 50 when ranks share
+    CPUs (a spinning waiter would take a core a busy rank needs); ``liveness_interval_s`` how often a sleeping wait
     checks that the peer process still exists.  ``single_copy`` (default: on
     unless ``DUALPIPE_KERNELS_SINGLE_COPY=0``) lets messages of at least
     ``single_copy_min_bytes`` bytes be read by the receiver straight from the
@@ -241,7 +265,7 @@ class NativeTransport(Transport):
         *,
         num_slots: int = DEFAULT_NUM_SLOTS,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
-        spin_us: float = 500.0,
+        spin_us: float | None = None,
         liveness_interval_s: float = 0.05,
         single_copy: bool | None = None,
         single_copy_min_bytes: int = DEFAULT_SINGLE_COPY_MIN_BYTES,
@@ -281,7 +305,7 @@ class NativeTransport(Transport):
             self._rank,
             num_slots=num_slots,
             slot_bytes=slot_bytes,
-            spin_us=spin_us,
+            spin_us=default_spin_us(self._size) if spin_us is None else spin_us,
             liveness_interval_s=liveness_interval_s,
             dtype_names=[str(d).removeprefix("torch.") for d in DTYPES],
             single_copy=single_copy,
@@ -387,7 +411,7 @@ class NativeTransport(Transport):
             self._check(tensor, peer, what)
             assert self._fallback is not None
             return (self._fallback.isend if is_send else self._fallback.irecv)(tensor, peer, tag, what)
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         post = self._engine.send if is_send else self._engine.recv
         code = WIRE_DTYPE_CODE.get(tensor.dtype)
         if code is None:
@@ -411,7 +435,7 @@ class NativeTransport(Transport):
         for off, t in pieces:
             if not t.is_cpu or not t.is_contiguous():
                 raise ValueError(f"rank {self._rank}: gathered pieces must be contiguous CPU tensors (tag {tag})")
-            spec.append((off, t.data_ptr(), t.numel() * t.element_size()))
+            spec.append((off, t.data_ptr(), t.nbytes))
         try:
             return bool(self._engine.try_send_gather(peer, spec, nbytes, tag, _UINT8_CODE))
         except ValueError as exc:  # std::invalid_argument: a piece outside the message
