@@ -543,3 +543,54 @@ def test_loss_seed_is_shared_until_written_in_place() -> None:
     s1.mul_(3)  # what a gradient hook doing g.mul_() would leave behind
     s2 = StageCompute._seed(owner, loss, 0.25)  # type: ignore[arg-type]
     assert s2 is not s1 and s2.item() == 0.25 and StageCompute._seed(owner, loss, 1.0).item() == 1.0  # type: ignore[arg-type]
+
+
+def test_kept_parameter_edges_stay_the_ones_later_graphs_reach() -> None:
+    """A kept AccumulateGrad edge is the node every later forward through the parameter ends in, step after
+    step, so the W half may use it; a parameter replaced under the same id gets its own."""
+    import gc
+
+    from dualpipe_kernels.runtime.zero_bubble import ParamEdges
+
+    lin = nn.Linear(3, 2)
+    edges = ParamEdges()
+    kept = edges([lin.weight, lin.bias])
+    for _ in range(3):
+        out = lin(torch.randn(4, 3))
+        reached, todo = set(), [out.grad_fn]
+        while todo:  # every node of the graph
+            for fn, _ in todo.pop().next_functions:
+                if fn is not None and fn not in reached:
+                    reached.add(fn)
+                    todo.append(fn)
+        assert kept[0].node in reached and kept[1].node in reached
+        assert edges([lin.weight])[0] is kept[0]  # no second edge for the same parameter
+        del out, reached, todo
+        gc.collect()
+    lin.weight = nn.Parameter(torch.zeros(2, 3))
+    fresh = edges([lin.weight])[0]
+    assert fresh.node is not kept[0].node and fresh.node.variable is lin.weight
+
+
+def test_split_backward_with_kept_edges_matches_full_backward() -> None:
+    """I then W with kept parameter edges, over several micro-batches, gives torch.equal gradients to a
+    full backward per micro-batch (the same graph split as the runtime's, with its edge cache)."""
+    from dualpipe_kernels.runtime.zero_bubble import ParamEdges
+
+    torch.manual_seed(0)
+    ref, split = _mlp(), _mlp()
+    split.load_state_dict(ref.state_dict())
+    edges = ParamEdges()
+    for _ in range(3):
+        x = torch.randn(2, HIDDEN)
+        g = torch.randn(2, HIDDEN)
+        a = x.clone().requires_grad_(True)
+        ref(a).backward(g)
+        b = x.clone().requires_grad_(True)
+        z = split(b)
+        params = list(split.parameters())
+        w = backward_input([(get_gradient_edge(z), g)], [b], params, edges(params))
+        assert torch.equal(b.grad, a.grad)
+        w.run()
+    for p, q in zip(ref.parameters(), split.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

@@ -29,7 +29,13 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from dualpipe_kernels.runtime.checks import call_criterion
 from dualpipe_kernels.runtime.memory import ActivationMemory, StepMemory
-from dualpipe_kernels.runtime.zero_bubble import DeferredWeightGrad, WeightGradStore, backward_full, backward_input
+from dualpipe_kernels.runtime.zero_bubble import (
+    DeferredWeightGrad,
+    ParamEdges,
+    WeightGradStore,
+    backward_full,
+    backward_input,
+)
 from dualpipe_kernels.schedules.deps import DepKind, Topology
 from dualpipe_kernels.schedules.ir import T_I, T_RECV_B, T_RECV_F, Action, ActionType
 
@@ -103,6 +109,7 @@ class StageCompute:
     overlap_hook: bool = field(init=False)
     _hooked_stages: frozenset[int] = field(init=False)
     _seeds: dict[tuple[Any, ...], torch.Tensor] = field(init=False, default_factory=dict)
+    _param_edges: ParamEdges = field(init=False, default_factory=ParamEdges)
 
     def __post_init__(self) -> None:
         types = {type(m) for m in self.modules.values()}
@@ -264,7 +271,7 @@ class StageCompute:
             leaves = [x for x in ins if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf]
             params = [p for p in self.modules[s].parameters() if p.requires_grad]
             with store.enabled_for(True):
-                st.deferred[(s, mb)] = backward_input(roots, leaves, params)
+                st.deferred[(s, mb)] = backward_input(roots, leaves, params, self._param_edges(params))
             store.flush((s, mb))
             mem.after_input(st.mem, s, mb)  # type: ignore[union-attr]  # recompute: W recomputes again
         self._after_backward(st, s, mb)

@@ -48,6 +48,7 @@ __all__ = [
     "backward_full",
     "backward_input",
     "DeferredWeightGrad",
+    "ParamEdges",
 ]
 
 # The store bound to the pipeline step running in this context (None outside a step).
@@ -97,9 +98,10 @@ class WeightGradStore:
         # Deferred closures (``weight.grad += g.T @ x``) must not record autograd
         # history: under grad mode ``.grad`` would get a grad_fn that keeps the
         # step's activations alive until ``zero_grad``.
-        with torch.no_grad():
-            for fn in fns:
-                fn()
+        if fns:  # (entering no_grad costs a few microseconds: not for the usual empty unit)
+            with torch.no_grad():
+                for fn in fns:
+                    fn()
 
     def has(self, key: Hashable) -> bool:
         return key in self._queue
@@ -199,6 +201,7 @@ class _Group:
     """Parameters whose W pass starts from the same cut nodes."""
 
     params: list[torch.Tensor] = field(default_factory=list)
+    param_edges: list[GradientEdge] = field(default_factory=list)  # each parameter's AccumulateGrad edge
     cut_nodes: list[Node] = field(default_factory=list)
     root_edges: list[tuple[GradientEdge, torch.Tensor | None]] = field(default_factory=list)
     captured: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
@@ -244,8 +247,15 @@ def _run_group(g: _Group) -> None:
             if saved is not None:
                 handles.append(node.register_prehook(lambda _grads, s=saved: s))
     try:
-        targets = [get_gradient_edge(p) for p in g.params]
-        dws = torch.autograd.grad(edges, targets, grads, retain_graph=True, allow_unused=True)
+        if _ENGINE_RUN is not None:
+            # torch.autograd.grad's engine call without its per-call argument handling: every gradient here
+            # is a tensor autograd itself produced (or the caller's root gradient) for exactly its edge.
+            dws = _ENGINE_RUN(
+                tuple(edges), tuple(grads), True, False, tuple(g.param_edges), allow_unreachable=True,
+                accumulate_grad=False,
+            )  # fmt: skip
+        else:
+            dws = torch.autograd.grad(edges, g.param_edges, grads, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
@@ -257,6 +267,30 @@ def _run_group(g: _Group) -> None:
                 p.grad = dw
             else:
                 p.grad += dw
+
+
+class ParamEdges:
+    """Each parameter's gradient edge (its AccumulateGrad node), made once and kept.
+
+    ``get_gradient_edge`` of a leaf builds a view to reach the accumulator, two
+    tensor ops per parameter per I and per W.  torch keeps a leaf's accumulator
+    only while something references it, and reuses it while it lives; the edge
+    kept here is such a reference, so every later graph through the parameter
+    ends in the same node and the kept edge stays right.  An entry is checked
+    against the parameter's identity (a replaced parameter gets a new edge).
+    """
+
+    def __init__(self) -> None:
+        self._edges: dict[int, tuple[torch.Tensor, GradientEdge]] = {}
+
+    def __call__(self, params: Sequence[torch.Tensor]) -> list[GradientEdge]:
+        out = []
+        for p in params:
+            hit = self._edges.get(id(p))
+            if hit is None or hit[0] is not p:
+                hit = self._edges[id(p)] = (p, get_gradient_edge(p))
+            out.append(hit[1])
+        return out
 
 
 def _graph(root_nodes: Sequence[Node]) -> dict[Node, list[Node]]:
@@ -297,6 +331,7 @@ def backward_input(
     roots: Sequence[tuple[GradientEdge, torch.Tensor | None]],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
+    param_edges: Sequence[GradientEdge] | None = None,
 ) -> DeferredWeightGrad:
     """The I half: gradients into ``inputs``' ``.grad`` now; return the W half for ``params``.
 
@@ -304,6 +339,9 @@ def backward_input(
     gradient means a scalar loss (gradient 1).  ``inputs``: the stage's leaf
     inputs that require grad.  Parameters reached through a custom autograd
     function get their gradient now (that function may defer via the store).
+    ``param_edges``: ``get_gradient_edge(p)`` of each of ``params``, when the
+    caller keeps them (a kept edge keeps the parameter's AccumulateGrad node,
+    so every later graph reaches the same node: see :class:`ParamEdges`).
     """
     if not roots:
         return DeferredWeightGrad([])
@@ -318,8 +356,9 @@ def backward_input(
     eager: list[GradientEdge] = []
     groups: dict[int, _Group] = {}
     group_of_node: dict[Node, int] = {}
-    for p in params:
-        edge = get_gradient_edge(p)
+    if param_edges is None:
+        param_edges = [get_gradient_edge(p) for p in params]
+    for p, edge in zip(params, param_edges, strict=True):
         acc = edge.node
         if acc not in parents:
             continue  # unused in this stage for this micro-batch
@@ -355,10 +394,12 @@ def backward_input(
         for other in gids[1:]:
             og = groups.pop(other)
             grp.params += og.params
+            grp.param_edges += og.param_edges
             for k, v in group_of_node.items():
                 if v == other:
                     group_of_node[k] = gid
         grp.params.append(p)
+        grp.param_edges.append(edge)
         for k in keys:
             group_of_node[k] = gid
 
