@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROW_KEYS = {"impl", "transport", "schedule", "ranks", "microbatches", "step_s", "per_action_us"}
 
 
@@ -88,3 +90,56 @@ def test_launches_combine_to_medians_with_the_ratio_range_and_keep_an_error() ->
     assert (ours["step_min_s"], ours["step_max_s"]) == (0.0, 4.0)
     assert (ours["ratio_to_torch"], ours["ratio_min"], ours["ratio_max"]) == (0.8, 0.7, 0.9)
     assert failed["error"] == "boom"
+
+
+def test_floor_rows_are_cases_unless_turned_off_and_subtract_per_schedule() -> None:
+    """--no-floor drops the floor cases; add_floor puts each schedule's floor (and our cost above it) on our
+    rows of that schedule only, and leaves rows without a floor of their schedule alone."""
+    import argparse
+
+    from dualpipe_kernels.benchmarks.overhead import OverheadConfig, add_arguments
+    from dualpipe_kernels.benchmarks.overhead_report import add_floor
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    on = OverheadConfig.from_args(p.parse_args(["--schedules", "1f1b,gpipe", "--no-torch"]))
+    off = OverheadConfig.from_args(p.parse_args(["--schedules", "1f1b,gpipe", "--no-torch", "--no-floor"]))
+    assert [c for c in on.cases() if c[0] == "floor"] == [("floor", "none", "1f1b"), ("floor", "none", "gpipe")]
+    assert not [c for c in off.cases() if c[0] == "floor"] and len(on.cases()) == len(off.cases()) + 2
+
+    rows = [
+        {"impl": "ours", "transport": "native", "schedule": "1f1b", "per_action_us": 130.0},
+        {"impl": "ours", "transport": "torch", "schedule": "1f1b", "per_action_us": 600.0},
+        {"impl": "ours", "transport": "native", "schedule": "gpipe", "per_action_us": 110.0},
+        {"impl": "torch", "transport": "torch", "schedule": "1f1b", "per_action_us": 400.0},
+        {"impl": "floor", "transport": "none", "schedule": "1f1b", "per_action_us": 75.0},
+    ]
+    add_floor(rows)
+    assert (rows[0]["floor_us"], rows[0]["over_floor_us"]) == (75.0, 55.0)
+    assert (rows[1]["floor_us"], rows[1]["over_floor_us"]) == (75.0, 525.0)
+    assert "floor_us" not in rows[2] and "floor_us" not in rows[3] and "floor_us" not in rows[4]
+
+
+def test_floor_step_runs_each_compute_action_of_the_rank_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The floor of a rank: one forward per F (a pair's F half included), one autograd.backward per B or I,
+    nothing for a W; no process group needed."""
+    import torch
+
+    from dualpipe_kernels.benchmarks import overhead as ov
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.ir import T_B, T_F, T_I
+
+    cfg = ov.OverheadConfig(("dualpipev",), ("native",), 4, 1, 0, False, "dualpipev", 1)
+    halves = [c for a in build_schedule("dualpipev", 2, 4).actions[0] for c in a.computes()]
+    calls = {"backward": 0}
+    real = torch.autograd.backward
+
+    def counting(*args: object, **kw: object) -> None:
+        calls["backward"] += 1
+        real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.autograd, "backward", counting)
+    step = ov._floor_step(0, cfg, "dualpipev")
+    step()
+    assert calls["backward"] == sum(1 for a in halves if a.type in (T_B, T_I))
+    assert sum(1 for a in halves if a.type is T_F) == 2 * 4  # two stage chunks x 4 micro-batches
