@@ -18,6 +18,19 @@ the runtime can poll without blocking: that is what lets it post a data
 receive the moment its metadata is in, and free a sent activation the moment
 its send is done.  Transfers that are only ever waited on cost no thread.
 
+Over gloo the two directions of a pair use two process groups: transfers to a
+higher rank go over ``group``, transfers to a lower rank over a second gloo
+group of the same ranks, made at construction (``split_directions``).  A gloo
+transfer is a rendezvous (the receiver's post announces it, the sender's post
+announces its data and writes it when the receiver's notice is in, otherwise
+gloo's TCP loop thread writes it later), and the loop thread reads a pair's
+socket only while it holds the pair's lock, which a post on the rank's own
+thread takes too.  On one group a rank's posts to a peer and the messages
+arriving from it contend for that one lock and loop thread; with the
+directions apart they do not.  DualPipeV 2 x 16 of tiny stages: 32-33 ms per
+step -> 21 ms (torch's ``ScheduleDualPipeV`` on the same gloo: 36-42 ms); 1F1B:
+19-22 ms -> 14-15 ms, the loop thread's CPU time halved (torch: 12-15 ms).
+
 CUDA tensors over a backend that cannot move them (gloo) are staged through a
 host buffer: the send copies to the host before posting, the receive copies to
 the device when it is waited on.  That path blocks the host; it exists so that
@@ -45,6 +58,7 @@ import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -279,8 +293,15 @@ class TorchDistTransport(Transport):
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         ordered: bool | None = None,
+        split_directions: bool | None = None,
     ) -> None:
-        """``ordered``: sequence every pair's transfers (see ordered.py); default: exactly for NCCL groups."""
+        """``ordered``: sequence every pair's transfers (see ordered.py); default: exactly for NCCL groups.
+
+        ``split_directions`` (default: on for an unordered gloo group of two or more ranks): transfers to a
+        lower rank go over a second gloo group of the same ranks (see the module docstring).  Construction
+        is then collective over ``group``: every member builds the transport (as a Pipeline does);
+        :meth:`close` destroys that group.
+        """
         super().__init__(timeout_s)
         require_process_group("TorchDistTransport", timeout_s)
         world = dist.group.WORLD
@@ -301,6 +322,12 @@ class TorchDistTransport(Transport):
         self._ordered: OrderedP2P | None = None
         if nccl or ordered:
             self._ordered = self._make_ordered(nccl)
+        if split_directions and self._ordered is not None:
+            raise ValueError("split_directions applies to unordered gloo transfers (not NCCL, not ordered=True)")
+        if split_directions is None:
+            split_directions = self._ordered is None and self._size > 1
+        # Transfers to a lower group rank (None: everything over ``group``).
+        self._down: dist.ProcessGroup | None = _direction_group(self.group, timeout_s) if split_directions else None
         # Transfers posted and not seen finished (one whose handle was dropped unwaited stays counted).
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
@@ -360,9 +387,10 @@ class TorchDistTransport(Transport):
         if self._ordered is not None:
             return self._ordered.isend(tensor, peer, tag, what)
         buf = tensor if (tensor.device.type == "cpu" or self.device_native) else tensor.to("cpu")
+        group = self.group if self._down is None or peer > self._rank else self._down
         try:
             # The group's own send (what dist.isend calls after its per-call argument checks).
-            work = self.group.send([buf], peer, tag)
+            work = group.send([buf], peer, tag)
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
@@ -376,8 +404,10 @@ class TorchDistTransport(Transport):
             return self._ordered.irecv(tensor, peer, tag, what)
         staged = not (tensor.device.type == "cpu" or self.device_native)
         buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if staged else tensor
+        # The sender's choice: a transfer to the higher of the two ranks goes over ``group``.
+        group = self.group if self._down is None or peer < self._rank else self._down
         try:
-            work = self.group.recv([buf], peer, tag)
+            work = group.recv([buf], peer, tag)
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
@@ -399,18 +429,46 @@ class TorchDistTransport(Transport):
         if self._in_flight or self.waiters.busy():
             self._cancel_in_flight()
         self.waiters.close(_JOIN_S)
+        down, self._down = self._down, None
+        if down is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(down)
+            except (RuntimeError, ValueError):  # already gone with the default group
+                pass
 
     def _cancel_in_flight(self) -> None:
         # gloo answers a receive that times out by failing every pending transfer of the context.
         if self._size < 2:
             return
         peer = (self._rank + 1) % self._size
-        try:
-            work = dist.irecv(torch.empty(1), group=self.group, group_src=peer, tag=_CANCEL_TAG)
-            if work is not None:  # None only when this rank is not in the group
-                work.wait(timedelta(milliseconds=1))
-        except RuntimeError:
-            pass
+        for group in (self.group, self._down):
+            if group is None:
+                continue
+            try:
+                work = dist.irecv(torch.empty(1), group=group, group_src=peer, tag=_CANCEL_TAG)
+                if work is not None:  # None only when this rank is not in the group
+                    work.wait(timedelta(milliseconds=1))
+            except RuntimeError:
+                pass
+
+
+def _direction_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """A second gloo group of ``group``'s ranks (same order, so the same group ranks), made by its members only."""
+    import inspect
+
+    ranks = dist.get_process_group_ranks(group)
+    params = inspect.signature(dist.new_group).parameters
+    extra: dict[str, Any] = {}
+    if "sort_ranks" in params:  # keep ``group``'s order (a group made unsorted numbers its ranks as listed)
+        extra["sort_ranks"] = False
+    if "group_desc" in params:
+        extra["group_desc"] = "dualpipe_kernels_p2p_down"
+    down = dist.new_group(
+        ranks, backend="gloo", timeout=timedelta(seconds=max(timeout_s, 1.0)), use_local_synchronization=True, **extra
+    )
+    if not isinstance(down, dist.ProcessGroup):  # this rank is one of ``ranks``: never the non-member sentinel
+        raise RuntimeError(f"could not make the second gloo group of ranks {ranks}")
+    return down
 
 
 def _exit_hook(ref: weakref.ReferenceType[TorchDistTransport]) -> Callable[[], None]:
