@@ -319,11 +319,11 @@ class TorchDistTransport(Transport):
         self.device_native = nccl or self.device.type == "cpu"
         # The waiters' own limit is generous: a caller's wait enforces its timeout.
         self.waiters = _WaiterPool(max(timeout_s, 1.0) * 4)
+        if split_directions and (nccl or ordered):
+            raise ValueError("split_directions applies to unordered gloo transfers (not NCCL, not ordered=True)")
         self._ordered: OrderedP2P | None = None
         if nccl or ordered:
             self._ordered = self._make_ordered(nccl)
-        if split_directions and self._ordered is not None:
-            raise ValueError("split_directions applies to unordered gloo transfers (not NCCL, not ordered=True)")
         if split_directions is None:
             split_directions = self._ordered is None and self._size > 1
         # Transfers to a lower group rank (None: everything over ``group``).

@@ -1,0 +1,76 @@
+"""The torch transport over gloo with its two directions on two process groups (``split_directions``).
+
+Three ranks exchange a distinct tensor between every ordered pair, on several
+tags, with receives posted before and after the sends: transfers to a higher
+rank travel over the transport's group, transfers to a lower rank over its
+second gloo group, and each must still pair up with the receive of the same
+tag.  The same exchange runs with the split turned off.  ``close()`` destroys
+the second group; ``ordered=True`` refuses the split.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from dualpipe_kernels.runtime import spawn
+from dualpipe_kernels.transport.torch_dist import TorchDistTransport
+
+TAGS = (3, 11, 12)
+
+
+def _payload(src: int, dst: int, tag: int) -> torch.Tensor:
+    return torch.arange(16 + tag, dtype=torch.float32) + 1000 * src + 100 * dst + 10000 * tag
+
+
+def _exchange(t: TorchDistTransport, rank: int, world: int) -> list[str]:
+    """Every ordered pair, every tag; half the receives posted before the sends, half after a pause."""
+    peers = [p for p in range(world) if p != rank]
+    bufs = {(p, tag): torch.empty(16 + tag) for p in peers for tag in TAGS}
+    early = [(p, tag) for p in peers for tag in TAGS if tag != TAGS[-1]]
+    handles = {k: t.irecv(bufs[k], k[0], k[1], f"from {k[0]} tag {k[1]}") for k in early}
+    sends = [t.isend(_payload(rank, p, tag), p, tag, f"to {p} tag {tag}") for p in peers for tag in reversed(TAGS)]
+    time.sleep(0.2)
+    for k in bufs:
+        if k not in handles:
+            handles[k] = t.irecv(bufs[k], k[0], k[1], f"from {k[0]} tag {k[1]}")
+    for h in sends:
+        h.wait()
+    errors = []
+    for (p, tag), h in handles.items():
+        h.wait()
+        if not torch.equal(bufs[(p, tag)], _payload(p, rank, tag)):
+            errors.append(f"rank {rank}: message from {p} on tag {tag} has wrong data")
+    return errors
+
+
+def _worker(rank: int, world: int) -> list[str]:
+    errors: list[str] = []
+    split = TorchDistTransport(timeout_s=30.0)
+    down = split._down
+    if down is None or dist.get_process_group_ranks(down) != list(range(world)):
+        errors.append(f"rank {rank}: no second group of every rank ({down})")
+    elif dist.get_rank(down) != rank:
+        errors.append(f"rank {rank}: the second group numbers this rank {dist.get_rank(down)}")
+    errors += _exchange(split, rank, world)
+    split.close()
+    if split._down is not None:
+        errors.append(f"rank {rank}: close() kept the second group")
+    plain = TorchDistTransport(timeout_s=30.0, split_directions=False)
+    if plain._down is not None:
+        errors.append(f"rank {rank}: split_directions=False made a second group")
+    errors += _exchange(plain, rank, world)
+    plain.close()
+    try:
+        TorchDistTransport(timeout_s=30.0, ordered=True, split_directions=True)
+        errors.append(f"rank {rank}: ordered=True with split_directions=True was accepted")
+    except ValueError as exc:
+        if "split_directions" not in str(exc):
+            errors.append(f"rank {rank}: unclear error {exc}")
+    return errors
+
+
+def test_both_directions_pair_up_with_and_without_the_split() -> None:
+    assert spawn(_worker, 3, timeout_s=120) == [[], [], []]
