@@ -20,7 +20,8 @@ its send is done.  Transfers that are only ever waited on cost no thread.
 
 Over gloo the two directions of a pair use two process groups: transfers to a
 higher rank go over ``group``, transfers to a lower rank over a second gloo
-group of the same ranks, made at construction (``split_directions``).  A gloo
+group of the same ranks (a gloo backend of its own, made by the first transport
+on that group in a process and shared by the later ones: ``split_directions``).  A gloo
 transfer is a rendezvous (the receiver's post announces it, the sender's post
 announces its data and writes it when the receiver's notice is in, otherwise
 gloo's TCP loop thread writes it later), and the loop thread reads a pair's
@@ -299,8 +300,8 @@ class TorchDistTransport(Transport):
 
         ``split_directions`` (default: on for an unordered gloo group of two or more ranks): transfers to a
         lower rank go over a second gloo group of the same ranks (see the module docstring).  Construction
-        is then collective over ``group``: every member builds the transport (as a Pipeline does);
-        :meth:`close` destroys that group.
+        is then collective over ``group`` the first time in a process: every member builds the transport
+        (as a Pipeline does).  The second group is made once per group and shared by its transports.
         """
         super().__init__(timeout_s)
         require_process_group("TorchDistTransport", timeout_s)
@@ -327,7 +328,7 @@ class TorchDistTransport(Transport):
         if split_directions is None:
             split_directions = self._ordered is None and self._size > 1
         # Transfers to a lower group rank (None: everything over ``group``).
-        self._down: dist.ProcessGroup | None = _direction_group(self.group, timeout_s) if split_directions else None
+        self._down: Any = _direction_group(self.group, timeout_s) if split_directions else None
         # Transfers posted and not seen finished (one whose handle was dropped unwaited stays counted).
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
@@ -429,45 +430,46 @@ class TorchDistTransport(Transport):
         if self._in_flight or self.waiters.busy():
             self._cancel_in_flight()
         self.waiters.close(_JOIN_S)
-        down, self._down = self._down, None
-        if down is not None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(down)
-            except (RuntimeError, ValueError):  # already gone with the default group
-                pass
 
     def _cancel_in_flight(self) -> None:
         # gloo answers a receive that times out by failing every pending transfer of the context.
         if self._size < 2:
             return
         peer = (self._rank + 1) % self._size
-        for group in (self.group, self._down):
-            if group is None:
-                continue
+        try:
+            work = dist.irecv(torch.empty(1), group=self.group, group_src=peer, tag=_CANCEL_TAG)
+            if work is not None:  # None only when this rank is not in the group
+                work.wait(timedelta(milliseconds=1))
+        except RuntimeError:
+            pass
+        if self._down is not None:
             try:
-                work = dist.irecv(torch.empty(1), group=group, group_src=peer, tag=_CANCEL_TAG)
-                if work is not None:  # None only when this rank is not in the group
-                    work.wait(timedelta(milliseconds=1))
+                self._down.recv([torch.empty(1)], peer, _CANCEL_TAG).wait(timedelta(milliseconds=1))
             except RuntimeError:
                 pass
 
 
-def _direction_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
-    """A second gloo group of ``group``'s ranks (same order, so the same group ranks), made by its members only."""
-    import inspect
+#: id(group) -> (the group, its second gloo backend): one per group and process, shared by its transports.
+_DOWN_GROUPS: dict[int, tuple[weakref.ReferenceType[dist.ProcessGroup], Any]] = {}
+_DOWN_PREFIX = "dualpipe_kernels_p2p_down/"
 
-    ranks = dist.get_process_group_ranks(group)
-    params = inspect.signature(dist.new_group).parameters
-    extra: dict[str, Any] = {}
-    if "sort_ranks" in params:  # keep ``group``'s order (a group made unsorted numbers its ranks as listed)
-        extra["sort_ranks"] = False
-    if "group_desc" in params:
-        extra["group_desc"] = "dualpipe_kernels_p2p_down"
-    down = dist.new_group(
-        ranks, backend="gloo", timeout=timedelta(seconds=max(timeout_s, 1.0)), use_local_synchronization=True, **extra
+
+def _direction_group(group: dist.ProcessGroup, timeout_s: float) -> Any:
+    """The second gloo group of ``group``'s ranks, numbered as in ``group``: a gloo backend of its own
+    (its own pairs and TCP loop thread) that rendezvouses under ``group``'s store, so only the members take
+    part and no group name or count of torch's changes.  Made once per group in this process and shared
+    by every transport on ``group`` (as ``group`` itself is); dropped at exit."""
+    hit = _DOWN_GROUPS.get(id(group))
+    if hit is not None and hit[0]() is group:
+        return hit[1]
+    name = getattr(group, "group_name", "") or "world"
+    store = dist.PrefixStore(f"{_DOWN_PREFIX}{name}/", group_store(group))
+    down = dist.ProcessGroupGloo(
+        store, dist.get_rank(group), dist.get_world_size(group), timedelta(seconds=max(timeout_s, 30.0))
     )
-    if not isinstance(down, dist.ProcessGroup):  # this rank is one of ``ranks``: never the non-member sentinel
-        raise RuntimeError(f"could not make the second gloo group of ranks {ranks}")
+    if not _DOWN_GROUPS:
+        atexit.register(_DOWN_GROUPS.clear)  # gloo's threads stop while the interpreter still runs
+    _DOWN_GROUPS[id(group)] = (weakref.ref(group), down)
     return down
 
 
