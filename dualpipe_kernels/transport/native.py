@@ -60,6 +60,7 @@ from dualpipe_kernels.transport.base import (
     Transport,
     TransportError,
     TransportTimeout,
+    group_store,
     require_process_group,
     wait_store_key,
 )
@@ -116,16 +117,6 @@ def load_engine_module() -> Any:
             "dualpipe_kernels._C is not built; install with `pip install --no-build-isolation -e .`"
         ) from exc
     return _C.shm
-
-
-def _group_store(group: dist.ProcessGroup | None) -> dist.Store:
-    """The store the group was created with (a PrefixStore for subgroups; the default store for WORLD)."""
-    if group is None:
-        return dist.distributed_c10d._get_default_store()
-    try:
-        return dist.distributed_c10d._get_process_group_store(group)
-    except (AttributeError, KeyError):
-        return dist.distributed_c10d._get_default_store()
 
 
 #: A waiter's spin before it sleeps when every local rank has a CPU, and when ranks share CPUs.
@@ -313,7 +304,7 @@ class NativeTransport(Transport):
             recv_poll_ms=recv_poll_ms,
         )
         try:  # the engine swept stale segments of both engines when it started
-            hosts = self._rendezvous(_group_store(self.group), host_id or default_host_id())
+            hosts = self._rendezvous(group_store(self.group), host_id or default_host_id())
         except BaseException:
             self._engine.close()
             raise
