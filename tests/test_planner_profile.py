@@ -42,6 +42,47 @@ def test_integer_first_input_and_buffers():
     assert table.layers[1].activation_bytes == 3 * 4 * 4  # tanh keeps its output
 
 
+class _Slow(nn.Module):
+    """A layer whose forward sleeps while ``burst`` is on (a burst of load that meets whatever runs then)."""
+
+    def __init__(self, log: list[int], k: int, burst: list[bool]) -> None:
+        super().__init__()
+        self.lin, self.log, self.k, self.burst = nn.Linear(2, 2), log, k, burst
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(self.k)
+        if self.burst[0]:
+            import time
+
+            time.sleep(0.02)
+        return self.lin(x)
+
+
+def test_repeats_go_round_the_layers_so_a_burst_lands_on_all_alike():
+    """The forwards run chain pass, then round by round (0 1 2, 0 1 2, ...), not layer by layer.
+
+    A burst of load that lasts one round (here: the middle rounds sleep) then
+    shifts every layer's median alike; profiled layer by layer, it would
+    land on one layer and make the plan move work away from it.
+    """
+    log: list[int] = []
+    burst = [False]
+    layers = [_Slow(log, k, burst) for k in range(3)]
+    calls = 0
+
+    def count(module, args) -> None:
+        nonlocal calls
+        calls += 1
+        burst[0] = 7 <= calls <= 12  # timed rounds 1 and 2 (calls 1-3: the chain pass; 4-6: the warm-up)
+
+    for m in layers:
+        m.register_forward_pre_hook(count)
+    table = profile_layers(layers, torch.ones(1, 2), repeats=3)
+    assert log == [0, 1, 2] * 5  # the chain pass, the warm-up round, three timed rounds
+    f = [layer.f_s for layer in table.layers]
+    assert all(x >= 0.02 for x in f), f  # two of three rounds slow for every layer: each median is slow
+
+
 def test_param_count_fallback():
     model, _ = _tiny()
     table = param_count_table(model)

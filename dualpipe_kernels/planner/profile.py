@@ -6,8 +6,9 @@ previous one's output):
 * ``f_s``: forward with autograd recording; ``b_s``: full backward
   (``torch.autograd.grad`` for the input and the parameters at once);
   ``w_s``: the parameters alone (the weight-gradient part, clamped to
-  ``b_s``).  Each is the median of ``repeats`` runs after one warm-up;
-  CUDA is synchronised around every timed region.
+  ``b_s``).  Each is the median of ``repeats`` rounds over all the
+  layers after one warm-up round; CUDA is synchronised around every timed
+  region.
 * ``activation_bytes``: bytes autograd saves in the forward
   (``saved_tensors_hooks``), each storage counted once, parameters and
   buffers excluded (they are not per-micro-batch memory).
@@ -70,34 +71,15 @@ def _grad_input(x: torch.Tensor) -> torch.Tensor:
     return x.requires_grad_(True) if x.is_floating_point() else x
 
 
-def _profile_one(layer: nn.Module, x: torch.Tensor, repeats: int, name: str) -> tuple[LayerCost, torch.Tensor]:
-    device = x.device
+def _time_once(layer: nn.Module, x: torch.Tensor, device: torch.device) -> tuple[float, float, float]:
+    """One forward, one full backward and one weight-only backward of ``layer`` on ``x``, timed."""
     params: list[torch.Tensor] = [p for p in layer.parameters() if p.requires_grad]
     inputs: list[torch.Tensor] = [x] if x.requires_grad else []
-    act, out = saved_activation_bytes(layer, x)
-    if not out.requires_grad:
-        raise ValueError(f"layer {name!r}: its output does not require grad; nothing to profile for the backward")
-    grad_out = torch.ones_like(out)
-    f, b, w = [], [], []
-    for rep in range(repeats + 1):  # the first run warms up and is dropped
-        tf, y = _timed(lambda: layer(x), device)
-        tb, _ = _timed(lambda y=y: torch.autograd.grad(y, inputs + params, grad_out, retain_graph=True), device)
-        tw = _timed(lambda y=y: torch.autograd.grad(y, params, grad_out), device)[0] if params else 0.0
-        if rep:
-            f.append(tf)
-            b.append(tb)
-            w.append(tw)
-    b_s = statistics.median(b)
-    cost = LayerCost(
-        name=name,
-        f_s=statistics.median(f),
-        b_s=b_s,
-        w_s=min(statistics.median(w), b_s),
-        activation_bytes=float(act),
-        param_bytes=float(sum(_nbytes(p) for p in layer.parameters())),
-        boundary_bytes=float(_nbytes(out)),
-    )
-    return cost, out
+    tf, y = _timed(lambda: layer(x), device)
+    grad_out = torch.ones_like(y)
+    tb, _ = _timed(lambda: torch.autograd.grad(y, inputs + params, grad_out, retain_graph=True), device)
+    tw = _timed(lambda: torch.autograd.grad(y, params, grad_out), device)[0] if params else 0.0
+    return tf, tb, tw
 
 
 def profile_layers(
@@ -108,8 +90,10 @@ def profile_layers(
 ) -> LayerTable:
     """Profile ``layers`` in order on ``sample`` (one micro-batch; its first dimension is the micro-batch size).
 
-    The layers' parameters are not modified (gradients are returned, not
-    accumulated into ``.grad``).
+    The repeats go round the layers (every layer once per round), so a burst
+    of load on the machine lands on all of them alike instead of inflating
+    whichever layer it happened to meet.  The layers' parameters are not
+    modified (gradients are returned, not accumulated into ``.grad``).
     """
     mods = list(layers)
     if not mods:
@@ -117,13 +101,41 @@ def profile_layers(
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     names = list(names) if names is not None else [f"{i}:{type(m).__name__}" for i, m in enumerate(mods)]
-    out = []
+    if len(names) != len(mods):
+        raise ValueError(f"{len(names)} names for {len(mods)} layers")
+    # the chain once: each layer's input, its saved bytes and its output
+    xs, acts, outs = [], [], []
     x = _grad_input(sample)
     for name, layer in zip(names, mods, strict=True):
-        cost, y = _profile_one(layer, x, repeats, name)
-        out.append(cost)
+        act, y = saved_activation_bytes(layer, x)
+        if not y.requires_grad:
+            raise ValueError(f"layer {name!r}: its output does not require grad; nothing to profile for the backward")
+        xs.append(x)
+        acts.append(act)
+        outs.append(_nbytes(y))
         x = _grad_input(y)
-    return LayerTable(tuple(out), microbatch_size=int(sample.shape[0]) if sample.dim() else 1)
+    device = sample.device
+    runs: list[list[tuple[float, float, float]]] = [[] for _ in mods]
+    for rep in range(repeats + 1):  # round 0 warms up and is dropped
+        for k, layer in enumerate(mods):
+            t = _time_once(layer, xs[k], device)
+            if rep:
+                runs[k].append(t)
+    rows = []
+    for k, layer in enumerate(mods):
+        f, b, w = (statistics.median(col) for col in zip(*runs[k], strict=True))
+        rows.append(
+            LayerCost(
+                name=names[k],
+                f_s=f,
+                b_s=b,
+                w_s=min(w, b),
+                activation_bytes=float(acts[k]),
+                param_bytes=float(sum(_nbytes(p) for p in layer.parameters())),
+                boundary_bytes=float(outs[k]),
+            )
+        )
+    return LayerTable(tuple(rows), microbatch_size=int(sample.shape[0]) if sample.dim() else 1)
 
 
 def param_count_table(layers: nn.Sequential | Sequence[nn.Module], names: Sequence[str] | None = None) -> LayerTable:
