@@ -467,11 +467,35 @@ def _lookaheads(rank: int, world: int) -> dict[str, int]:
 
 @pytest.mark.timeout(120)
 def test_receive_window_defaults_to_the_transports_and_an_explicit_one_wins() -> None:
-    """gloo posts receives 8 compute actions ahead (late receives cost its loop thread CPU), native 2."""
+    """gloo posts receives 9 compute actions ahead (late receives cost its loop thread CPU), native 2."""
     for got in spawn(_lookaheads, 2, timeout_s=100):
-        assert got == {"torch": 8, "native": 2, "torch_3": 3}, got
+        assert got == {"torch": 9, "native": 2, "torch_3": 3}, got
     with pytest.raises(ValueError, match="recv_lookahead must be >= 1"):
         Pipeline(build_schedule("1f1b", 1, 2), {0: _mlp(), 1: _mlp()}, recv_lookahead=0)
+
+
+def test_gloo_window_posts_1f1b_receives_before_computes_that_wait_for_none() -> None:
+    """With gloo's default window, 1F1B's steady state posts new receives before a compute whose input is
+    already here (rank 0: a forward, rank 1: a backward), never right before one that waits for a receive:
+    posted there, gloo stalled transfers by milliseconds (the measurement is in TorchDistTransport's
+    ``recv_lookahead``).  8 puts every one of them in the other place."""
+    from dualpipe_kernels.runtime.loop import ActionLoop
+    from dualpipe_kernels.schedules.lowering import lower_comms
+    from dualpipe_kernels.transport.torch_dist import GLOO_RECV_LOOKAHEAD
+
+    sched = lower_comms(build_schedule("1f1b", 2, 16))
+    for la, want_clear in ((GLOO_RECV_LOOKAHEAD, True), (8, False)):
+        for r in range(2):
+            loop = ActionLoop(sched.actions[r], la)
+            acts = loop.actions
+            # steady state: until the window reaches the list's end (then the rest is posted at once)
+            last_recv = max(j for p in loop.posts for j in p)
+            tail = min(i for i, p in enumerate(loop.posts) if last_recv in p)
+            # a compute "waits" when its own receive sits right before it in the lowered list
+            at = [i for i, p in enumerate(loop.posts[:tail]) if any(j > i for j in p) and acts[i].is_compute]
+            waits = [i for i in at if i > 0 and acts[i - 1].type.name.startswith("RECV")]
+            assert at, (la, r)
+            assert (not waits) == want_clear, (la, r, [str(acts[i]) for i in waits])
 
 
 def test_early_sends_map_each_pair_to_its_forward_halfs_send() -> None:

@@ -115,7 +115,7 @@ class Pipeline(PipelineConveniences, nn.Module):
     gradients of the two copies of a model stage at the end of the step.
     ``record_timeline``: fill ``StepResult.timeline``.  ``recv_lookahead``: how
     many compute actions ahead receives are posted (default: the transport's
-    ``recv_lookahead``, 8 over gloo, else 2).  ``zero_bubble``:
+    ``recv_lookahead``, 9 over gloo, else 2).  ``zero_bubble``:
     ``"split"`` (I/W autograd-graph split, default) or ``"store"`` (the
     reference's behaviour: I runs the full backward with the WeightGradStore
     enabled, W only pops the store).  ``device``: where received tensors go

@@ -83,8 +83,9 @@ _MAX_WAITERS = 1024
 _CANCEL_TAG = 2**31 - 1
 _JOIN_S = 5.0  # how long close() waits for cancelled waiters to leave gloo
 
-#: receives posted this many compute actions ahead over gloo (TorchDistTransport.recv_lookahead)
-GLOO_RECV_LOOKAHEAD = 8
+#: receives posted this many compute actions ahead over gloo (TorchDistTransport.recv_lookahead; why 9, not 8:
+#: see there)
+GLOO_RECV_LOOKAHEAD = 9
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -361,9 +362,19 @@ class TorchDistTransport(Transport):
 
     @property
     def recv_lookahead(self) -> int:
-        """Over gloo, 8: a receive posted before its sender's send lets gloo deliver the data at once, and
+        """Over gloo, 9: a receive posted before its sender's send lets gloo deliver the data at once, and
         the late ones cost its TCP loop thread CPU time on the cores the ranks use (DualPipeV 2 x 16 of tiny
-        stages: 920 -> 696 us per action, 2 -> 8).  Over NCCL (ordered posting), the default 2."""
+        stages: 920 -> 696 us per action, 2 -> 8).  Over NCCL (ordered posting), the default 2.
+
+        Odd, not 8: the window moves at compute actions, so in a schedule whose steady state repeats a
+        short cycle of computes (1F1B: F, B) the lookahead's residue picks the point in the cycle where
+        new receives are posted.  With an even lookahead 1F1B posts them right before the compute that
+        waits for a receive from the same peer, and gloo then stalls transfers by milliseconds (steps of
+        2 x 16 tiny stages: 12.2 ms at 8 against 6.4-6.5 ms at 9, two runs taking turns in one process;
+        at 1, 3 and 7 also 4-7 ms, at 2 and 4 14-15 ms).  9 is as fast as 8 within the runs' spread on
+        GPipe, ZB1P, ZB-V, interleaved 1F1B, DualPipe and DualPipeV (0.89-1.08 of 8); 7 is not (ZB1P,
+        cycle F, I, W: 1.4-1.6 of 8).  Measured, not derived: which point of a cycle gloo dislikes is
+        read off these runs, not off gloo's code."""
         return DEFAULT_RECV_LOOKAHEAD if self._ordered is not None else GLOO_RECV_LOOKAHEAD
 
     @property
