@@ -474,6 +474,77 @@ def test_receive_window_defaults_to_the_transports_and_an_explicit_one_wins() ->
         Pipeline(build_schedule("1f1b", 1, 2), {0: _mlp(), 1: _mlp()}, recv_lookahead=0)
 
 
+class _CountingGloo:
+    """A TorchDistTransport whose receive posts are counted (``posted``), and a stage module that notes the
+    count at its first forward of a step."""
+
+    @staticmethod
+    def make() -> Any:
+        from dualpipe_kernels.transport.torch_dist import TorchDistTransport
+
+        class Counting(TorchDistTransport):
+            posted = 0
+
+            def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Any:
+                Counting.posted += 1
+                return super().irecv(tensor, peer, tag, what)
+
+        return Counting
+
+
+class _NoteFirst(nn.Module):
+    def __init__(self, counter: Any, notes: list[int]) -> None:
+        super().__init__()
+        self.lin, self.counter, self.notes, self.armed = nn.Linear(HIDDEN, HIDDEN), counter, notes, True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.notes.append(self.counter.posted)
+            self.armed = False
+        return self.lin(x)
+
+
+def _early_posts(rank: int, world: int) -> dict[str, Any]:
+    sched = build_schedule("1f1b", 2, 8)
+    out: dict[str, Any] = {}
+    x, t = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
+    for early in (True, False):
+        counting = _CountingGloo.make()
+        notes: list[int] = []
+        torch.manual_seed(rank)  # the same weights for both runs
+        mods = {s: _NoteFirst(counting, notes) for s in sched.stages_of_rank(rank)}
+        transport = counting(timeout_s=30.0)
+        pipe = Pipeline(sched, mods, transport=transport, early_small_receives=early)
+        steps = []
+        for _ in range(3):
+            counting.posted = 0
+            for m in mods.values():
+                m.armed = True
+            pipe.step(x, labels=(t,), criterion=_criterion)
+            steps.append((notes[-1], counting.posted))
+        out[str(early)] = {"steps": steps, "grads": [p.grad.clone() for p in pipe.parameters()]}
+        out[f"default_{early}"] = transport.early_small_receives
+        pipe.close()
+        transport.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_gloo_posts_every_small_repeated_receive_when_a_step_starts() -> None:
+    """Over gloo, once the layouts repeat (the first step learns them, the second sends them inline) every
+    receive of the step is posted before the first forward runs; with ``early_small_receives=False`` the
+    window posts them as the step goes.  The gradients are the same bits either way (mid-stream posts
+    stall gloo: the measurement is in TorchDistTransport.early_small_receives)."""
+    for rank, got in enumerate(spawn(_early_posts, 2, timeout_s=100)):
+        early, windowed = got["True"]["steps"], got["False"]["steps"]
+        assert got["default_True"] is True  # the torch transport over gloo asks for it
+        for before_first, total in early[2:]:
+            assert before_first == total > 0, (rank, early)
+        for before_first, total in windowed[2:]:
+            assert before_first < total, (rank, windowed)
+        assert all(torch.equal(a, b) for a, b in zip(got["True"]["grads"], got["False"]["grads"], strict=True))
+
+
 def test_gloo_window_posts_1f1b_receives_before_computes_that_wait_for_none() -> None:
     """With gloo's default window, 1F1B's steady state posts new receives before a compute whose input is
     already here (rank 0: a forward, rank 1: a backward), never right before one that waits for a receive:

@@ -80,6 +80,10 @@ class PayloadSwitch(Transport):
     def recv_lookahead(self) -> int:
         return self.inner.recv_lookahead
 
+    @property
+    def early_small_receives(self) -> bool:
+        return self.inner.early_small_receives
+
     def _large(self, tensor: torch.Tensor) -> bool:
         return tensor.numel() * tensor.element_size() > _KEPT
 

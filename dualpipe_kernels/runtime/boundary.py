@@ -143,6 +143,16 @@ class Boundary:
         if recv.needs_progress:
             st.watch.append(recv)
 
+    def post_repeats(self, st: BoundaryState, indices: Sequence[int]) -> None:
+        """Post the receives among RECV actions ``indices`` whose message repeats the last step's small
+        layout (one inline transfer each, from the buffer pool); the others wait for the window."""
+        repeat = self.wire.layouts.repeat_recv
+        if not repeat:
+            return
+        for i in indices:
+            if i not in st.recvs and self._route(i).key in repeat:
+                self.post_recv(st, i)
+
     def progress(self, st: BoundaryState) -> None:
         """Post the data receives of watched messages whose metadata is in."""
         st.watch = [r for r in st.watch if not r.progress()]

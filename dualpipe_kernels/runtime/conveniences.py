@@ -41,6 +41,7 @@ class PipelineConveniences:
     zero_bubble: str
     scale_grads: bool
     recv_lookahead: int
+    early_small_receives: bool
     sync_mirror_grads: bool
     overlap_hook: bool
     device: torch.device
@@ -70,7 +71,8 @@ class PipelineConveniences:
             f"pipeline rank {self.rank} (group rank {self.group_rank}) of {self.schedule.name!r}: stages "
             f"{list(self.stages)}, {len(self._loop.actions)} actions; transport per peer {{{', '.join(kinds)}}}; "
             f"device {self.device}, zero_bubble={self.zero_bubble}, scale_grads={self.scale_grads}, "
-            f"recv_lookahead={self.recv_lookahead}, sync_mirror_grads={self.sync_mirror_grads}, "
+            f"recv_lookahead={self.recv_lookahead}, early_small_receives={self.early_small_receives}, "
+            f"sync_mirror_grads={self.sync_mirror_grads}, "
             f"overlap hook={'on' if self.overlap_hook else 'off'}"
         )
 

@@ -115,7 +115,9 @@ class Pipeline(PipelineConveniences, nn.Module):
     gradients of the two copies of a model stage at the end of the step.
     ``record_timeline``: fill ``StepResult.timeline``.  ``recv_lookahead``: how
     many compute actions ahead receives are posted (default: the transport's
-    ``recv_lookahead``, 9 over gloo, else 2).  ``zero_bubble``:
+    ``recv_lookahead``, 9 over gloo, else 2); ``early_small_receives``: post
+    every receive whose message repeats the last step's small inline layout
+    when a step starts (default: the transport's choice, on over gloo).  ``zero_bubble``:
     ``"split"`` (I/W autograd-graph split, default) or ``"store"`` (the
     reference's behaviour: I runs the full backward with the WeightGradStore
     enabled, W only pops the store).  ``device``: where received tensors go
@@ -178,6 +180,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         boundary_format: str | tuple[str, str] | BoundaryFormat | None = "none",
         scale_grads: bool = True,
         memory_policy: str | MemoryPolicy | Mapping[int, str | MemoryPolicy] = "keep",
+        early_small_receives: bool | None = None,
     ) -> None:
         """Check the arguments, lower the schedule and set up the transport (collective: every rank builds it)."""
         super().__init__()
@@ -247,6 +250,9 @@ class Pipeline(PipelineConveniences, nn.Module):
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
         self.recv_lookahead = recv_lookahead if recv_lookahead is not None else self._transport.recv_lookahead
+        self.early_small_receives = (
+            bool(early_small_receives) if early_small_receives is not None else self._transport.early_small_receives
+        )
         self._broken: str | None = None
         policies = parse_memory_policy(memory_policy, self.stages)
         self.memory_policy = {s: p.name for s, p in policies.items()}
@@ -268,7 +274,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         self._boundary = Boundary(wire, self.program)
         self._mirrors = MirrorSync(wire, schedule, self.stage_modules)
         self.mirror_of = self._mirrors.mirror_of
-        self._loop = ActionLoop(schedule.actions[self.rank], self.recv_lookahead)
+        self._loop = ActionLoop(schedule.actions[self.rank], self.recv_lookahead, self.early_small_receives)
         self.dp_group = dp_group
         self._dp: DataParallelReducer | None = None
         if dp_group is not None:

@@ -5,7 +5,11 @@ Each action goes to its kind's handler in :data:`HANDLERS`; a new action kind
 adds one entry there (see docs/adding_an_action.md).
 
 Receives are posted ``recv_lookahead`` compute actions ahead of need (metadata
-first, data the moment the metadata is in).  A RECV action the loop reaches is
+first, data the moment the metadata is in).  With ``early_small`` (a transport
+that gains from it says so: gloo) every receive whose message repeats the last
+step's small layout (one inline transfer of at most ``INLINE_MAX_BYTES`` of data,
+runtime/repeat.py) is posted when the step starts instead; the window then
+covers the rest.  A RECV action the loop reaches is
 not waited for there but by the compute that reads its data (``fetch``), so an
 F&B pair runs its forward half while its backward half's gradient is still in
 flight; its timeline entry spans the actual wait.
@@ -216,8 +220,12 @@ class ActionLoop:
     action's kind as a small int, the timeline labels.
     """
 
-    def __init__(self, actions: Sequence[Action], recv_lookahead: int) -> None:
+    def __init__(self, actions: Sequence[Action], recv_lookahead: int, early_small: bool = False) -> None:
         self.actions = list(actions)
+        self.early_small = early_small
+        # the RECV actions a step consumes: all of them, and a forward-only step's (no gradients)
+        self.recvs = tuple(i for i, a in enumerate(self.actions) if a.type in _RECVS)
+        self.recvs_forward = tuple(i for i in self.recvs if self.actions[i].type is T_RECV_F)
         self.labels = [str(a) for a in self.actions]  # timeline labels, built once
         # posts[i]: the RECV actions whose receives are posted right before action i runs
         self.posts: list[tuple[int, ...]] = []
@@ -245,6 +253,8 @@ class ActionLoop:
         type_index = self.type_index
         hooks = run.done_hooks
         sent_early = run.sent_early
+        if self.early_small:
+            boundary.post_repeats(bst, self.recvs_forward if forward_only else self.recvs)
         for i, kind in enumerate(kinds):
             # Post the receives of the next `recv_lookahead` compute actions after
             # this one (double buffering with the default 2: while compute i runs,

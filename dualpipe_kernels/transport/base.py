@@ -138,6 +138,15 @@ class Transport(abc.ABC):
         longer window costs memory; a transport that gains from earlier posting says so here."""
         return DEFAULT_RECV_LOOKAHEAD
 
+    @property
+    def early_small_receives(self) -> bool:
+        """Whether a pipeline on this transport posts, when a step starts, every receive whose message repeats
+        the last step's small layout (one inline transfer of at most 32 KiB of data and its 1 KiB header, from
+        the pipeline's buffer pool), unless told (``Pipeline(early_small_receives=...)``).  Default False: the
+        receive window posts them; a transport whose transfers suffer from receives posted mid-stream says so
+        here."""
+        return False
+
     @abc.abstractmethod
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
         """Post an asynchronous send of a contiguous tensor to group rank ``peer``."""

@@ -357,6 +357,12 @@ class NativeTransport(Transport):
         return fallback.recv_lookahead if fallback is not None else super().recv_lookahead
 
     @property
+    def early_small_receives(self) -> bool:
+        """The torch fallback's when some peers are on other hosts (gloo), else False."""
+        fallback = self._fallback
+        return fallback.early_small_receives if fallback is not None else False
+
+    @property
     def world_size(self) -> int:
         return self._size
 

@@ -85,6 +85,11 @@ class RoutedTransport(Transport):
         """The largest of its transports' (one window for all peers: the one that needs it longest)."""
         return max(t.recv_lookahead for t in self.transports.values())
 
+    @property
+    def early_small_receives(self) -> bool:
+        """When any of its transports wants them (posting early elsewhere costs little: native 0.98-1.06)."""
+        return any(t.early_small_receives for t in self.transports.values())
+
     def _route(self, peer: int, what: str) -> Transport:
         kind = self.routes.get(peer)
         if kind is None:
