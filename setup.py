@@ -128,9 +128,7 @@ def _plan() -> BuildPlan:
     if not os.environ.get("MAX_JOBS"):
         os.environ["MAX_JOBS"] = str(_default_jobs(with_cuda))
     plan.jobs = int(os.environ["MAX_JOBS"])
-    plan.sources = sorted(
-        str(p.relative_to(ROOT)) for d in (CSRC, CSRC / "common") for p in (ROOT / d).glob("*.cpp")
-    )
+    plan.sources = sorted(str(p.relative_to(ROOT)) for d in (CSRC, CSRC / "common") for p in (ROOT / d).glob("*.cpp"))
     if with_cuda:
         plan.sources += _cuda_sources()
     return plan
