@@ -381,11 +381,12 @@ class TorchDistTransport(Transport):
     def early_small_receives(self) -> bool:
         """Over gloo, True: a receive posted while transfers from its peer are arriving stalls them (the
         parity finding above was one face of it).  Posting every small repeated receive of a step when it
-        starts, steps of 2 x 16 tiny stages, taking turns with the window of 9 in one process: 1F1B 0.65,
-        GPipe 0.54, ZB1P 0.89, ZB-V 0.53, interleaved 1F1B 0.35, DualPipe 0.59, DualPipeV 0.42 of the
-        window's step time (on the native transport the same change measured 0.98-1.06, so it stays off
-        there).  The buffers are the inline ones (at most 33 KiB each), so the memory is bounded by the
-        step's message count.  Over NCCL (ordered posting), False."""
+        starts, steps of 2 x 16 tiny stages, taking turns with the window of 9 in one process (two runs):
+        1F1B 0.63-0.65, GPipe 0.52-0.54, ZB1P 0.48-0.89, ZB-V 0.49-0.53, interleaved 1F1B 0.35-0.37,
+        DualPipe 0.55-0.59, DualPipeV 0.42-0.60 of the window's step time (on the native transport the
+        same change measured 0.98-1.06, so it stays off there).  The buffers are the inline ones (at most
+        33 KiB each), so the memory is bounded by the step's message count.  Over NCCL (ordered posting),
+        False."""
         return self._ordered is None
 
     @property
