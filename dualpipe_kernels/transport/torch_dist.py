@@ -374,7 +374,8 @@ class TorchDistTransport(Transport):
         at 1, 3 and 7 also 4-7 ms, at 2 and 4 14-15 ms).  9 is as fast as 8 within the runs' spread on
         GPipe, ZB1P, ZB-V, interleaved 1F1B, DualPipe and DualPipeV (0.89-1.08 of 8); 7 is not (ZB1P,
         cycle F, I, W: 1.4-1.6 of 8).  Measured, not derived: which point of a cycle gloo dislikes is
-        read off these runs, not off gloo's code."""
+        read off these runs, not off gloo's code.  With :attr:`early_small_receives` (on over gloo) the
+        window places only the receives of messages above the inline size."""
         return DEFAULT_RECV_LOOKAHEAD if self._ordered is not None else GLOO_RECV_LOOKAHEAD
 
     @property
