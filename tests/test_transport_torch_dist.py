@@ -76,3 +76,34 @@ def _worker(rank: int, world: int) -> list[str]:
 
 def test_both_directions_pair_up_with_and_without_the_split() -> None:
     assert spawn(_worker, 3, timeout_s=120) == [[], [], []]
+
+
+class _DoneWork:
+    """A finished transfer: its wait returns at once (what gloo's work does once the data is in)."""
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+
+def test_a_waiter_is_idle_before_its_completion_settles_the_transfer() -> None:
+    """close() cancels when a transfer is in flight or a waiter thread is busy; it reads the two in that
+    order.  A waiter counted busy after its transfer settled made close() cancel a finished step, which
+    closed the group's gloo pairs under the next collective (1 run in 3-5 of the 2-rank bit-exactness set
+    failed that way).  So by the time a completion's callbacks run, the pool counts the thread idle."""
+    from dualpipe_kernels.transport.torch_dist import _WaiterPool
+
+    pool = _WaiterPool(5.0)
+    seen: list[int] = []
+    try:
+        for _ in range(200):
+            done = pool.submit(_DoneWork())
+            done.add_callback(lambda _err: seen.append(pool.busy()))
+            assert done.event.wait(5.0)
+        deadline = time.monotonic() + 5.0
+        while len(seen) < 200 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        pool.close(1.0)
+    # a callback added after completion runs at once on this thread (busy 0 too); one added before runs on
+    # the waiter, which must already count itself idle
+    assert len(seen) == 200 and set(seen) == {0}, seen

@@ -165,13 +165,16 @@ class _WaiterPool:
                 work.wait(self._timeout)
             except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits on the handle
                 error = exc
+            del work, task
+            # Idle again before the completion's callbacks settle the handle: close() reads "nothing in
+            # flight" and then "no waiter busy", so a thread counted busy after its transfer settled would
+            # make it cancel a finished step (closing the group's pairs under the next collective).
+            with self._lock:
+                self._idle += 1
             try:
                 done.finish(error)
             except BaseException:  # noqa: BLE001 - a callback's failure is its owner's to report
                 pass
-            del work, task
-            with self._lock:
-                self._idle += 1
 
     def busy(self) -> int:
         """Threads blocked in a wait now (or about to be)."""
