@@ -474,25 +474,23 @@ def test_receive_window_defaults_to_the_transports_and_an_explicit_one_wins() ->
         Pipeline(build_schedule("1f1b", 1, 2), {0: _mlp(), 1: _mlp()}, recv_lookahead=0)
 
 
-class _CountingGloo:
-    """A TorchDistTransport whose receive posts are counted (``posted``), and a stage module that notes the
-    count at its first forward of a step."""
+def _counting_gloo() -> Any:
+    """A TorchDistTransport class whose receive posts are counted (class attribute ``posted``)."""
+    from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
-    @staticmethod
-    def make() -> Any:
-        from dualpipe_kernels.transport.torch_dist import TorchDistTransport
+    class Counting(TorchDistTransport):
+        posted = 0
 
-        class Counting(TorchDistTransport):
-            posted = 0
+        def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Any:
+            Counting.posted += 1
+            return super().irecv(tensor, peer, tag, what)
 
-            def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Any:
-                Counting.posted += 1
-                return super().irecv(tensor, peer, tag, what)
-
-        return Counting
+    return Counting
 
 
 class _NoteFirst(nn.Module):
+    """A stage module that notes ``counter.posted`` at its first forward of a step (``armed``)."""
+
     def __init__(self, counter: Any, notes: list[int]) -> None:
         super().__init__()
         self.lin, self.counter, self.notes, self.armed = nn.Linear(HIDDEN, HIDDEN), counter, notes, True
@@ -509,7 +507,7 @@ def _early_posts(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     x, t = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
     for early in (True, False):
-        counting = _CountingGloo.make()
+        counting = _counting_gloo()
         notes: list[int] = []
         torch.manual_seed(rank)  # the same weights for both runs
         mods = {s: _NoteFirst(counting, notes) for s in sched.stages_of_rank(rank)}
@@ -523,7 +521,7 @@ def _early_posts(rank: int, world: int) -> dict[str, Any]:
             pipe.step(x, labels=(t,), criterion=_criterion)
             steps.append((notes[-1], counting.posted))
         out[str(early)] = {"steps": steps, "grads": [p.grad.clone() for p in pipe.parameters()]}
-        out[f"default_{early}"] = transport.early_small_receives
+        out["default"] = transport.early_small_receives
         pipe.close()
         transport.close()
     return out
@@ -537,7 +535,7 @@ def test_gloo_posts_every_small_repeated_receive_when_a_step_starts() -> None:
     stall gloo: the measurement is in TorchDistTransport.early_small_receives)."""
     for rank, got in enumerate(spawn(_early_posts, 2, timeout_s=100)):
         early, windowed = got["True"]["steps"], got["False"]["steps"]
-        assert got["default_True"] is True  # the torch transport over gloo asks for it
+        assert got["default"] is True  # the torch transport over gloo asks for it
         for before_first, total in early[2:]:
             assert before_first == total > 0, (rank, early)
         for before_first, total in windowed[2:]:

@@ -90,9 +90,9 @@ def test_a_waiter_is_idle_before_its_completion_settles_the_transfer() -> None:
     order.  A waiter counted busy after its transfer settled made close() cancel a finished step, which
     closed the group's gloo pairs under the next collective (1 run in 3-5 of the 2-rank bit-exactness set
     failed that way).  So by the time a completion's callbacks run, the pool counts the thread idle."""
-    from dualpipe_kernels.transport.torch_dist import _WaiterPool
+    from dualpipe_kernels.transport.gloo_waiters import WaiterPool
 
-    pool = _WaiterPool(5.0)
+    pool = WaiterPool(5.0)
     seen: list[int] = []
     try:
         for _ in range(200):

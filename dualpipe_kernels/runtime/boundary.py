@@ -127,8 +127,9 @@ class Boundary:
         return key, self.program.topo.key_rank(key)
 
     # ---- receives -------------------------------------------------------------
-    def post_recv(self, st: BoundaryState, i: int) -> None:
-        """Post the receive of RECV action ``i`` (once)."""
+    def post_recv(self, st: BoundaryState, i: int, repeats_only: bool = False) -> None:
+        """Post the receive of RECV action ``i`` (once); ``repeats_only``: only if its message repeats the last
+        step's small layout (one inline transfer from the buffer pool)."""
         if i in st.recvs:
             return
         r = self._route(i)
@@ -136,6 +137,8 @@ class Boundary:
         repeat = w.layouts.repeat_recv.get(r.key)
         if repeat is not None:  # the layout of the last step's message, inline (repeat.py)
             st.recvs[i] = post_repeat(w.layouts, repeat, w.transport, r.peer, r.meta_tag, r.what)
+            return
+        if repeats_only:
             return
         # Transport errors already name this rank, the peer, the action and the micro-batch (``what``).
         recv = BoundaryRecv(w.transport, r.peer, w.tags, r.key, r.what, w.device, w.layouts, r.fmt)
@@ -145,13 +148,10 @@ class Boundary:
 
     def post_repeats(self, st: BoundaryState, indices: Sequence[int]) -> None:
         """Post the receives among RECV actions ``indices`` whose message repeats the last step's small
-        layout (one inline transfer each, from the buffer pool); the others wait for the window."""
-        repeat = self.wire.layouts.repeat_recv
-        if not repeat:
-            return
-        for i in indices:
-            if i not in st.recvs and self._route(i).key in repeat:
-                self.post_recv(st, i)
+        layout; the others wait for the window."""
+        if self.wire.layouts.repeat_recv:
+            for i in indices:
+                self.post_recv(st, i, repeats_only=True)
 
     def progress(self, st: BoundaryState) -> None:
         """Post the data receives of watched messages whose metadata is in."""

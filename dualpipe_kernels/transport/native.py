@@ -65,6 +65,7 @@ from dualpipe_kernels.transport.base import (
     wait_store_key,
 )
 from dualpipe_kernels.transport.hosts import host_id as default_host_id
+from dualpipe_kernels.transport.native_handles import NativeHandle, ReservedSlot, _DoneHandle
 from dualpipe_kernels.wire_dtypes import WIRE_DTYPE_CODE, WIRE_DTYPES
 
 if TYPE_CHECKING:
@@ -131,88 +132,6 @@ def default_spin_us(group_size: int) -> float:
     except ValueError:
         local = group_size
     return SPIN_US_OWN_CORE if (os.cpu_count() or 1) >= local else SPIN_US_SHARED
-
-
-class NativeHandle(Handle):
-    """One posted transfer. Holds the tensor until the transfer completes."""
-
-    def __init__(self, request: Any, tensor: torch.Tensor, owner: NativeTransport) -> None:
-        self._request = request
-        self._tensor: torch.Tensor | None = tensor
-        self._owner = owner
-
-    def wait(self, timeout: float | None = None) -> None:
-        limit = self._owner.timeout_s if timeout is None else timeout
-        try:
-            self._request.wait(limit)
-        except TimeoutError as exc:
-            raise TransportTimeout(str(exc)) from None
-        except RuntimeError as exc:
-            self._release()
-            raise TransportError(str(exc)) from None
-        self._release()
-
-    def is_completed(self) -> bool:
-        """True once finished, successfully or not (``wait`` then raises the failure)."""
-        done = bool(self._request.query())
-        if done:
-            self._release()
-        return done
-
-    def _release(self) -> None:
-        """The engine is done with the tensor: neither this handle nor the transport keeps it any longer."""
-        if self._tensor is not None:
-            self._tensor = None
-            self._owner._inflight.pop(id(self._request), None)
-
-
-class _DoneHandle(Handle):
-    """A send that completed when it was posted (its bytes are already in the ring)."""
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class ReservedSlot:
-    """One reserved ring slot: write :attr:`tensor`, then :meth:`commit` (publish) or :meth:`abort`.
-
-    ``tensor`` is a 1-D uint8 view of the shared memory the receiver reads; it
-    is dropped on commit or abort (the bytes then belong to the ring).  As a
-    context manager it commits on a clean exit and aborts on an exception.
-    """
-
-    def __init__(self, reservation: Any, owner: NativeTransport) -> None:
-        self._reservation = reservation
-        self._owner = owner
-        self.nbytes = int(reservation.nbytes)
-        self.tensor: torch.Tensor | None = (
-            torch.frombuffer(reservation, dtype=torch.uint8) if self.nbytes else torch.empty(0, dtype=torch.uint8)
-        )
-
-    def commit(self) -> None:
-        """Publish the slot as one message; TransportError if the channel was closed or broke meanwhile."""
-        self.tensor = None
-        try:
-            self._reservation.commit()
-        except RuntimeError as exc:
-            raise TransportError(f"rank {self._owner.rank}: {exc}") from None
-
-    def abort(self) -> None:
-        """Give the slot back unpublished (idempotent)."""
-        self.tensor = None
-        self._reservation.abort()
-
-    def __enter__(self) -> ReservedSlot:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 class NativeTransport(Transport):
@@ -353,14 +272,12 @@ class NativeTransport(Transport):
     @property
     def recv_lookahead(self) -> int:
         """The torch fallback's when some peers are on other hosts (gloo), else the default."""
-        fallback = self._fallback
-        return fallback.recv_lookahead if fallback is not None else super().recv_lookahead
+        return super().recv_lookahead if self._fallback is None else self._fallback.recv_lookahead
 
     @property
     def early_small_receives(self) -> bool:
-        """The torch fallback's when some peers are on other hosts (gloo), else False."""
-        fallback = self._fallback
-        return fallback.early_small_receives if fallback is not None else False
+        """The torch fallback's when some peers are on other hosts (gloo), else the default (off)."""
+        return super().early_small_receives if self._fallback is None else self._fallback.early_small_receives
 
     @property
     def world_size(self) -> int:

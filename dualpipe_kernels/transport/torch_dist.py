@@ -12,7 +12,7 @@ which is how the ordering is tested on CPU).
 gloo's send/recv work objects only report completion from ``wait()``
 (``is_completed()`` stays False until then), and a gloo wait that times out
 closes the connection.  So a gloo transfer whose completion is *polled*
-(``is_completed``) is handed to a small pool of daemon *waiter threads*
+(``is_completed``) is handed to a small pool of daemon *waiter threads* (gloo_waiters.py)
 (blocked in C++ with the GIL released), which turns completion into an event
 the runtime can poll without blocking: that is what lets it post a data
 receive the moment its metadata is in, and free a sent activation the moment
@@ -53,9 +53,7 @@ failed step.
 from __future__ import annotations
 
 import atexit
-import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -74,11 +72,11 @@ from dualpipe_kernels.transport.base import (
     group_store,
     require_process_group,
 )
+from dualpipe_kernels.transport.gloo_waiters import Completion, WaiterPool
 from dualpipe_kernels.transport.ordered import OrderedP2P
 
 __all__ = ["TorchDistTransport"]
 
-_MAX_WAITERS = 1024
 # A tag the runtime never uses (its tags stay below 2**31 - 1, see runtime.p2p.TagSpace): the cancelling receive.
 _CANCEL_TAG = 2**31 - 1
 _JOIN_S = 5.0  # how long close() waits for cancelled waiters to leave gloo
@@ -91,105 +89,6 @@ GLOO_RECV_LOOKAHEAD = 9
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
-
-
-class _Completion:
-    """Set by a waiter thread when its work finished (``error`` holds what the wait raised).
-
-    ``callbacks`` run on the waiter thread right after completion (or at once
-    when added after it), with the error or None.
-    """
-
-    __slots__ = ("event", "error", "callbacks", "lock")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.error: BaseException | None = None
-        self.callbacks: list[Callable[[BaseException | None], None]] = []
-        self.lock = threading.Lock()
-
-    def finish(self, error: BaseException | None) -> None:
-        with self.lock:
-            self.error = error
-            self.event.set()
-            callbacks, self.callbacks = self.callbacks, []
-        for cb in callbacks:
-            cb(error)
-
-    def add_callback(self, cb: Callable[[BaseException | None], None]) -> None:
-        with self.lock:
-            if not self.event.is_set():
-                self.callbacks.append(cb)
-                return
-        cb(self.error)
-
-
-class _WaiterPool:
-    """Daemon threads that block in ``work.wait`` so completion can be polled (they never delay process exit)."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._timeout = timedelta(seconds=timeout_s)
-        self._tasks: queue.SimpleQueue[tuple[dist.Work, _Completion] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._idle = 0  # threads not blocked in a wait
-        self._queued = 0  # works submitted but not yet taken by a thread
-
-    def submit(self, work: dist.Work) -> _Completion:
-        done = _Completion()
-        with self._lock:
-            # Every queued work needs its own free thread: a work queued behind a
-            # blocked one would never be seen complete (and its waiter would hang).
-            self._queued += 1
-            if self._idle < self._queued:
-                if len(self._threads) >= _MAX_WAITERS:
-                    raise TransportError(f"more than {_MAX_WAITERS} transfers in flight on one transport")
-                t = threading.Thread(target=self._loop, name="dpk-torchdist-waiter", daemon=True)
-                self._threads.append(t)
-                self._idle += 1
-                t.start()
-        self._tasks.put((work, done))
-        return done
-
-    def _loop(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            with self._lock:
-                self._queued -= 1
-                self._idle -= 1
-            work, done = task
-            error: BaseException | None = None
-            try:
-                work.wait(self._timeout)
-            except BaseException as exc:  # noqa: BLE001 - handed to the thread that waits on the handle
-                error = exc
-            del work, task
-            # Idle again before the completion's callbacks settle the handle: close() reads "nothing in
-            # flight" and then "no waiter busy", so a thread counted busy after its transfer settled would
-            # make it cancel a finished step (closing the group's pairs under the next collective).
-            with self._lock:
-                self._idle += 1
-            try:
-                done.finish(error)
-            except BaseException:  # noqa: BLE001 - a callback's failure is its owner's to report
-                pass
-
-    def busy(self) -> int:
-        """Threads blocked in a wait now (or about to be)."""
-        with self._lock:
-            return len(self._threads) - self._idle + self._queued
-
-    def close(self, join_s: float) -> None:
-        """Stop every thread; wait up to ``join_s`` in all for those still inside a wait to return."""
-        with self._lock:
-            threads = list(self._threads)
-        for _ in threads:
-            self._tasks.put(None)
-        deadline = time.monotonic() + join_s
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class _WorkHandle(Handle):
@@ -213,7 +112,7 @@ class _WorkHandle(Handle):
         self._work: dist.Work | None = work
         # A gloo work gets a waiter thread the first time someone polls it (a handle only ever waited on
         # directly costs no thread).
-        self._completion: _Completion | None = None
+        self._completion: Completion | None = None
         self._settled = False  # counted out of the owner's in-flight transfers
         owner._track(+1)
 
@@ -226,7 +125,7 @@ class _WorkHandle(Handle):
             self._settled = True
             self._owner._track(-1)
 
-    def _watch(self) -> _Completion:
+    def _watch(self) -> Completion:
         assert self._work is not None
         completion = self._owner.waiters.submit(self._work)
         completion.add_callback(self._settle)
@@ -323,7 +222,7 @@ class TorchDistTransport(Transport):
         # gloo moves host memory only: CUDA tensors are staged through the host.
         self.device_native = nccl or self.device.type == "cpu"
         # The waiters' own limit is generous: a caller's wait enforces its timeout.
-        self.waiters = _WaiterPool(max(timeout_s, 1.0) * 4)
+        self.waiters = WaiterPool(max(timeout_s, 1.0) * 4)
         if split_directions and (nccl or ordered):
             raise ValueError("split_directions applies to unordered gloo transfers (not NCCL, not ordered=True)")
         self._ordered: OrderedP2P | None = None

@@ -1,0 +1,97 @@
+"""What :class:`~dualpipe_kernels.transport.native.NativeTransport` hands back: a posted transfer's handle,
+a send that completed when posted, and a reserved ring slot to pack into."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dualpipe_kernels.transport.base import Handle, TransportError, TransportTimeout
+
+if TYPE_CHECKING:
+    from dualpipe_kernels.transport.native import NativeTransport
+
+__all__ = ["NativeHandle", "ReservedSlot"]
+
+
+class NativeHandle(Handle):
+    """One posted transfer. Holds the tensor until the transfer completes."""
+
+    def __init__(self, request: Any, tensor: torch.Tensor, owner: NativeTransport) -> None:
+        self._request = request
+        self._tensor: torch.Tensor | None = tensor
+        self._owner = owner
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self._owner.timeout_s if timeout is None else timeout
+        try:
+            self._request.wait(limit)
+        except TimeoutError as exc:
+            raise TransportTimeout(str(exc)) from None
+        except RuntimeError as exc:
+            self._release()
+            raise TransportError(str(exc)) from None
+        self._release()
+
+    def is_completed(self) -> bool:
+        """True once finished, successfully or not (``wait`` then raises the failure)."""
+        done = bool(self._request.query())
+        if done:
+            self._release()
+        return done
+
+    def _release(self) -> None:
+        """The engine is done with the tensor: neither this handle nor the transport keeps it any longer."""
+        if self._tensor is not None:
+            self._tensor = None
+            self._owner._inflight.pop(id(self._request), None)
+
+
+class _DoneHandle(Handle):
+    """A send that completed when it was posted (its bytes are already in the ring)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class ReservedSlot:
+    """One reserved ring slot: write :attr:`tensor`, then :meth:`commit` (publish) or :meth:`abort`.
+
+    ``tensor`` is a 1-D uint8 view of the shared memory the receiver reads; it
+    is dropped on commit or abort (the bytes then belong to the ring).  As a
+    context manager it commits on a clean exit and aborts on an exception.
+    """
+
+    def __init__(self, reservation: Any, owner: NativeTransport) -> None:
+        self._reservation = reservation
+        self._owner = owner
+        self.nbytes = int(reservation.nbytes)
+        self.tensor: torch.Tensor | None = (
+            torch.frombuffer(reservation, dtype=torch.uint8) if self.nbytes else torch.empty(0, dtype=torch.uint8)
+        )
+
+    def commit(self) -> None:
+        """Publish the slot as one message; TransportError if the channel was closed or broke meanwhile."""
+        self.tensor = None
+        try:
+            self._reservation.commit()
+        except RuntimeError as exc:
+            raise TransportError(f"rank {self._owner.rank}: {exc}") from None
+
+    def abort(self) -> None:
+        """Give the slot back unpublished (idempotent)."""
+        self.tensor = None
+        self._reservation.abort()
+
+    def __enter__(self) -> ReservedSlot:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
