@@ -27,6 +27,9 @@
 #              GPUs unless DUALPIPE_KERNELS_CUDA_IPC=1: the CUDA IPC engine crashed at set-up on the first H200)
 #   transport  pytest tests/test_cuda_ipc.py (per-test timeouts below the step's; JUnit XML)
 #   compat     pytest -m gpu tests/test_compat.py (the reference's API on CUDA; JUnit XML)
+#   hostcpu    dualpipe-kernels bench schedules --short-chunks-only: the short-chunk row (DualPipeV 4 x 16,
+#              1/2/1 ms sleep chunks, CPU tensors) on this host's CPUs, a core per rank (issue 16's target
+#              was measured only with 4 ranks on 2 CPUs so far); no GPU, so it goes last
 #
 # Output: at most 7 files in the output folder: report.md, report.json, logs.tar.gz (every step's log,
 # steps.tsv, benchmark and demo JSON), junit-transport.xml, junit-compat.xml, junit-gpu.xml, and the
@@ -44,7 +47,7 @@ mkdir -p "$LOGDIR"
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
 BUDGET_S="${DEVICE_CHECK_BUDGET_S:-475}"
-ALL_STEPS="smoke build gpu bench runtime transport compat"
+ALL_STEPS="smoke build gpu bench runtime transport compat hostcpu"
 WANTED=" ${DEVICE_CHECK_STEPS:-$ALL_STEPS} "
 DRY="${DEVICE_CHECK_DRY:-0}"
 T_START=$(date +%s)
@@ -61,6 +64,8 @@ LIMIT_BENCH=230
 LIMIT_RUNTIME=60
 LIMIT_TRANSPORT=185
 LIMIT_COMPAT=55
+# hostcpu: about 10 s on the 2-core machine (calibration, 4 spawned ranks, 22 steps of 0.13 s)
+LIMIT_HOSTCPU=45
 
 if [[ -n "${PYTHON:-}" ]]; then
   PY="$PYTHON"
@@ -203,6 +208,11 @@ bench() {
   return $rc
 }
 
+hostcpu() {
+  timeout 40 "$PY" -m dualpipe_kernels bench schedules --short-chunks-only --json --no-plots --out "$WORK/bench" \
+    >"$WORK/bench/schedules_short.stdout.json"
+}
+
 mkdir -p "$WORK/bench/variants"
 run_step smoke "$LIMIT_SMOKE" bash -c "$(declare -f smoke); PY='$PY' WORK='$WORK' smoke"
 run_step build "$LIMIT_BUILD" bash -c "$(declare -f build); PY='$PY' WORK='$WORK' DRY='$DRY' OUTDIR='$OUTDIR' build"
@@ -219,6 +229,7 @@ run_step transport "$LIMIT_TRANSPORT" "$PY" -m pytest tests/test_cuda_ipc.py -v 
   --timeout 60 --junitxml="$OUTDIR/junit-transport.xml"
 run_step compat "$LIMIT_COMPAT" "$PY" -m pytest -m gpu tests/test_compat.py -v -rA -p no:cacheprovider \
   --timeout 40 --junitxml="$OUTDIR/junit-compat.xml"
+run_step hostcpu "$LIMIT_HOSTCPU" bash -c "$(declare -f hostcpu); PY='$PY' WORK='$WORK' hostcpu"
 
 # ---------------------------------------------------------------------------
 # report (python if it runs, else a minimal one from bash), then the log archive
@@ -326,6 +337,17 @@ if mg and "rows" in mg:
     for r in mg["rows"]:
         md.append(f"| {r['policy']} | {r['share_of_keep']} | {r.get('measured_over_predicted_peak')} | "
                   f"{r['alloc_share_of_keep']} | {r['step_over_keep']:.3f} | {r['step_s']:.4f} | {r['bit_exact']} |")
+sc = report["bench"].get("schedules_short")
+if sc and sc.get("short_chunks"):
+    for r in sc["short_chunks"]:
+        def num(v, fmt):
+            return "n/a" if v is None else format(v, fmt)
+
+        md.append(f"\nshort chunks on the host CPUs (issue 16): {r['schedule']} {r['ranks']} x {r['microbatches']}, "
+                  f"1/2/1 ms: measured / simulated {num(r.get('ratio'), '.3f')} (target 1.10), step "
+                  f"{num(r.get('measured_s'), '.4f')} s against {num(r.get('simulated_s'), '.4f')} s simulated, "
+                  f"busiest rank's CPU {num(r.get('rank_cpu_s'), '.4f')} s per step, {r.get('host_cpus')} host CPUs, "
+                  f"error {r.get('error')}")
 for s in steps:
     log = work / "logs" / f"{s['step']}.log"
     if s["status"] in ("failed", "timeout") and log.exists():

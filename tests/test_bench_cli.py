@@ -96,6 +96,10 @@ def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
     assert short.get("error") is None and short["ratio"] == pytest.approx(short["measured_s"] / short["simulated_s"])
     assert short["measured_s"] >= 0.97 * short["simulated_sleep_only_s"]
     assert short["simulated_nominal_s"] < min(r["simulated_nominal_s"] for r in res["rows"])
+    # What the ranks asked of the host: some CPU per step, never more than the host's CPUs for the step.
+    for r in [*res["rows"], short]:
+        assert r["host_cpus"] >= 1
+        assert 0 < r["rank_cpu_s"] <= r["measured_s"] * r["host_cpus"]
     assert {p["name"] for p in res["peers"]} == {"torch.ScheduleDualPipeV", "torch.Schedule1F1B"}
     for p in res["peers"]:
         for k in PEER_KEYS:
@@ -108,6 +112,32 @@ def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
     assert written["stamp"]["machine"]["cpu_cores"] >= 1
     md = (tmp_path / "schedules.md").read_text()
     assert "| dualpipev | 2 | 8 |" in md and "T_comm" in md
+
+
+@pytest.mark.timeout(120)
+def test_bench_schedules_short_chunks_only(tmp_path: Path) -> None:
+    proc = _run_cli(
+        ["bench", "schedules", "--quick", "--short-chunks-only", "--json", "--no-plots", "--out", str(tmp_path)]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)
+    assert res["rows"] == [] and res["peers"] == [] and res["timeline"] is None
+    (short,) = res["short_chunks"]
+    assert (short["schedule"], short["ranks"], short["microbatches"]) == ("dualpipev", 2, 8)
+    assert short.get("error") is None and short["measured_s"] >= 0.97 * short["simulated_sleep_only_s"]
+    md = (tmp_path / "schedules.md").read_text()
+    assert "Short chunks" in md and "of CPU per step" in md and "| dualpipev | 2 | 8 |" in md
+
+
+def test_bench_schedules_short_chunks_only_needs_the_short_row() -> None:
+    import argparse
+
+    from dualpipe_kernels.benchmarks.schedules import SchedulesConfig, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(ValueError, match="--short-chunks-only and --no-short-chunks"):
+        SchedulesConfig.from_args(p.parse_args(["--short-chunks-only", "--no-short-chunks"]))
 
 
 @pytest.mark.timeout(200)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["smoke", "build", "gpu", "bench", "runtime", "transport", "compat"]
+STEPS = ["smoke", "build", "gpu", "bench", "runtime", "transport", "compat", "hostcpu"]
 
 
 @pytest.mark.timeout(480)
@@ -48,6 +48,11 @@ def test_dry_run_with_a_stuck_wait_walks_every_step_and_keeps_its_output(tmp_pat
     assert report["total_s"] < 480
     transport = steps["transport"]
     assert transport["status"] == "failed" and transport["seconds"] <= transport["limit_s"], transport
+
+    # the short-chunk row ran on the host's CPUs (no GPU needed) and the report says what it measured
+    (short,) = report["bench"]["schedules_short"]["short_chunks"]
+    assert (short["ranks"], short["microbatches"]) == (4, 16) and short.get("error") is None
+    assert "short chunks on the host CPUs (issue 16)" in (out / "report.md").read_text()
 
     # the stuck scenario failed its test (bounded), and the XML says so
     cases = {c.get("name"): c for c in ET.parse(out / "junit-transport.xml").getroot().iter("testcase")}

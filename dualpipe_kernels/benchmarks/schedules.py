@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -97,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the short-chunk row (DualPipeV, 1/2/1 ms chunks, 4 ranks x 16; quick: 2 x 8)",
     )
+    p.add_argument(
+        "--short-chunks-only",
+        dest="short_only",
+        action="store_true",
+        help="run the short-chunk row alone (no schedule rows, no peers)",
+    )
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,7 @@ class SchedulesConfig:
     peers: bool
     run: SleepRun
     short: bool = True  # also the short-chunk row
+    short_only: bool = False  # the short-chunk row alone
 
     def short_chunks(self) -> SchedulesConfig:
         """The short-chunk row's settings: DualPipeV, 1/2/1 ms chunks, 4 x 16 (quick: 2 x 8), no peers."""
@@ -129,7 +137,10 @@ class SchedulesConfig:
             peers=not getattr(args, "no_peers", False),
             run=SleepRun.from_args(args, microbatches=(16, 8), activation_bytes=(1 << 18, 1 << 14)),
             short=not getattr(args, "no_short", False),
+            short_only=getattr(args, "short_only", False),
         )
+        if cfg.short_only and not cfg.short:
+            raise ValueError("--short-chunks-only and --no-short-chunks leave nothing to run")
         for r in cfg.ranks:
             for s in cfg.schedules:
                 build_schedule(s, r, cfg.run.microbatches)  # raises ValueError naming the constraint
@@ -194,6 +205,14 @@ def chunk_costs_from_config(c: dict[str, Any]) -> dict[int, Any] | None:
 
 
 # ---------------------------------------------------------------- rank worker
+def host_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _note(rank: int, text: str) -> None:
     if rank == 0:
         sys.stderr.write(f"  bench schedules: {text}\n")
@@ -283,6 +302,10 @@ def _schedule_row(
         ratio_sleep_only=t_step / sim_over,
         bubble_measured_s=median(max(t - m.busy[k] for m in ms) for k, t in enumerate(step)),
         step_times_s=step,
+        # What the ranks ask of the host's CPUs: a rank's compute is a sleep, so on a GPU node's host the
+        # CPU time is the runtime's (and the stage's tensor work); ranks sharing a CPU wait for each other.
+        rank_cpu_s=max(median(m.cpu_times) for m in ms) if all(m.cpu_times for m in ms) else None,
+        host_cpus=host_cpus(),
     )
     terms = overlap_terms(ms)
     row.update(terms)  # t_step_s: the median of the per-step maxima, as measured_s
@@ -333,13 +356,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = SchedulesConfig.from_args(args)
     over = sleep_overshoot(cfg.run.f_s, repeats=10 if cfg.run.steps < 2 else 20)
-    chunks = calibrate_chunks(cfg)
+    chunks = calibrate_chunks(cfg) if not cfg.short_only else {}
     rows: list[dict[str, Any]] = []
     peers: list[dict[str, Any]] = []
     timeline: dict[str, Any] | None = None
-    bar = Progress(len(cfg.ranks), title="bench schedules")
-    bar.note(f"ranks {list(cfg.ranks)} x schedules {list(cfg.schedules)}, N={cfg.run.microbatches}")
-    for ranks in cfg.ranks:
+    bar = Progress(0 if cfg.short_only else len(cfg.ranks), title="bench schedules")
+    if not cfg.short_only:
+        bar.note(f"ranks {list(cfg.ranks)} x schedules {list(cfg.schedules)}, N={cfg.run.microbatches}")
+    for ranks in () if cfg.short_only else cfg.ranks:
         per_rank = spawn(_worker, ranks, cfg, timeout_s=900, pg_timeout_s=300)
         for name in cfg.schedules:
             rows.append(_schedule_row(cfg, name, ranks, per_rank, chunks, over))

@@ -43,6 +43,15 @@ _COLUMNS = (
 )
 
 
+def _cpu_text(row: dict[str, Any]) -> str:
+    """One sentence on what the row's ranks asked of the host's CPUs."""
+    return (
+        f"\n{row['ranks']} x {row['microbatches']}: the busiest rank's process used {row['rank_cpu_s'] * 1e3:.1f} ms "
+        f"of CPU per step (median; all its threads) in a {row['measured_s'] * 1e3:.1f} ms step, "
+        f"{row['ranks']} ranks on {row.get('host_cpus')} CPUs."
+    )
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     from dualpipe_kernels.benchmarks.common import markdown_table
     from dualpipe_kernels.benchmarks.metrics import share_text
@@ -65,17 +74,20 @@ def to_markdown(result: dict[str, Any]) -> str:
         else r
         for r in result["rows"]
     ]
-    t1 = markdown_table(rows, [k for k, _ in _COLUMNS], [h for _, h in _COLUMNS])
-    parts = [head, "", t1]
+    parts = [head, "", markdown_table(rows, [k for k, _ in _COLUMNS], [h for _, h in _COLUMNS])] if rows else []
     if result.get("short_chunks"):
         r0 = result["short_chunks"][0]
         parts += [
             "",
-            f"Short chunks (F={r0['f_s'] * 1e3:g} ms, B={r0['b_s'] * 1e3:g} ms, W={r0['w_s'] * 1e3:g} ms per chunk), "
-            "where the runtime's own cost per action shows: same columns, chunks calibrated the same way.",
+            f"Short chunks (F={r0['f_s'] * 1e3:g} ms, B={r0['b_s'] * 1e3:g} ms, W={r0['w_s'] * 1e3:g} ms per chunk, "
+            f"{r0.get('activation_bytes')} bytes per activation), where the runtime's own cost per action shows: "
+            "measured / simulated, the simulator fed the chunks timed alone"
+            + (" as in the table above" if rows else "")
+            + ".",
             "",
             markdown_table(result["short_chunks"], [k for k, _ in _COLUMNS], [h for _, h in _COLUMNS]),
         ]
+        parts += [_cpu_text(r) for r in result["short_chunks"] if r.get("rank_cpu_s") is not None]
     if result.get("peers"):
         parts += [
             "",

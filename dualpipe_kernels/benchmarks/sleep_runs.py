@@ -114,6 +114,8 @@ class RankMeasurement:
     compute_timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
     received_bytes: list[int] = field(default_factory=list)
     link: dict[str, Any] | None = None
+    #: CPU seconds this rank's process (all its threads) used in each real step, warm-up included
+    cpu_times: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,7 +131,7 @@ def _plain(timeline: Any) -> list[tuple[int, str, float, float]]:
     return [(int(r), str(a), float(t0), float(t1)) for r, a, t0, t1 in timeline]
 
 
-def _timed_steps(pipe: Any, x: Any, labels: Any, n: int, on_step: Any) -> list[float]:
+def _timed_steps(pipe: Any, x: Any, labels: Any, n: int, on_step: Any, cpu: list[float] | None = None) -> list[float]:
     import torch.distributed as dist
 
     from dualpipe_kernels.benchmarks.sleep_stages import sleep_criterion
@@ -137,9 +139,11 @@ def _timed_steps(pipe: Any, x: Any, labels: Any, n: int, on_step: Any) -> list[f
     times = []
     for k in range(n):
         dist.barrier()
-        t0 = time.perf_counter()  # wall time around step(), as for the torch peers
+        c0, t0 = time.process_time(), time.perf_counter()  # wall time around step(), as for the torch peers
         res = pipe.step(x, labels=(labels,), criterion=sleep_criterion)
         times.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.process_time() - c0)
         on_step(k, res)
     return times
 
@@ -186,11 +190,12 @@ def measure_sleep_pipeline(rank: int, run: SleepRun) -> RankMeasurement:
         # measured one run after the other, a load that grows on a shared machine inflated the second.
         for k in range(run.warmup + run.steps):
             switch.tiny = False
-            out.times += _timed_steps(pipe, x, labels, 1, lambda _i, res, k=k: real_step(k, res))
+            out.times += _timed_steps(pipe, x, labels, 1, lambda _i, res, k=k: real_step(k, res), out.cpu_times)
             switch.tiny = True
             out.compute_times += _timed_steps(pipe, x, labels, 1, lambda _i, res, k=k: probe_step(k, res))
         switch.tiny = False
         out.times, out.compute_times = out.times[run.warmup :], out.compute_times[run.warmup :]
+        out.cpu_times = out.cpu_times[run.warmup :]
         link = link_timing(switch.inner, rank, run.ranks, run.activation_bytes, device=dev)
         out.link = asdict(link) if link is not None else None
         dist.barrier()
