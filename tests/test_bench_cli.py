@@ -361,6 +361,63 @@ def test_overlap_metric_out_of_range_is_flagged_noise_and_null(
         overlap_metric(1.0, 1.0, -0.1)
 
 
+def test_payload_switch_forwards_gathered_sends_cut_like_the_others() -> None:
+    """The runtime's gathered small sends take the inner transport's path behind the switch too."""
+    import torch
+
+    from dualpipe_kernels.benchmarks.payload import KEEP_WHOLE_BYTES, TINY_BYTES, PayloadSwitch
+    from dualpipe_kernels.transport.base import Handle, Transport
+
+    class Plain(Transport):
+        """No gathered sends; nothing else is called here."""
+
+        @property
+        def rank(self) -> int:
+            return 0
+
+        def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+            raise AssertionError("not called")
+
+        def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+            raise AssertionError("not called")
+
+    class Gatherer(Plain):
+        """Writes a gathered message's pieces into one zeroed byte string, as the native ring does."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.sent: dict[int, bytes] = {}
+
+        def try_isend_gather(self, pieces, nbytes, peer, tag):  # type: ignore[no-untyped-def]
+            msg = bytearray(nbytes)
+            for off, t in pieces:
+                raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                msg[off : off + len(raw)] = raw
+            self.sent[tag] = bytes(msg)
+            return True
+
+    inner = Gatherer()
+    sw = PayloadSwitch(inner)
+    meta = torch.arange(KEEP_WHOLE_BYTES // 8, dtype=torch.int64)
+    data = torch.arange(2048, dtype=torch.float32)
+    nbytes = KEEP_WHOLE_BYTES + 64 + data.nbytes  # 64 zero bytes between the metadata and the data
+    whole = bytearray(nbytes)
+    whole[:KEEP_WHOLE_BYTES] = meta.numpy().tobytes()
+    whole[KEEP_WHOLE_BYTES + 64 :] = data.numpy().tobytes()
+    pieces = [(0, meta), (KEEP_WHOLE_BYTES + 64, data)]
+    assert sw.try_isend_gather(pieces, nbytes, 1, 7) and inner.sent[7] == bytes(whole)
+    sw.tiny = True  # a cut step: the message's first bytes, as isend cuts them and irecv expects them
+    kept = KEEP_WHOLE_BYTES + TINY_BYTES
+    assert sw.try_isend_gather(pieces, nbytes, 1, 8) and inner.sent[8] == bytes(whole[:kept])
+    small = [(0, meta)]
+    assert sw.try_isend_gather(small, KEEP_WHOLE_BYTES, 1, 9) and inner.sent[9] == bytes(whole[:KEEP_WHOLE_BYTES])
+    # a piece the cut cannot view as bytes, or an inner transport that cannot gather: False (a buffer goes)
+    strided = torch.arange(4096, dtype=torch.float32)[::2]
+    assert not sw.try_isend_gather([(0, meta), (KEEP_WHOLE_BYTES, strided)], KEEP_WHOLE_BYTES + 8192, 1, 10)
+    assert 10 not in inner.sent
+    assert not PayloadSwitch(Plain()).try_isend_gather(pieces, nbytes, 1, 11)
+
+
 def test_payload_switch_cuts_large_transfers_and_records_what_a_step_moves() -> None:
     import torch
 

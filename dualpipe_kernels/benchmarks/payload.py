@@ -13,6 +13,8 @@ the received data beyond the first bytes is zeros (set when the receive is
 posted, a memset charged to ``T_compute``), which only timing runs may use.
 Packed sends of real steps go through the inner transport's ``isend_packed``
 (the native transport packs into its ring slot); cut ones pack into a buffer.
+Gathered small sends (``try_isend_gather``) go through the inner transport's,
+cut the same way, so the runtime takes the paths it takes on the bare transport.
 Toggle ``tiny`` only between steps, on every rank.
 
 :func:`link_timing` times one-way transfers between ranks 0 and 1 over the
@@ -106,6 +108,24 @@ class PayloadSwitch(Transport):
                 # a small message's one transfer (runtime/inline.py): its data follows the metadata
                 self.received_bytes.append(nbytes - META_LEN * 8 if TagSpace.is_metadata(tag) else nbytes)
         return self.inner.irecv(tensor, peer, tag, what)
+
+    def try_isend_gather(self, pieces: Sequence[tuple[int, torch.Tensor]], nbytes: int, peer: int, tag: int) -> bool:
+        """The inner transport's gathered send (the runtime's repeated small messages), cut like ``isend``.
+
+        Without it the runtime would stage every such message in a buffer behind the switch, a slower
+        path than the pipeline takes on the bare transport.  A cut message keeps the bytes of its pieces
+        that lie in its first ``KEEP_WHOLE_BYTES + TINY_BYTES``; False (the runtime then posts a buffer)
+        when the inner transport cannot gather or a piece is not a contiguous CPU tensor.
+        """
+        gather = getattr(self.inner, "try_isend_gather", None)
+        if gather is None:
+            return False
+        if self.tiny and nbytes > _KEPT:
+            if not all(t.is_cpu and t.is_contiguous() for _, t in pieces):
+                return False
+            pieces = [(off, t.reshape(-1).view(torch.uint8)[: _KEPT - off]) for off, t in pieces if off < _KEPT]
+            nbytes = _KEPT
+        return bool(gather(pieces, nbytes, peer, tag))
 
     def isend_packed(
         self, tensors: Sequence[torch.Tensor], layout: PackLayout, peer: int, tag: int, what: str = ""

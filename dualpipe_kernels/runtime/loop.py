@@ -31,7 +31,6 @@ read once per step, so a step without one pays nothing per action.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -292,11 +291,19 @@ class ActionLoop:
         run.finish()
 
     def _traced(self, run: StepRun, i: int, a: Action, handler: Handler) -> None:
-        """Action ``i`` inside its profiler range and/or timeline span."""
+        """Action ``i`` inside its profiler range and/or timeline span.
+
+        The span is two clock reads around the handler, not a context manager: an ExitStack holding a
+        generator-based span cost about 25 Python calls per action, 3% of a 1 ms-chunk step."""
         label = self.labels[i]
-        with contextlib.ExitStack() as stack:
+        rec = run.rec
+        start = time.perf_counter() if rec.enabled else 0.0
+        try:
             if run.profiling:
-                stack.enter_context(record_function(label))
-            if run.rec.enabled:
-                stack.enter_context(run.rec.span(label))
-            handler(run, i, a)
+                with record_function(label):
+                    handler(run, i, a)
+            else:
+                handler(run, i, a)
+        finally:
+            if rec.enabled:
+                rec.add(label, start, time.perf_counter())
