@@ -316,12 +316,13 @@ kern = report["bench"].get("kernels")
 if kern and "rows" in kern:
     big = [r for r in kern["rows"] if r.get("bytes", 0) >= 64 << 20]
     md += ["", "kernels at >= 64 MiB (ours / same-GPU copy, ours / torch cat + cast):", "",
-           "| kernel | format | tensors | MiB | ours GB/s | copy GB/s | torch GB/s | / copy | / torch |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| kernel | format | tensors | MiB | ours GB/s | copy GB/s | torch GB/s | / copy | / torch | us/call | "
+           "host us/call |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in big:
         o, c, t = r.get("ours_gbps") or 0.0, r.get("copy_gbps") or 0.0, r.get("torch_gbps") or 0.0
         md.append(f"| {r.get('kernel')} | {r.get('format')} | {r.get('num_tensors')} | {r['bytes'] >> 20} | "
-                  f"{o:.0f} | {c:.0f} | {t:.0f} | {o / c if c else 0:.2f} | {o / t if t else 0:.2f} |")
+                  f"{o:.0f} | {c:.0f} | {t:.0f} | {o / c if c else 0:.2f} | {o / t if t else 0:.2f} | "
+                  f"{r.get('ours_us') or 0:.0f} | {r.get('ours_host_us') or 0:.0f} |")
 kern_v = report["bench"].get("kernels_variants") or kern
 if kern_v and kern_v.get("variants"):
     md += ["", "pack launch shapes (rows x programs per SM), ours / copy:", "",

@@ -31,6 +31,11 @@ def test_bench_kernels_quick_json_contract(tmp_path: Path) -> None:
         assert all(k in r for k in ROW_KEYS), r
         assert all(r[k] > 0 for k in ("ours_gbps", "copy_gbps", "torch_gbps")), r
         assert r["ours_vs_torch"] == pytest.approx(r["ours_gbps"] / r["torch_gbps"])
+        # one call's time from the bandwidth, and the host's time per call (on the CPU the whole call:
+        # the same order as the timed figure, though from other samples)
+        moved = r["bytes"] + r["wire_bytes"]
+        assert r["ours_us"] == pytest.approx(moved / r["ours_gbps"] / 1e3)
+        assert r["ours_host_us"] > 0 and 0.1 < r["ours_host_us"] / r["ours_us"] < 10
         want_wire = {"packed": 1.0, "bf16": 0.5, "fp8": 0.26}[r["format"]]
         assert r["wire_bytes"] <= want_wire * r["bytes"] + 16 * r["num_tensors"]
         if r["device"] == "cpu":

@@ -16,7 +16,9 @@ the inputs plus the packed buffer; for unpack the reverse; for the copy twice it
 size.  ``ours`` and ``torch`` move the same logical bytes, so ``ours_vs_torch`` is
 a speed ratio; ``ours_vs_copy`` is the fraction of the copy's bandwidth reached.
 Each figure is a median over samples (each sample repeats the call until it has
-moved about 64 MiB); ``ours_spread`` is (max - min) / median of ours.
+moved about 64 MiB); ``ours_spread`` is (max - min) / median of ours.  ``ours_us`` is one call's time
+from that median and ``ours_host_us`` the host's time per call with no device wait: on a GPU, where the
+host's reaches the call's, the launch path sets the figure, not the kernel.
 """
 
 from __future__ import annotations
@@ -190,6 +192,23 @@ def _measure(
     return moved / med / 1e9, (max(times) - min(times)) / med
 
 
+def _host_us(fn: Callable[[], Any], device: torch.device, calls: int = 20, samples: int = 3) -> float:
+    """Microseconds of host time per call of ``fn``: the calls back to back with no device wait, median of
+    ``samples`` rounds.  On a GPU, a call whose host time reaches its device time cannot keep the device busy
+    (the launch path, not the kernel, sets the figure); on the CPU it is the whole call."""
+    times = []
+    for _ in range(samples):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(times) * 1e6
+
+
 # ---------------------------------------------------------------- the unfused torch way
 def _torch_pack(ts: list[torch.Tensor], dtype: torch.dtype | None) -> Any:
     flat = torch.cat([t.reshape(-1) for t in ts])
@@ -230,6 +249,7 @@ def _rows_for(fmt: str, total: int, count: int, cfg: dict[str, Any], timer: Any,
         kernel: (_measure(fn, moved, samples, timer, k), _measure(torch_calls[kernel], moved, samples, timer, k))
         for kernel, fn in our_calls.items()
     }
+    host = {kernel: _host_us(fn, device) for kernel, fn in our_calls.items()}
     rows = []
     for kernel, ((ours, spread), (theirs, _)) in figures.items():
         rows.append(
@@ -245,6 +265,9 @@ def _rows_for(fmt: str, total: int, count: int, cfg: dict[str, Any], timer: Any,
                 "ours_vs_copy": ours / copy,
                 "ours_vs_torch": ours / theirs,
                 "ours_spread": spread,
+                # per call: the device's time (from the bandwidth) and the host's (launch path included)
+                "ours_us": moved / ours / 1e3,
+                "ours_host_us": host[kernel],
                 "device": cfg["device_name"],
                 "backend": cfg["backend"],
             }
@@ -302,9 +325,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def to_markdown(result: dict[str, Any]) -> str:
     cols = ["kernel", "format", "num_tensors", "bytes", "wire_bytes", "ours_gbps", "copy_gbps", "torch_gbps",
-            "ours_vs_copy", "ours_vs_torch", "ours_spread"]  # fmt: skip
+            "ours_vs_copy", "ours_vs_torch", "ours_spread", "ours_us", "ours_host_us"]  # fmt: skip
     heads = ["kernel", "format", "tensors", "input bytes", "wire bytes", "ours GB/s", "copy GB/s (ceiling)",
-             "torch cat+cast GB/s", "ours / copy", "ours / torch", "spread"]  # fmt: skip
+             "torch cat+cast GB/s", "ours / copy", "ours / torch", "spread", "us / call", "host us / call"]  # fmt: skip
     head = f"Device: {result.get('device')}; backend: {result.get('backend')}."
     if result.get("device") == "cpu":
         head += " No GPU: these are the torch fallback's figures on one CPU thread, not the Triton kernel's."
