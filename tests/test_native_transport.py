@@ -94,6 +94,8 @@ def _rejects_bad_arguments(rank: int) -> None:
         NativeTransport(timeout_s=0)
     with pytest.raises(ValueError, match="recv_poll_ms must be >= 0"):
         NativeTransport(recv_poll_ms=-1.0)
+    with pytest.raises(ValueError, match="inline_max_bytes must be in"):
+        NativeTransport(slot_bytes=4096, inline_max_bytes=4097)
     with NativeTransport(timeout_s=WAIT_S) as t:
         with pytest.raises(ValueError, match="peer must be another rank"):
             t.isend(torch.zeros(2), WORLD, tag=0)
@@ -173,6 +175,27 @@ def _gathered_send_is_one_message_with_zero_gaps(rank: int) -> None:
         assert not t.try_isend_gather([(0, head)], 32, far, tag=9), "a peer on another host has no ring"
 
 
+def _slot_sized_sends_go_inline_when_asked(rank: int) -> None:
+    """The default inline limit follows the CPUs per local rank; with a whole slot inline, a slot-sized send
+    is copied by the posting thread (complete when isend returns, not read single-copy) and arrives intact."""
+    from dualpipe_kernels.transport import native
+
+    slot = native.DEFAULT_SLOT_BYTES
+    peer, src = (rank + 1) % WORLD, (rank - 1) % WORLD
+    with NativeTransport(timeout_s=WAIT_S) as t:
+        assert t.inline_max_bytes == native.default_inline_max_bytes(WORLD, slot)
+    with NativeTransport(timeout_s=WAIT_S, inline_max_bytes=slot) as t:
+        out = torch.arange(slot // 4, dtype=torch.float32) + rank
+        buf = torch.empty(slot // 4, dtype=torch.float32)
+        h = t.irecv(buf, src, tag=3)
+        s = t.isend(out, peer, tag=3)
+        assert s.is_completed(), "a slot-sized send into a free slot is copied when it is posted"
+        h.wait()
+        assert torch.equal(buf, torch.arange(slot // 4, dtype=torch.float32) + src)
+        assert t.send_stats(peer)["copied_bytes"] == slot
+        dist.barrier()
+
+
 SCENARIOS: dict[str, Callable[[int], None]] = {
     "make_transport_native": _make_transport_native,
     "other_host_falls_back": _other_host_falls_back,
@@ -181,6 +204,7 @@ SCENARIOS: dict[str, Callable[[int], None]] = {
     "rejects_bad_arguments": _rejects_bad_arguments,
     "finished_transfers_hold_no_tensor": _finished_transfers_hold_no_tensor,
     "gathered_send_is_one_message_with_zero_gaps": _gathered_send_is_one_message_with_zero_gaps,
+    "slot_sized_sends_go_inline_when_asked": _slot_sized_sends_go_inline_when_asked,
 }
 
 
@@ -207,3 +231,17 @@ def test_default_spin_follows_cpus_per_local_rank(monkeypatch: pytest.MonkeyPatc
     assert native.default_spin_us(8) == native.SPIN_US_OWN_CORE
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not-a-number")
     assert native.default_spin_us(3) == native.SPIN_US_SHARED
+
+
+def test_default_inline_limit_follows_cpus_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The posting thread copies up to 64 KiB where every local rank has a CPU, a whole slot where they share."""
+    from dualpipe_kernels.transport import native
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(native.os, "cpu_count", lambda: 2)
+    slot = native.DEFAULT_SLOT_BYTES
+    assert native.default_inline_max_bytes(2, slot) == native.INLINE_MAX_BYTES_OWN_CORE == 64 * 1024
+    assert native.default_inline_max_bytes(2, 4096) == 4096  # never more than a slot
+    assert native.cpus_shared(4) and native.default_inline_max_bytes(4, slot) == slot
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 8 ranks over 4 hosts of 2 CPUs
+    assert not native.cpus_shared(8) and native.default_inline_max_bytes(8, slot) == 64 * 1024

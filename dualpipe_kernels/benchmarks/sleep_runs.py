@@ -114,7 +114,7 @@ class RankMeasurement:
     compute_timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
     received_bytes: list[int] = field(default_factory=list)
     link: dict[str, Any] | None = None
-    #: CPU seconds this rank's process (all its threads) used in each real step, warm-up included
+    #: CPU seconds this rank's process (all its threads) used in each measured real step
     cpu_times: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
