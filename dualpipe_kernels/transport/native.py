@@ -154,8 +154,8 @@ def default_inline_max_bytes(group_size: int, slot_bytes: int) -> int:
     goes to the worker, which copies it (or posts it for the receiver to read in place, single copy) while
     the rank works on.  A whole slot when ranks share CPUs (:func:`cpus_shared`): a hand-off then costs a
     wake-up on each side that waits for a CPU.  Measured on 2 CPUs, DualPipeV 4 x 16 of 1/2/1 ms sleep
-    chunks with 256 KiB activations, the two settings taking turns step by step in the same processes: 4-7%
-    shorter steps with a slot (and 15-25% less CPU per rank); with two ranks, a CPU each, 2% longer.
+    chunks with 256 KiB activations, the two settings taking turns step by step in the same processes: 5-6%
+    shorter steps with a slot (and 18-30% less CPU per rank); with two ranks, a CPU each, 2% longer.
     """
     return slot_bytes if cpus_shared(group_size) else min(INLINE_MAX_BYTES_OWN_CORE, slot_bytes)
 
