@@ -338,12 +338,13 @@ if mg and "rows" in mg:
     for r in mg["rows"]:
         md.append(f"| {r['policy']} | {r['share_of_keep']} | {r.get('measured_over_predicted_peak')} | "
                   f"{r['alloc_share_of_keep']} | {r['step_over_keep']:.3f} | {r['step_s']:.4f} | {r['bit_exact']} |")
+def num(v, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
 sc = report["bench"].get("schedules_short")
 if sc and sc.get("short_chunks"):
     for r in sc["short_chunks"]:
-        def num(v, fmt):
-            return "n/a" if v is None else format(v, fmt)
-
         md.append(f"\nshort chunks on the host CPUs (issue 16): {r['schedule']} {r['ranks']} x {r['microbatches']}, "
                   f"1/2/1 ms: measured / simulated {num(r.get('ratio'), '.3f')} (target 1.10), step "
                   f"{num(r.get('measured_s'), '.4f')} s against {num(r.get('simulated_s'), '.4f')} s simulated, "

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +35,13 @@ def _run_cli(args: list[str], timeout: int = 280) -> subprocess.CompletedProcess
     )
 
 
+def _run_json(args: list[str]) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """``dualpipe-kernels <args>``, which must succeed; (the process, its stdout parsed as JSON)."""
+    proc = _run_cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(proc.stdout)
+
+
 def _check_overlap_fields(row: dict) -> None:
     """The overlap contract (DESIGN.md): exposed_comm_s reported; the share within [0, 1] or null (noise flagged)."""
     assert "exposed_comm_s" in row and "hidden_comm_share" in row
@@ -48,11 +56,9 @@ def _check_overlap_fields(row: dict) -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
-    proc = _run_cli(
+    proc, res = _run_json(
         ["bench", "schedules", "--quick", "--schedules", "dualpipev,1f1b", "--json", "--out", str(tmp_path)]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout)
     assert "[" in proc.stderr and "bench schedules" in proc.stderr  # progress on stderr only
     assert {r["schedule"] for r in res["rows"]} == {"dualpipev", "1f1b"}
     for r in res["rows"]:
@@ -116,11 +122,9 @@ def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_bench_schedules_short_chunks_only(tmp_path: Path) -> None:
-    proc = _run_cli(
+    _, res = _run_json(
         ["bench", "schedules", "--quick", "--short-chunks-only", "--json", "--no-plots", "--out", str(tmp_path)]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout)
     assert res["rows"] == [] and res["peers"] == [] and res["timeline"] is None
     (short,) = res["short_chunks"]
     assert (short["schedule"], short["ranks"], short["microbatches"]) == ("dualpipev", 2, 8)
@@ -143,9 +147,8 @@ def test_bench_schedules_short_chunks_only_needs_the_short_row() -> None:
 @pytest.mark.timeout(200)
 def test_bench_overlap_quick_json_contract(tmp_path: Path) -> None:
     argv = ["bench", "overlap", "--quick", "--transports", "native", "--formats", "none,fp8"]
-    proc = _run_cli([*argv, "--json", "--out", str(tmp_path)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)["rows"]
+    _, res = _run_json([*argv, "--json", "--out", str(tmp_path)])
+    rows = res["rows"]
     assert [(r["transport"], r["activation_bytes"], r["boundary_format"]) for r in rows] == [
         ("native", 65536, "none"),
         ("native", 65536, "fp8"),
@@ -162,11 +165,9 @@ def test_bench_overlap_quick_json_contract(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(200)
 def test_bench_transport_rows_carry_the_cross_core_ceiling(tmp_path: Path) -> None:
-    proc = _run_cli(
+    _, res = _run_json(
         ["bench", "transport", "--quick", "--max-size", "65536", "--json", "--no-plots", "--out", str(tmp_path)]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout)
     assert [r["size_bytes"] for r in res["rows"]] == [4096, 65536]
     for r in res["rows"]:
         for k in ("size_bytes", "native_gbps", "gloo_gbps", "memcpy_gbps", "native_latency_us", "gloo_latency_us"):

@@ -360,10 +360,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     peers: list[dict[str, Any]] = []
     timeline: dict[str, Any] | None = None
-    bar = Progress(0 if cfg.short_only else len(cfg.ranks), title="bench schedules")
-    if not cfg.short_only:
-        bar.note(f"ranks {list(cfg.ranks)} x schedules {list(cfg.schedules)}, N={cfg.run.microbatches}")
-    for ranks in () if cfg.short_only else cfg.ranks:
+    main_ranks = () if cfg.short_only else cfg.ranks  # the schedule rows' rank counts
+    bar = Progress(len(main_ranks), title="bench schedules")
+    if main_ranks:
+        bar.note(f"ranks {list(main_ranks)} x schedules {list(cfg.schedules)}, N={cfg.run.microbatches}")
+    for ranks in main_ranks:
         per_rank = spawn(_worker, ranks, cfg, timeout_s=900, pg_timeout_s=300)
         for name in cfg.schedules:
             rows.append(_schedule_row(cfg, name, ranks, per_rank, chunks, over))

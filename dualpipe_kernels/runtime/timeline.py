@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,17 +43,6 @@ class TimelineRecorder:
         self.enabled = enabled
         self.t0 = time.perf_counter()
         self.entries: list[TimelineEntry] = []
-
-    @contextmanager
-    def span(self, label: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        start = time.perf_counter() - self.t0
-        try:
-            yield
-        finally:
-            self.entries.append((self.rank, label, start, time.perf_counter() - self.t0))
 
     def add(self, label: str, start_abs: float, end_abs: float) -> None:
         """Record a span measured with absolute ``perf_counter`` values."""
