@@ -306,6 +306,56 @@ def test_sleep_chunk_costs_at_least_the_sleeps_and_b_on_a_first_stage() -> None:
     assert stage.weight.grad is not None and torch.equal(stage.weight.grad, torch.zeros(1))
 
 
+def test_sleep_chunk_makes_one_activation_sized_tensor_per_forward_and_backward() -> None:
+    """A chunk stands for device compute: its host work is one output (forward) and one input gradient
+    (backward), whatever the activation size, and its split backward still defers the W sleep."""
+    import time
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dualpipe_kernels.benchmarks.sleep_stages import SleepStage
+    from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
+
+    class Sized(TorchDispatchMode):
+        def __init__(self, numel: int) -> None:
+            super().__init__()
+            self.numel, self.made = numel, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            leaves = torch.utils._pytree.tree_leaves
+            seen = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if torch.is_tensor(t)}
+            # new memory of an activation's size (views such as autograd's detach are not)
+            self.made += sum(
+                1
+                for t in leaves(out)
+                if torch.is_tensor(t) and t.numel() == self.numel and t.untyped_storage().data_ptr() not in seen
+            )
+            return out
+
+    stage = SleepStage(0.0, 0.004, 0.003)
+    x = torch.ones(64, 256, requires_grad=True)
+    with Sized(x.numel()) as fwd:
+        y = stage(x)
+    assert fwd.made == 1 and y.shape == x.shape and not torch.any(y)
+    store = WeightGradStore()
+    with store.bind():
+        store.enabled = True
+        grad = torch.ones_like(y)
+        t0 = time.perf_counter()
+        with Sized(x.numel()) as bwd:
+            torch.autograd.backward([y], [grad])
+        t_i = time.perf_counter() - t0
+        store.enabled = False
+        store.flush(0)
+    t0 = time.perf_counter()
+    store.pop(0)
+    t_w = time.perf_counter() - t0
+    assert bwd.made == 1 and x.grad is not None and not torch.any(x.grad)
+    assert 0.001 <= t_i < 0.003 + 0.002 and t_w >= 0.003  # I = B - W here, W at the W action
+
+
 def test_busy_time_leaves_out_receive_waits_inside_compute() -> None:
     from dualpipe_kernels.runtime.timeline import busy_time
 
