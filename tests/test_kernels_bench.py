@@ -51,7 +51,7 @@ def test_variants_parse_and_name_a_bad_one() -> None:
 
     from dualpipe_kernels.benchmarks.kernels import _variants
 
-    assert _variants("16x8, 32X4") == [(16, 8), (32, 4)]
+    assert _variants("16x8, 32X4, 16x32g") == [(16, 8, False), (32, 4, False), (16, 32, True)]
     for bad in ("16", "16x", "12x8", "16x0", "axb"):
         with pytest.raises(argparse.ArgumentTypeError, match="--variants"):
             _variants(bad)
@@ -63,9 +63,9 @@ def test_variants_restore_the_launch_shape_and_are_skipped_without_a_gpu(tmp_pat
     from dualpipe_kernels.benchmarks import kernels as kb
     from dualpipe_kernels.kernels import pack_triton as pt
 
-    before = (pt.rows_override, pt.PROGRAMS_PER_SM)
+    before = (pt.rows_override, pt.PROGRAMS_PER_SM, pt.specialize)
     args = argparse.Namespace(quick=True, formats="packed", sizes=[64 << 10], max_size=None, num_tensors=[1],
-                              samples=1, device="cpu", variants=[(32, 2)])  # fmt: skip
+                              samples=1, device="cpu", variants=[(32, 2, False)])  # fmt: skip
     res = kb.run(args)
     assert res["variants"] == [] and len(res["rows"]) == 2  # pack and unpack; variants need Triton on a GPU
-    assert (pt.rows_override, pt.PROGRAMS_PER_SM) == before
+    assert (pt.rows_override, pt.PROGRAMS_PER_SM, pt.specialize) == before

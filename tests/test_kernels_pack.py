@@ -17,6 +17,7 @@ import pickle
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -408,6 +409,22 @@ class TestTritonInterpreter:
         for fmt in FORMATS:
             _triton_vs_fallback(ts, fmt)
 
+    @pytest.mark.parametrize("fmt", list(FORMATS))
+    @pytest.mark.parametrize("specialize", [True, False])
+    def test_specialised_and_generic_kernels_match_the_fallback(
+        self, fmt: str, specialize: bool, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Each launch's variant (one conversion, contiguous or strided, int32 indices) and the generic
+        kernel, on tensors of one dtype (strided and contiguous) and on a mixed set."""
+        from dualpipe_kernels.kernels import pack_triton as pt
+
+        monkeypatch.setattr(pt, "specialize", specialize)
+        g = _gen(7)
+        strided = [_float((9, 300), torch.float32, g).t()[5:], _float((4, 6, 70), torch.float32, g)[:, ::2]]
+        _triton_vs_fallback(strided, fmt)
+        _triton_vs_fallback(strided + [_float((4100,), torch.float32, g)], fmt)
+        _triton_vs_fallback(CASES["whole_blocks"], fmt)
+
     def test_property_triton_matches_fallback(self) -> None:
         from hypothesis import given, settings
         from hypothesis import strategies as st
@@ -465,6 +482,48 @@ def test_gpu_large_pack_is_one_launch_and_exact() -> None:
     assert layout.nbytes == sum(math.ceil(t.numel() * 4 / 16) * 16 for t in ts)
 
 
+def test_kernel_variant_follows_the_launch_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which kernel a launch compiles: one conversion code or -1 (generic), all contiguous, int32 indices."""
+    from dualpipe_kernels.kernels import pack_triton as pt
+
+    block = 16 * 128
+
+    def variant(ts: list[torch.Tensor], dtype: torch.dtype | None) -> tuple[int, bool, bool]:
+        _, layout = pack(ts, dtype, backend="torch")
+        return pt._variant(pt._static_table([pt._as_copyable(t) for t in ts], layout, block), block)
+
+    g = _gen(3)
+    a, b = _float((300,), torch.float32, g), _float((20, 30), torch.float32, g)
+    assert variant([a, b], None) == (pt.COPY4, True, True)
+    assert variant([a, b], torch.bfloat16) == (pt.BF16_F32, True, True)
+    assert variant([a, b.t()], FP8) == (pt.FP8_F32, False, True)
+    assert variant([a, b.half()], None) == (-1, True, True)  # 4- and 2-byte copies: every path
+    # a zero-size tensor of another dtype has no blocks, so no program reads its row
+    assert variant([a, torch.empty(0, dtype=torch.int16)], None) == (pt.COPY4, True, True)
+    monkeypatch.setattr(pt, "specialize", False)
+    assert variant([a, b], None) == (-1, False, False)
+    monkeypatch.setattr(pt, "specialize", True)
+    # indices past int32: a block index (2^31 elements) or a strided offset
+    huge = np.zeros((1, pt._WIDTH), dtype=np.int64)
+    huge[0, [4, 5, 18]] = pt.COPY4, 1, -(-(2**31) // block)
+    assert pt._variant(huge, block) == (pt.COPY4, True, False)
+    far = np.zeros((1, pt._WIDTH), dtype=np.int64)
+    far[0, [4, 5, 6, 7, 8, 9, 10, 11, 12, 18]] = pt.COPY4, 0, 1, 1, 2, 0, 0, 0, 2**31, 1
+    assert pt._variant(far, block) == (pt.COPY4, False, False)
+
+
+def test_programs_that_fit_a_multiprocessor() -> None:
+    from dualpipe_kernels.kernels.pack_triton import fit_per_sm
+
+    assert fit_per_sm(254, 4) == 2  # the generic kernel's registers: 2 programs of 4 warps
+    assert fit_per_sm(64, 4) == 8 and fit_per_sm(72, 4) == 7
+    assert fit_per_sm(16, 4) == 16  # then the 2048 threads bound
+    with pytest.raises(ValueError, match="cubin"):
+        from dualpipe_kernels.kernels.pack_triton import registers_per_thread
+
+        registers_per_thread(b"not an elf")
+
+
 def test_layout_pickles_with_buffer() -> None:
     buf, layout = pack(CASES["mixed"], FP8)
     again = pickle.loads(pickle.dumps(layout))
@@ -483,7 +542,14 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
     from dualpipe_kernels.kernels import pack_triton as pt
 
     consts = {"LOG_N": 3, "ROWS": 16, "W": pt._WIDTH}
-    variants = ((pt._pack_kernel, {"POW2": False}), (pt._pack_kernel, {"POW2": True}), (pt._unpack_kernel, {}))
+    generic = {"CODE": -1, "CONTIG": False, "I32": False}
+    variants = [(pt._pack_kernel, {"POW2": False, **generic}), (pt._pack_kernel, {"POW2": True, **generic})]
+    variants.append((pt._unpack_kernel, generic))
+    # what a launch of one dtype compiles: one conversion, contiguous, int32 indices
+    for code in (pt.COPY4, pt.BF16_F32, pt.FP8_F32):
+        one = {"CODE": code, "CONTIG": True, "I32": True}
+        variants += [(pt._pack_kernel, {"POW2": False, **one}), (pt._unpack_kernel, one)]
+    registers = []
     for kernel, extra in variants:
         sig = {"table": "*i64", "buf": "*u8", "n": "i32", "iters": "i32"}
         sig.update(dict.fromkeys({**consts, **extra}, "constexpr"))
@@ -491,13 +557,22 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
             fn=kernel, signature=sig, constexprs={**consts, **extra}, attrs={(1,): [["tt.divisibility", 16]]}
         )
         try:
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+            asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm
         except RuntimeError as e:  # no CUDA toolchain in this triton build: nothing to check here
             if "ptxas" in str(e) or "cuda" in str(e).lower():
                 pytest.skip(f"triton cannot build for CUDA here: {e}")
             raise
+        ptx = asm["ptx"]
         assert "ld.global.v4" in ptx and "st.global.v4" in ptx, kernel.__name__
         assert "div.full" not in ptx  # divisions are IEEE (div_rn), as torch's
+        registers.append(pt.registers_per_thread(asm["cubin"]))
+    # Occupancy: the generic kernel holds ~250 registers a thread (2 programs of 4 warps per multiprocessor);
+    # a launch of one dtype, contiguous, compiles to a kernel of which at least 7 programs fit (8 for copies
+    # and bf16), which the grid (PROGRAMS_PER_SM) assumes.
+    specialised = registers[3:]
+    assert all(pt.fit_per_sm(r, 4) >= 7 for r in specialised), registers
+    assert all(pt.fit_per_sm(r, 4) >= 8 for r in specialised[:4]), registers
+    assert max(specialised) < min(registers[:3]), registers
 
 
 # ---------------------------------------------------------------- fp8 in place (large tensors)

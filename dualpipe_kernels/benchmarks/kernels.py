@@ -65,22 +65,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--variants",
         type=_variants,
         default=None,
-        help="Triton launch shapes to compare, ROWSxPROGRAMS comma list (rows of 128 per block, programs per SM), "
-        "e.g. 16x8,32x8,16x4: each is timed (ours only) at the sizes >= 64 MiB, after the main table",
+        help="Triton launch shapes to compare, ROWSxPROGRAMS[g] comma list (rows of 128 per block, programs per SM; "
+        "a trailing g: the one generic kernel instead of the variant compiled for each launch's table), "
+        "e.g. 16x32,16x32g,16x8: each is timed (ours only) at the sizes >= 64 MiB, after the main table",
     )
 
 
-def _variants(text: str) -> list[tuple[int, int]]:
-    """argparse type: ``16x8,32x4`` -> [(16, 8), (32, 4)] (powers of two for the rows, positive programs)."""
+def _variants(text: str) -> list[tuple[int, int, bool]]:
+    """argparse type: ``16x8,32x4g`` -> [(16, 8, False), (32, 4, True)] (rows a power of two, positive
+    programs; True: the generic kernel)."""
     out = []
     for part in text.split(","):
+        spec = part.strip().lower()
+        generic = spec.endswith("g")
         try:
-            rows, progs = (int(x) for x in part.strip().lower().split("x"))
+            rows, progs = (int(x) for x in spec.removesuffix("g").split("x"))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--variants: {part!r} is not ROWSxPROGRAMS (e.g. 16x8)") from None
+            raise argparse.ArgumentTypeError(f"--variants: {part!r} is not ROWSxPROGRAMS[g] (e.g. 16x8)") from None
         if rows < 1 or rows & (rows - 1) or progs < 1:
             raise argparse.ArgumentTypeError(f"--variants: {part!r}: rows must be a power of two, programs >= 1")
-        out.append((rows, progs))
+        out.append((rows, progs, generic))
     return out
 
 
@@ -106,23 +110,24 @@ def _variant_rows(cfg: dict[str, Any], timer: Any, copies: dict[int, float]) -> 
     from dualpipe_kernels.kernels import pack_triton as pt
 
     device, samples, out = cfg["device"], cfg["samples"], []
-    saved = (pt.rows_override, pt.PROGRAMS_PER_SM)
+    saved = (pt.rows_override, pt.PROGRAMS_PER_SM, pt.specialize)
     sizes = [s for s in cfg["sizes"] if s >= 64 * MIB]
     counts = sorted({1, max(cfg["counts"])})
     try:
-        for rows, progs in cfg["variants"]:
-            pt.rows_override, pt.PROGRAMS_PER_SM = rows, progs
+        for rows, progs, generic in cfg["variants"]:
+            pt.rows_override, pt.PROGRAMS_PER_SM, pt.specialize = rows, progs, not generic
             for size in sizes:
                 for count in counts:
                     for fmt in cfg["formats"]:
                         _, moved, calls = _ours(_inputs(size, count, device), FORMATS[fmt])
                         for kernel, fn in calls.items():
                             gbps, spread = _measure(fn, moved, samples, timer, _min_calls(device))
-                            out.append({"variant": f"{rows}x{progs}", "kernel": kernel, "format": fmt,
+                            name = f"{rows}x{progs}{'g' if generic else ''}"
+                            out.append({"variant": name, "kernel": kernel, "format": fmt,
                                         "num_tensors": count, "bytes": size, "ours_gbps": gbps,
                                         "ours_vs_copy": gbps / copies[size], "ours_spread": spread})  # fmt: skip
     finally:
-        pt.rows_override, pt.PROGRAMS_PER_SM = saved
+        pt.rows_override, pt.PROGRAMS_PER_SM, pt.specialize = saved
     return out
 
 
@@ -334,8 +339,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     parts = [head, "", markdown_table(result["rows"], cols, heads), "", str(result.get("note", ""))]
     if result.get("variants"):
         vcols = ["variant", "kernel", "format", "num_tensors", "bytes", "ours_gbps", "ours_vs_copy", "ours_spread"]
-        vheads = ["rows x programs/SM", "kernel", "format", "tensors", "input bytes", "ours GB/s", "ours / copy",
-                  "spread"]  # fmt: skip
+        vheads = ["rows x programs/SM (g: generic)", "kernel", "format", "tensors", "input bytes", "ours GB/s",
+                  "ours / copy", "spread"]  # fmt: skip
         parts += ["", "Launch shapes (--variants):", "", markdown_table(result["variants"], vcols, vheads)]
     return "\n".join(parts)
 

@@ -16,6 +16,15 @@ compiler can vectorise (16-byte accesses); the rest go through masked, strided c
 The padding after each region is written with zeros (the stores run on to the
 region's aligned end), so a buffer's bytes depend only on its inputs.
 
+Each launch compiles the variant its table needs (constexprs ``CODE``,
+``CONTIG``, ``I32``): when every tensor has the same conversion only that path
+is built, when all are contiguous no strided index arithmetic, and indices are
+int32 when every block index and element offset fits.  The generic kernel
+(every path, 64-bit indices) needed ~250 registers a thread on sm_90, so two
+programs of 4 warps shared a multiprocessor; a launch of one conversion needs
+40-96 (7 to 12 programs fit), a mixed one with int32 indices 72-168
+(:func:`registers_per_thread` reads it from the compiled cubin, no GPU needed).
+
 Rounding is done explicitly on the fp32 bit patterns, so results do not depend
 on the backend's casts (the interpreter truncates fp32 -> bf16 and misrounds
 fp32 -> e4m3 across a power of two): bf16 is round-to-nearest-even of the top
@@ -40,7 +49,7 @@ import triton.language as tl
 
 from dualpipe_kernels.kernels.layout import ALIGN, FP8_BLOCK, KIND_BF16, KIND_COPY, PackLayout
 
-__all__ = ["INTERPRETED", "pack_into", "unpack_into", "rows_per_block"]
+__all__ = ["INTERPRETED", "pack_into", "unpack_into", "rows_per_block", "registers_per_thread", "fit_per_sm"]
 
 #: True when the kernels run in Triton's interpreter (TRITON_INTERPRET=1 at import)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -58,12 +67,24 @@ FP8_F32, FP8_F16, FP8_BF16 = 6, 7, 8
 _WIDTH = 19
 #: columns that change from call to call (addresses); the others are cached per layout and strides
 _ADDR, _FAST, _DELTA = 0, 16, 17
-#: programs per multiprocessor a GPU launch aims at (each loops over ``iters`` blocks)
-PROGRAMS_PER_SM = 8
+#: programs per multiprocessor a GPU launch aims at (each loops over ``iters`` blocks): about four waves of
+#: the 8 that fit at once (``fit_per_sm``), so that a last, partly filled wave costs a quarter of the
+#: launch at most, not half (one wave plus a few programs per tensor's remainder ran twice as long)
+PROGRAMS_PER_SM = 32
 #: at most this many blocks per program
 MAX_ITERS = 64
 #: blocks per program for every launch, instead of the choice above (tests: the interpreter's loop path)
 iters_override: int | None = None
+#: compile each launch for what its table holds: one conversion for every tensor (only that path is built),
+#: all contiguous (no strided index arithmetic), indices that fit int32.  False: the one generic kernel
+#: (every path, 64-bit indices; tests and ``bench kernels --variants`` compare the two).  Registers per
+#: thread of the sm_90 build (``registers_per_thread``): 240-255 generic, 40-72 for one contiguous
+#: conversion, so that 7 or 8 programs of 4 warps fit a multiprocessor instead of 2.
+specialize: bool = True
+#: registers in a multiprocessor, threads a multiprocessor holds at most (sm_80 .. sm_90)
+_SM_REGISTERS, _SM_THREADS = 65536, 2048
+#: int32 indices: every tensor's blocks and element offsets below this
+_I32_LIMIT = 2**31 - 1
 #: binary-search steps at least (covers 32 tensors; one compiled variant for the common counts)
 _MIN_LOG_N = 6
 _MAX_DIMS = 4
@@ -90,15 +111,16 @@ def _strided(local, row):
     if tl.load(row + 5) != 0:  # contiguous
         off = local
     else:
-        d1 = tl.load(row + 6)
-        d2 = tl.load(row + 7)
-        d3 = tl.load(row + 8)
+        # in the indices' type: int32 when the launch's indices and offsets fit (64-bit division is slow)
+        d1 = tl.load(row + 6).to(local.dtype)
+        d2 = tl.load(row + 7).to(local.dtype)
+        d3 = tl.load(row + 8).to(local.dtype)
         i3 = local % d3
         r = local // d3
         i2 = r % d2
         r = r // d2
-        off = (r // d1) * tl.load(row + 9) + (r % d1) * tl.load(row + 10) + i2 * tl.load(row + 11)
-        off += i3 * tl.load(row + 12)
+        off = (r // d1) * tl.load(row + 9).to(local.dtype) + (r % d1) * tl.load(row + 10).to(local.dtype)
+        off += i2 * tl.load(row + 11).to(local.dtype) + i3 * tl.load(row + 12).to(local.dtype)
     return off
 
 
@@ -178,9 +200,10 @@ def _st(ptr, value, mask, FAST: tl.constexpr):
 
 
 @triton.jit
-def _tile(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
+def _tile(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr, CONTIG: tl.constexpr):
     """(tensor base as a byte pointer, row-major indices of this block, their element offsets, mask,
-    the tensor's region in the buffer as a byte pointer)."""
+    the tensor's region in the buffer as a byte pointer).  ``CONTIG``: every tensor of the launch is
+    contiguous (the strided index arithmetic is not compiled)."""
     rows = tl.arange(0, ROWS)
     local = blk * (ROWS * 128) + rows[:, None] * 128 + tl.arange(0, 128)[None, :]
     if FAST:
@@ -190,8 +213,11 @@ def _tile(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
         off = local
     else:
         base = tl.load(row + 0).to(tl.pointer_type(tl.uint8))
-        off = _strided(local, row)
-    return base, local, off, local < tl.load(row + 1), buf + tl.load(row + 2) // 16 * 16
+        if CONTIG:
+            off = local
+        else:
+            off = _strided(local, row)
+    return base, local, off, local < tl.load(row + 1).to(local.dtype), buf + tl.load(row + 2) // 16 * 16
 
 
 @triton.jit
@@ -220,11 +246,22 @@ def _copy_bits(src, src_off, dst, dst_off, mask, smask, code, FAST: tl.constexpr
 
 
 @triton.jit
-def _pack_block(row, buf, blk, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.constexpr):
-    base, local, src, mask, dst = _tile(row, buf, blk, ROWS, FAST)
+def _pack_block(row, buf, blk, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.constexpr, CODE: tl.constexpr,
+                CONTIG: tl.constexpr):  # fmt: skip
+    """Pack one block; ``CODE`` >= 0: every tensor of the launch converts so (only that path is compiled),
+    -1: each tensor's code is read from the table (every path compiled)."""
+    if CODE >= 0:
+        _pack_tile(row, buf, blk, CODE, ROWS, POW2, FAST, CONTIG)
+    else:
+        _pack_tile(row, buf, blk, tl.load(row + 4), ROWS, POW2, FAST, CONTIG)
+
+
+@triton.jit
+def _pack_tile(row, buf, blk, code, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.constexpr,
+               CONTIG: tl.constexpr):  # fmt: skip
+    base, local, src, mask, dst = _tile(row, buf, blk, ROWS, FAST, CONTIG)
     # stores run on to the region's aligned end, so the padding gets zeros (masked loads there give 0)
-    smask = local < tl.load(row + 14)
-    code = tl.load(row + 4)
+    smask = local < tl.load(row + 14).to(local.dtype)
     if code < 4:
         _copy_bits(base, src, dst, local, mask, smask, code, FAST)
     else:
@@ -240,13 +277,21 @@ def _pack_block(row, buf, blk, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.
             scale_idx, scale_dst = _scales(row, buf, blk, ROWS)
             q, scale = _quantize(x, POW2)
             _st(dst + local, q, smask, FAST)
-            _st(scale_dst + scale_idx, scale, scale_idx < tl.load(row + 15), FAST)
+            _st(scale_dst + scale_idx, scale, scale_idx < tl.load(row + 15).to(scale_idx.dtype), FAST)
 
 
 @triton.jit
-def _unpack_block(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
-    base, local, dst, mask, src = _tile(row, buf, blk, ROWS, FAST)
-    code = tl.load(row + 4)
+def _unpack_block(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr, CODE: tl.constexpr, CONTIG: tl.constexpr):
+    """Unpack one block (``CODE`` as in :func:`_pack_block`)."""
+    if CODE >= 0:
+        _unpack_tile(row, buf, blk, CODE, ROWS, FAST, CONTIG)
+    else:
+        _unpack_tile(row, buf, blk, tl.load(row + 4), ROWS, FAST, CONTIG)
+
+
+@triton.jit
+def _unpack_tile(row, buf, blk, code, ROWS: tl.constexpr, FAST: tl.constexpr, CONTIG: tl.constexpr):
+    base, local, dst, mask, src = _tile(row, buf, blk, ROWS, FAST, CONTIG)
     if code < 4:
         _copy_bits(src, local, base, dst, mask, mask, code, FAST)
     else:
@@ -254,7 +299,7 @@ def _unpack_block(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr):
             x = _bf16_value(_ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask, FAST))
         else:
             scale_idx, scales = _scales(row, buf, blk, ROWS)
-            scale = _ld(scales + scale_idx, scale_idx * 128 < tl.load(row + 1), FAST)
+            scale = _ld(scales + scale_idx, scale_idx * 128 < tl.load(row + 1).to(scale_idx.dtype), FAST)
             x = _e4m3_value(_ld(src + local, mask, FAST)) * scale[:, None]
         if code == 4 or code == 6:
             _st(base.to(tl.pointer_type(tl.float32), bitcast=True) + dst, x, mask, FAST)
@@ -272,7 +317,7 @@ def _fast(row, blk, ROWS: tl.constexpr):
 
 @triton.jit
 def _blocks(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr,
-            PACK: tl.constexpr):  # fmt: skip
+            PACK: tl.constexpr, CODE: tl.constexpr, CONTIG: tl.constexpr, I32: tl.constexpr):  # fmt: skip
     """One program: find its tensor, then pack (``PACK``) or unpack its run of up to ``iters`` blocks."""
     pid = tl.program_id(0).to(tl.int64)
     row = table + _find_tensor(table, pid, n, LOG_N, W) * W
@@ -280,28 +325,32 @@ def _blocks(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl
     nblk = tl.load(row + 18)
     for it in range(0, iters):
         blk = first + it
+        if I32:  # block indices, element indices and offsets in int32 (the host checked they fit)
+            blk = blk.to(tl.int32)
         if blk < nblk:
             fast = _fast(row, blk, ROWS)
             if PACK:
                 if fast:
-                    _pack_block(row, buf, blk, ROWS, POW2, True)
+                    _pack_block(row, buf, blk, ROWS, POW2, True, CODE, CONTIG)
                 else:
-                    _pack_block(row, buf, blk, ROWS, POW2, False)
+                    _pack_block(row, buf, blk, ROWS, POW2, False, CODE, CONTIG)
             else:
                 if fast:
-                    _unpack_block(row, buf, blk, ROWS, True)
+                    _unpack_block(row, buf, blk, ROWS, True, CODE, CONTIG)
                 else:
-                    _unpack_block(row, buf, blk, ROWS, False)
+                    _unpack_block(row, buf, blk, ROWS, False, CODE, CONTIG)
 
 
 @triton.jit
-def _pack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr):
-    _blocks(table, buf, n, iters, LOG_N, ROWS, W, POW2, True)
+def _pack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr,
+                 CODE: tl.constexpr, CONTIG: tl.constexpr, I32: tl.constexpr):  # fmt: skip
+    _blocks(table, buf, n, iters, LOG_N, ROWS, W, POW2, True, CODE, CONTIG, I32)
 
 
 @triton.jit
-def _unpack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr):
-    _blocks(table, buf, n, iters, LOG_N, ROWS, W, False, False)
+def _unpack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
+                   CODE: tl.constexpr, CONTIG: tl.constexpr, I32: tl.constexpr):  # fmt: skip
+    _blocks(table, buf, n, iters, LOG_N, ROWS, W, False, False, CODE, CONTIG, I32)
 
 
 # ---------------------------------------------------------------- host side
@@ -366,14 +415,71 @@ def _programs(static: np.ndarray, iters: int) -> tuple[np.ndarray, int]:
     return out, int(per.sum())
 
 
+def _variant(static: np.ndarray, block: int) -> tuple[int, bool, bool]:
+    """(CODE, CONTIG, I32) of the kernel variant for ``static``'s tensors (the ones with blocks: a program
+    never lands on the others): their one conversion code or -1, all contiguous, int32 indices enough."""
+    if not specialize:
+        return -1, False, False
+    live = static[static[:, 18] > 0]
+    if len(live) == 0:
+        return -1, False, False
+    codes = live[:, 4]
+    code = int(codes[0]) if (codes == codes[0]).all() else -1
+    contig = bool((live[:, 5] != 0).all())
+    # the last index a block touches, and the furthest element offset of a strided tensor
+    last_index = int((live[:, 18] * block).max())
+    sizes = np.concatenate([np.ones((len(live), 1), dtype=np.int64), live[:, 6:9]], axis=1)
+    last_offset = int(((sizes - 1) * np.abs(live[:, 9:13])).sum(axis=1).max())
+    return code, contig, max(last_index, last_offset) <= _I32_LIMIT
+
+
+def registers_per_thread(cubin: bytes) -> int:
+    """Registers per thread of the (one) kernel in a CUDA ``cubin``: its ``.nv.info`` REGCOUNT attribute, what
+    ``cuobjdump --dump-resource-usage`` prints as REG.  Reads the ELF itself, so it needs no CUDA tool."""
+    import struct
+
+    if cubin[:5] != b"\x7fELF\x02":
+        raise ValueError("registers_per_thread: not a 64-bit ELF cubin")
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx][4]
+    found = []
+    for sec in sections:
+        name_at = names + sec[0]
+        if not cubin[name_at : cubin.index(b"\0", name_at)].startswith(b".nv.info"):
+            continue
+        pos, end = sec[4], sec[4] + sec[5]
+        while pos < end:  # attributes: format byte, attribute byte, then a 2-byte value or a sized body
+            fmt, attr = cubin[pos], cubin[pos + 1]
+            if fmt == 0x04:  # sized: u16 size, body (REGCOUNT 0x2f: u32 function symbol, u32 registers)
+                (size,) = struct.unpack_from("<H", cubin, pos + 2)
+                if attr == 0x2F:
+                    found.append(struct.unpack_from("<II", cubin, pos + 4)[1])
+                pos += 4 + size
+            else:
+                pos += 4
+    if len(found) != 1:
+        raise ValueError(f"registers_per_thread: expected one REGCOUNT attribute, found {len(found)}")
+    return found[0]
+
+
+def fit_per_sm(registers: int, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps that fit one multiprocessor at ``registers`` per thread (registers are
+    given to a warp in units of 256; at most 2048 threads)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return max(1, min(_SM_REGISTERS // (per_warp * num_warps), _SM_THREADS // (32 * num_warps)))
+
+
 class _Plan:
     """A layout's table for one set of strides, rows and device: everything but the addresses."""
 
-    __slots__ = ("layout", "table", "programs", "iters", "contig")
+    __slots__ = ("layout", "table", "programs", "iters", "contig", "code", "all_contig", "i32")
 
-    def __init__(self, layout: PackLayout, table: np.ndarray, programs: int, iters: int) -> None:
+    def __init__(self, layout: PackLayout, table: np.ndarray, programs: int, iters: int, block: int) -> None:
         self.layout, self.table, self.programs, self.iters = layout, table, programs, iters
         self.contig = table[:, 5] != 0
+        self.code, self.all_contig, self.i32 = _variant(table, block)
 
 
 #: (id(layout), strides, rows, device) -> _Plan; the plan holds its layout, so an id is never reused while cached
@@ -396,7 +502,7 @@ def _iters(device: torch.device, blocks: int) -> int:
 
 
 def _plan(tensors: Sequence[torch.Tensor], layout: PackLayout, rows: int, device: torch.device) -> _Plan:
-    key = (id(layout), tuple(t.stride() for t in tensors), rows, device, iters_override, PROGRAMS_PER_SM)
+    key = (id(layout), tuple(t.stride() for t in tensors), rows, device, iters_override, PROGRAMS_PER_SM, specialize)
     plan = _PLANS.get(key)
     if plan is None or plan.layout is not layout:
         static = _static_table(tensors, layout, rows * FP8_BLOCK)
@@ -404,7 +510,7 @@ def _plan(tensors: Sequence[torch.Tensor], layout: PackLayout, rows: int, device
         table, programs = _programs(static, iters)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        plan = _PLANS[key] = _Plan(layout, table, programs, iters)
+        plan = _PLANS[key] = _Plan(layout, table, programs, iters, rows * FP8_BLOCK)
     return plan
 
 
@@ -435,7 +541,8 @@ def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer:
     log_n = max(_MIN_LOG_N, math.ceil(math.log2(len(table))) + 1)
     on_device = torch.cuda.device(buffer.device) if buffer.device.type == "cuda" else contextlib.nullcontext()
     with on_device:  # Triton launches on the current device; the buffer's may be another
-        kernel[(plan.programs,)](meta, buffer, len(table), plan.iters, LOG_N=log_n, ROWS=rows, W=_WIDTH, **kw)
+        kernel[(plan.programs,)](meta, buffer, len(table), plan.iters, LOG_N=log_n, ROWS=rows, W=_WIDTH,
+                                 CODE=plan.code, CONTIG=plan.all_contig, I32=plan.i32, **kw)  # fmt: skip
 
 
 def _bit_view(t: torch.Tensor) -> torch.Tensor:
