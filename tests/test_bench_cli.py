@@ -122,15 +122,18 @@ def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_bench_schedules_short_chunks_only(tmp_path: Path) -> None:
-    _, res = _run_json(
-        ["bench", "schedules", "--quick", "--short-chunks-only", "--json", "--no-plots", "--out", str(tmp_path)]
-    )
+    argv = ["bench", "schedules", "--quick", "--short-chunks-only", "--short-launches", "2"]
+    _, res = _run_json([*argv, "--json", "--no-plots", "--out", str(tmp_path)])
     assert res["rows"] == [] and res["peers"] == [] and res["timeline"] is None
     (short,) = res["short_chunks"]
     assert (short["schedule"], short["ranks"], short["microbatches"]) == ("dualpipev", 2, 8)
     assert short.get("error") is None and short["measured_s"] >= 0.97 * short["simulated_sleep_only_s"]
+    # two launches: the row is the lower middle one (of two, the smaller ratio), with both and their range
+    assert short["launches"] == 2 and len(short["ratios"]) == 2
+    assert short["ratio"] == short["ratio_min"] == min(short["ratios"]) and short["ratio_max"] == max(short["ratios"])
     md = (tmp_path / "schedules.md").read_text()
     assert "Short chunks" in md and "of CPU per step" in md and "| dualpipev | 2 | 8 |" in md
+    assert "2 launches" in md
 
 
 def test_bench_schedules_short_chunks_only_needs_the_short_row() -> None:
@@ -142,6 +145,9 @@ def test_bench_schedules_short_chunks_only_needs_the_short_row() -> None:
     add_arguments(p)
     with pytest.raises(ValueError, match="--short-chunks-only and --no-short-chunks"):
         SchedulesConfig.from_args(p.parse_args(["--short-chunks-only", "--no-short-chunks"]))
+    with pytest.raises(ValueError, match="--short-launches must be >= 1"):
+        SchedulesConfig.from_args(p.parse_args(["--short-launches", "0"]))
+    assert SchedulesConfig.from_args(p.parse_args([])).short_chunks().short_launches == 3
 
 
 @pytest.mark.timeout(200)

@@ -104,6 +104,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the short-chunk row alone (no schedule rows, no peers)",
     )
+    p.add_argument(
+        "--short-launches",
+        dest="short_launches",
+        type=int,
+        default=None,
+        help="fresh rank processes for the short-chunk row, each with its own chunk calibration; the row is "
+        "the launch of median ratio, with the others' range (default 3; quick 1)",
+    )
 
 
 @dataclass(frozen=True)
@@ -116,13 +124,15 @@ class SchedulesConfig:
     run: SleepRun
     short: bool = True  # also the short-chunk row
     short_only: bool = False  # the short-chunk row alone
+    short_launches: int = 3  # launches of the short-chunk row (median and range)
 
     def short_chunks(self) -> SchedulesConfig:
         """The short-chunk row's settings: DualPipeV, 1/2/1 ms chunks, 4 x 16 (quick: 2 x 8), no peers."""
         f, b, w = SHORT_CHUNK_S
         quick = self.run.microbatches < 16
         run = dataclasses.replace(self.run, f_s=f, b_s=b, w_s=w, steps=max(self.run.steps, 2 if quick else 10))
-        return SchedulesConfig(("dualpipev",), (2,) if quick else (4,), False, run, short=False)
+        ranks = (2,) if quick else (4,)
+        return SchedulesConfig(("dualpipev",), ranks, False, run, short=False, short_launches=self.short_launches)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SchedulesConfig:
@@ -131,6 +141,7 @@ class SchedulesConfig:
 
         quick = getattr(args, "quick", False)
         ranks = getattr(args, "ranks", None) or ([2] if quick else [2, 4])
+        launches = getattr(args, "short_launches", None)
         cfg = cls(
             schedules=tuple(getattr(args, "schedules", None) or SCHEDULES),
             ranks=tuple(ranks),
@@ -138,9 +149,12 @@ class SchedulesConfig:
             run=SleepRun.from_args(args, microbatches=(16, 8), activation_bytes=(1 << 18, 1 << 14)),
             short=not getattr(args, "no_short", False),
             short_only=getattr(args, "short_only", False),
+            short_launches=(1 if quick else 3) if launches is None else launches,
         )
         if cfg.short_only and not cfg.short:
             raise ValueError("--short-chunks-only and --no-short-chunks leave nothing to run")
+        if cfg.short_launches < 1:
+            raise ValueError(f"--short-launches must be >= 1, got {cfg.short_launches}")
         for r in cfg.ranks:
             for s in cfg.schedules:
                 build_schedule(s, r, cfg.run.microbatches)  # raises ValueError naming the constraint
@@ -392,18 +406,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _short_chunk_rows(cfg: SchedulesConfig) -> list[dict[str, Any]]:
-    """DualPipeV on 1/2/1 ms chunks: the same row as the others, its chunks calibrated the same way."""
+    """DualPipeV on 1/2/1 ms chunks: the same row as the others, its chunks calibrated the same way.
+
+    The row is measured ``cfg.short_launches`` times, each launch with fresh rank processes and its own
+    calibration just before (a launch's ratio moved by up to 20% between launches minutes apart on the
+    2-core machine, calibration and measurement together): the row is the launch of median ratio, with
+    every launch's ratio in ``ratios`` and their range in ``ratio_min`` / ``ratio_max``.
+    """
     from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
     from dualpipe_kernels.runtime.launch import spawn
 
-    over = sleep_overshoot(cfg.run.f_s, repeats=20)
-    chunks = calibrate_chunks(cfg)
     rows = []
     for ranks in cfg.ranks:
-        per_rank = spawn(_worker, ranks, cfg, timeout_s=600, pg_timeout_s=300)
-        row = _schedule_row(cfg, "dualpipev", ranks, per_rank, chunks, over)
-        row.pop("step_times_s", None)
-        rows.append({**row, "f_s": cfg.run.f_s, "b_s": cfg.run.b_s, "w_s": cfg.run.w_s})
+        launches = []
+        for _ in range(cfg.short_launches):
+            over = sleep_overshoot(cfg.run.f_s, repeats=20)
+            chunks = calibrate_chunks(cfg)
+            per_rank = spawn(_worker, ranks, cfg, timeout_s=600, pg_timeout_s=300)
+            row = _schedule_row(cfg, "dualpipev", ranks, per_rank, chunks, over)
+            row.pop("step_times_s", None)
+            launches.append(row)
+        ratios = [r["ratio"] for r in launches if r.get("ratio") is not None]
+        if ratios:
+            # the launch of median ratio (the lower middle one of an even count)
+            ordered = sorted((r for r in launches if r.get("ratio") is not None), key=lambda r: r["ratio"])
+            row = ordered[(len(ordered) - 1) // 2]
+        else:
+            row = launches[0]
+        rows.append({**row, "f_s": cfg.run.f_s, "b_s": cfg.run.b_s, "w_s": cfg.run.w_s, "launches": len(launches),
+                     "ratios": ratios, "ratio_min": min(ratios, default=None),
+                     "ratio_max": max(ratios, default=None)})  # fmt: skip
     return rows
 
 

@@ -52,6 +52,15 @@ def _cpu_text(row: dict[str, Any]) -> str:
     )
 
 
+def _launches_text(row: dict[str, Any]) -> str:
+    """One sentence on the row's launches: the median one is shown, here are all."""
+    ratios = ", ".join(f"{x:.3f}" for x in row["ratios"])
+    return (
+        f"\n{row['ranks']} x {row['microbatches']}: {row['launches']} launches (fresh rank processes, each "
+        f"calibrated just before), measured / simulated {ratios}; the table shows the median one."
+    )
+
+
 def to_markdown(result: dict[str, Any]) -> str:
     from dualpipe_kernels.benchmarks.common import markdown_table
     from dualpipe_kernels.benchmarks.metrics import share_text
@@ -88,6 +97,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             markdown_table(result["short_chunks"], [k for k, _ in _COLUMNS], [h for _, h in _COLUMNS]),
         ]
         parts += [_cpu_text(r) for r in result["short_chunks"] if r.get("rank_cpu_s") is not None]
+        parts += [_launches_text(r) for r in result["short_chunks"] if len(r.get("ratios") or []) > 1]
     if result.get("peers"):
         parts += [
             "",
