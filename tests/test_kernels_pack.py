@@ -425,6 +425,20 @@ class TestTritonInterpreter:
         _triton_vs_fallback(strided + [_float((4100,), torch.float32, g)], fmt)
         _triton_vs_fallback(CASES["whole_blocks"], fmt)
 
+    def test_repacking_the_same_tensors_reads_their_new_values(self) -> None:
+        """A launch that reuses its table (same addresses) still moves what the tensors hold now."""
+        g = _gen(8)
+        ts = [_float((4100,), torch.float32, g), _float((3, 70), torch.float32, g).t()]
+        buf = torch.empty(pack(ts, torch.bfloat16, backend="torch")[1].nbytes, dtype=torch.uint8)
+        outs = [torch.empty_like(t) for t in ts]
+        for step in range(3):
+            for t in ts:
+                t.copy_(_float(tuple(t.shape), torch.float32, g))
+            got, layout = pack(ts, torch.bfloat16, out=buf, backend="triton")
+            assert torch.equal(got, pack(ts, torch.bfloat16, backend="torch")[0]), step
+            unpack(got, layout, out=outs, backend="triton")
+            _assert_same_bits(outs, unpack(got, layout, backend="torch"))
+
     def test_property_triton_matches_fallback(self) -> None:
         from hypothesis import given, settings
         from hypothesis import strategies as st
@@ -510,6 +524,32 @@ def test_kernel_variant_follows_the_launch_table(monkeypatch: pytest.MonkeyPatch
     far = np.zeros((1, pt._WIDTH), dtype=np.int64)
     far[0, [4, 5, 6, 7, 8, 9, 10, 11, 12, 18]] = pt.COPY4, 0, 1, 1, 2, 0, 0, 0, 2**31, 1
     assert pt._variant(far, block) == (pt.COPY4, False, False)
+
+
+def test_launch_tables_are_reused_for_the_same_addresses() -> None:
+    """The table a launch reads is built once per (plan, buffer, tensors' addresses, stream): the same tensors
+    packed again reuse it; another buffer, other tensors or another layout build a new one."""
+    from dualpipe_kernels.kernels import pack_triton as pt
+
+    g = _gen(4)
+    ts = [_float((300,), torch.float32, g), _float((20, 30), torch.float32, g).t()]
+    _, layout = pack(ts, None, backend="torch")
+    buf, other_buf = torch.empty(layout.nbytes, dtype=torch.uint8), torch.empty(layout.nbytes, dtype=torch.uint8)
+    plan = pt._plan(ts, layout, 16, buf.device)
+    first = pt._device_table(plan, ts, buf)
+    builds = pt.table_builds
+    assert pt._device_table(plan, ts, buf) is first and pt.table_builds == builds
+    expect = pt._table(plan, ts, buf.data_ptr())
+    assert np.array_equal(first.numpy().reshape(expect.shape), expect)
+    assert pt._device_table(plan, ts, other_buf) is not first  # the fast-path flags follow the buffer's address
+    clones = [t.clone() for t in ts]
+    again = pt._device_table(pt._plan(clones, layout, 16, buf.device), clones, buf)
+    assert again is not first and pt.table_builds == builds + 2
+    assert np.array_equal(again.numpy().reshape(expect.shape)[:, pt._ADDR], [t.data_ptr() for t in clones])
+    # a stale entry (its plan replaced, e.g. after the plan cache was cleared) is never served
+    pt._PLANS.clear()
+    fresh = pt._plan(ts, layout, 16, buf.device)
+    assert fresh is not plan and pt._device_table(fresh, ts, buf) is not first
 
 
 def test_programs_that_fit_a_multiprocessor() -> None:

@@ -18,7 +18,9 @@ a speed ratio; ``ours_vs_copy`` is the fraction of the copy's bandwidth reached.
 Each figure is a median over samples (each sample repeats the call until it has
 moved about 64 MiB); ``ours_spread`` is (max - min) / median of ours.  ``ours_us`` is one call's time
 from that median and ``ours_host_us`` the host's time per call with no device wait: on a GPU, where the
-host's reaches the call's, the launch path sets the figure, not the kernel.
+host's reaches the call's, the launch path sets the figure, not the kernel.  The calls repeat on the same
+tensors, so after the first a launch reuses its table on the device (``pack_triton._TABLES``); a call
+on tensors at new addresses also stages the table through pinned memory and copies it (a few us more).
 """
 
 from __future__ import annotations

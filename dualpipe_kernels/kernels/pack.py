@@ -93,12 +93,13 @@ def _check_outs(outs: Sequence[torch.Tensor], layout: PackLayout, device: torch.
     if len(outs) != len(layout.entries):
         raise ValueError(f"unpack: out has {len(outs)} tensors, the layout {len(layout.entries)}")
     for i, (o, e) in enumerate(zip(outs, layout.entries, strict=True)):
-        if o.dtype != e.dtype or tuple(o.shape) != e.shape or o.device != device:
+        if o.dtype != e.dtype or o.shape != e.shape or o.device != device:
             raise ValueError(
                 f"unpack: out[{i}] is {o.dtype} {list(o.shape)} on {o.device}; "
                 f"the layout says {e.dtype} {list(e.shape)} on {device}"
             )
-        if any(st == 0 and n > 1 for n, st in zip(o.shape, o.stride(), strict=True)):
+        # (a contiguous tensor has no stride 0 over more than one element)
+        if not o.is_contiguous() and any(st == 0 and n > 1 for n, st in zip(o.shape, o.stride(), strict=True)):
             raise ValueError(f"unpack: out[{i}] has overlapping elements (a stride of 0): it cannot be written")
 
 
