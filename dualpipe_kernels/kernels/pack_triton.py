@@ -85,8 +85,9 @@ specialize: bool = True
 _SM_REGISTERS, _SM_THREADS = 65536, 2048
 #: int32 indices: every tensor's blocks and element offsets below this
 _I32_LIMIT = 2**31 - 1
-#: binary-search steps at least (covers 32 tensors; one compiled variant for the common counts)
-_MIN_LOG_N = 6
+#: binary-search steps: enough for the launch's tensor count and no more (a launch of one tensor reads
+#: no table row to find its tensor: its one step is masked; each launch compiles its own variant anyway)
+_MIN_LOG_N = 1
 _MAX_DIMS = 4
 _COPY_CODE = {1: COPY1, 2: COPY2, 4: COPY4, 8: COPY8}
 _BF16_CODE = {torch.float32: BF16_F32, torch.float16: BF16_F16}
