@@ -79,6 +79,11 @@ def cases(seed: int = 0) -> dict[str, list[torch.Tensor]]:
         _float((4200,), torch.float32, g)[1:],
     ]
     out["many_64"] = [_float((int(n),), torch.float32, g) for n in torch.randint(0, 300, (64,), generator=g)]
+    out["strided_fp32"] = [  # one dtype, strided: the kernel variant with one conversion and index arithmetic
+        _float((9, 3000), torch.float32, g).t()[5:],
+        _float((4, 6, 700), torch.float32, g)[:, ::2],
+        _float((4100,), torch.float32, g),
+    ]
     return out
 
 
@@ -471,7 +476,7 @@ def test_triton_interpreter_suite() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("name", ["fp32_4097", "noncontig_3d", "mixed", "whole_blocks", "many_64"])
+@pytest.mark.parametrize("name", ["fp32_4097", "noncontig_3d", "mixed", "whole_blocks", "many_64", "strided_fp32"])
 def test_gpu_triton_matches_cpu_fallback(name: str, fmt: str) -> None:
     dtype, pow2 = FORMATS[fmt]
     ts = CASES[name]
