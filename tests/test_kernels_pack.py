@@ -529,6 +529,12 @@ def test_kernel_variant_follows_the_launch_table(monkeypatch: pytest.MonkeyPatch
     far = np.zeros((1, pt._WIDTH), dtype=np.int64)
     far[0, [4, 5, 6, 7, 8, 9, 10, 11, 12, 18]] = pt.COPY4, 0, 1, 1, 2, 0, 0, 0, 2**31, 1
     assert pt._variant(far, block) == (pt.COPY4, False, False)
+    # dim 0 (its size is the element count over the others'): rows of 128 elements 2^29 apart
+    rows = np.zeros((1, pt._WIDTH), dtype=np.int64)
+    rows[0, [1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 18]] = 4 * 128, pt.COPY4, 0, 1, 1, 128, 2**29, 0, 0, 1, 1
+    assert pt._variant(rows, block) == (pt.COPY4, False, True)  # 4 rows: last offset 3 * 2^29 + 127 fits
+    rows[0, 1] = 5 * 128  # 5 rows: 2^31 + 127 does not
+    assert pt._variant(rows, block) == (pt.COPY4, False, False)
 
 
 def test_launch_tables_are_reused_for_the_same_addresses() -> None:

@@ -429,8 +429,10 @@ def _variant(static: np.ndarray, block: int) -> tuple[int, bool, bool]:
     contig = bool((live[:, 5] != 0).all())
     # the last index a block touches, and the furthest element offset of a strided tensor
     last_index = int((live[:, 18] * block).max())
-    sizes = np.concatenate([np.ones((len(live), 1), dtype=np.int64), live[:, 6:9]], axis=1)
-    last_offset = int(((sizes - 1) * np.abs(live[:, 9:13])).sum(axis=1).max())
+    inner = live[:, 6:9]  # sizes of dims 1..3; dim 0's is what the element count leaves
+    outer = live[:, 1] // np.maximum(inner.prod(axis=1), 1)
+    sizes = np.concatenate([outer[:, None], inner], axis=1)
+    last_offset = int((np.maximum(sizes - 1, 0) * np.abs(live[:, 9:13])).sum(axis=1).max())
     return code, contig, max(last_index, last_offset) <= _I32_LIMIT
 
 
