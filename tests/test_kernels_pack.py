@@ -503,6 +503,7 @@ def test_gpu_large_pack_is_one_launch_and_exact() -> None:
 
 def test_kernel_variant_follows_the_launch_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which kernel a launch compiles: one conversion code or -1 (generic), all contiguous, int32 indices."""
+    from dualpipe_kernels.kernels import pack_table as ptab
     from dualpipe_kernels.kernels import pack_triton as pt
 
     block = 16 * 128
@@ -513,28 +514,28 @@ def test_kernel_variant_follows_the_launch_table(monkeypatch: pytest.MonkeyPatch
 
     g = _gen(3)
     a, b = _float((300,), torch.float32, g), _float((20, 30), torch.float32, g)
-    assert variant([a, b], None) == (pt.COPY4, True, True)
-    assert variant([a, b], torch.bfloat16) == (pt.BF16_F32, True, True)
-    assert variant([a, b.t()], FP8) == (pt.FP8_F32, False, True)
+    assert variant([a, b], None) == (ptab.COPY4, True, True)
+    assert variant([a, b], torch.bfloat16) == (ptab.BF16_F32, True, True)
+    assert variant([a, b.t()], FP8) == (ptab.FP8_F32, False, True)
     assert variant([a, b.half()], None) == (-1, True, True)  # 4- and 2-byte copies: every path
     # a zero-size tensor of another dtype has no blocks, so no program reads its row
-    assert variant([a, torch.empty(0, dtype=torch.int16)], None) == (pt.COPY4, True, True)
+    assert variant([a, torch.empty(0, dtype=torch.int16)], None) == (ptab.COPY4, True, True)
     monkeypatch.setattr(pt, "specialize", False)
     assert variant([a, b], None) == (-1, False, False)
     monkeypatch.setattr(pt, "specialize", True)
     # indices past int32: a block index (2^31 elements) or a strided offset
     huge = np.zeros((1, pt._WIDTH), dtype=np.int64)
-    huge[0, [4, 5, 18]] = pt.COPY4, 1, -(-(2**31) // block)
-    assert pt._variant(huge, block) == (pt.COPY4, True, False)
+    huge[0, [4, 5, 18]] = ptab.COPY4, 1, -(-(2**31) // block)
+    assert pt._variant(huge, block) == (ptab.COPY4, True, False)
     far = np.zeros((1, pt._WIDTH), dtype=np.int64)
-    far[0, [4, 5, 6, 7, 8, 9, 10, 11, 12, 18]] = pt.COPY4, 0, 1, 1, 2, 0, 0, 0, 2**31, 1
-    assert pt._variant(far, block) == (pt.COPY4, False, False)
+    far[0, [4, 5, 6, 7, 8, 9, 10, 11, 12, 18]] = ptab.COPY4, 0, 1, 1, 2, 0, 0, 0, 2**31, 1
+    assert pt._variant(far, block) == (ptab.COPY4, False, False)
     # dim 0 (its size is the element count over the others'): rows of 128 elements 2^29 apart
     rows = np.zeros((1, pt._WIDTH), dtype=np.int64)
-    rows[0, [1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 18]] = 4 * 128, pt.COPY4, 0, 1, 1, 128, 2**29, 0, 0, 1, 1
-    assert pt._variant(rows, block) == (pt.COPY4, False, True)  # 4 rows: last offset 3 * 2^29 + 127 fits
+    rows[0, [1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 18]] = 4 * 128, ptab.COPY4, 0, 1, 1, 128, 2**29, 0, 0, 1, 1
+    assert pt._variant(rows, block) == (ptab.COPY4, False, True)  # 4 rows: last offset 3 * 2^29 + 127 fits
     rows[0, 1] = 5 * 128  # 5 rows: 2^31 + 127 does not
-    assert pt._variant(rows, block) == (pt.COPY4, False, False)
+    assert pt._variant(rows, block) == (ptab.COPY4, False, False)
 
 
 def test_launch_tables_are_reused_for_the_same_addresses() -> None:
@@ -564,13 +565,13 @@ def test_launch_tables_are_reused_for_the_same_addresses() -> None:
 
 
 def test_programs_that_fit_a_multiprocessor() -> None:
-    from dualpipe_kernels.kernels.pack_triton import fit_per_sm
+    from dualpipe_kernels.kernels.cubin import fit_per_sm
 
     assert fit_per_sm(254, 4) == 2  # the generic kernel's registers: 2 programs of 4 warps
     assert fit_per_sm(64, 4) == 8 and fit_per_sm(72, 4) == 7
     assert fit_per_sm(16, 4) == 16  # then the 2048 threads bound
     with pytest.raises(ValueError, match="cubin"):
-        from dualpipe_kernels.kernels.pack_triton import registers_per_thread
+        from dualpipe_kernels.kernels.cubin import registers_per_thread
 
         registers_per_thread(b"not an elf")
 
@@ -590,14 +591,16 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from dualpipe_kernels.kernels import pack_table as ptab
     from dualpipe_kernels.kernels import pack_triton as pt
+    from dualpipe_kernels.kernels.cubin import fit_per_sm, registers_per_thread
 
     consts = {"LOG_N": 3, "ROWS": 16, "W": pt._WIDTH}
     generic = {"CODE": -1, "CONTIG": False, "I32": False}
     variants = [(pt._pack_kernel, {"POW2": False, **generic}), (pt._pack_kernel, {"POW2": True, **generic})]
     variants.append((pt._unpack_kernel, generic))
     # what a launch of one dtype compiles: one conversion, contiguous, int32 indices
-    for code in (pt.COPY4, pt.BF16_F32, pt.FP8_F32):
+    for code in (ptab.COPY4, ptab.BF16_F32, ptab.FP8_F32):
         one = {"CODE": code, "CONTIG": True, "I32": True}
         variants += [(pt._pack_kernel, {"POW2": False, **one}), (pt._unpack_kernel, one)]
     registers = []
@@ -616,13 +619,13 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
         ptx = asm["ptx"]
         assert "ld.global.v4" in ptx and "st.global.v4" in ptx, kernel.__name__
         assert "div.full" not in ptx  # divisions are IEEE (div_rn), as torch's
-        registers.append(pt.registers_per_thread(asm["cubin"]))
+        registers.append(registers_per_thread(asm["cubin"]))
     # Occupancy: the generic kernel holds ~250 registers a thread (2 programs of 4 warps per multiprocessor);
     # a launch of one dtype, contiguous, compiles to a kernel of which at least 7 programs fit (8 for copies
     # and bf16), which the grid (PROGRAMS_PER_SM) assumes.
     specialised = registers[3:]
-    assert all(pt.fit_per_sm(r, 4) >= 7 for r in specialised), registers
-    assert all(pt.fit_per_sm(r, 4) >= 8 for r in specialised[:4]), registers
+    assert all(fit_per_sm(r, 4) >= 7 for r in specialised), registers
+    assert all(fit_per_sm(r, 4) >= 8 for r in specialised[:4]), registers
     assert max(specialised) < min(registers[:3]), registers
 
 

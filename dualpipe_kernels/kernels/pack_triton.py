@@ -23,14 +23,10 @@ int32 when every block index and element offset fits.  The generic kernel
 (every path, 64-bit indices) needed ~250 registers a thread on sm_90, so two
 programs of 4 warps shared a multiprocessor; a launch of one conversion needs
 40-96 (7 to 12 programs fit), a mixed one with int32 indices 72-168
-(:func:`registers_per_thread` reads it from the compiled cubin, no GPU needed).
+(:func:`.cubin.registers_per_thread` reads it from the compiled cubin, no GPU needed).
 
-Rounding is done explicitly on the fp32 bit patterns, so results do not depend
-on the backend's casts (the interpreter truncates fp32 -> bf16 and misrounds
-fp32 -> e4m3 across a power of two): bf16 is round-to-nearest-even of the top
-16 bits; e4m3 is round-to-nearest-even of 3 mantissa bits, with subnormals
-rounded by adding 2^14 in fp32 (whose ulp, 2^-9, is the e4m3 subnormal step).
-Divisions use ``div_rn`` (IEEE), as torch does.  NaN payloads are not matched.
+Rounding is done explicitly on the fp32 bit patterns (:mod:`.triton_casts`), so
+results do not depend on the backend's casts.
 
 ``TRITON_INTERPRET=1`` must be set before this module is imported to run it on
 CPU tensors; :data:`INTERPRETED` says which mode the kernels were built in.
@@ -47,26 +43,25 @@ import torch
 import triton
 import triton.language as tl
 
-from dualpipe_kernels.kernels.layout import ALIGN, FP8_BLOCK, KIND_BF16, KIND_COPY, PackLayout
+from dualpipe_kernels.kernels.cubin import fit_per_sm, registers_per_thread
+from dualpipe_kernels.kernels.layout import ALIGN, FP8_BLOCK, PackLayout
+from dualpipe_kernels.kernels.pack_table import (
+    _ADDR,
+    _DELTA,
+    _FAST,
+    _MAX_DIMS,
+    _WIDTH,
+    _collapse,
+    _programs,
+    _static_table,
+)
+from dualpipe_kernels.kernels.triton_casts import bf16_bits, bf16_value, e4m3_value, quantize_e4m3
 
 __all__ = ["INTERPRETED", "pack_into", "unpack_into", "rows_per_block", "registers_per_thread", "fit_per_sm"]
 
 #: True when the kernels run in Triton's interpreter (TRITON_INTERPRET=1 at import)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 
-# conversion codes (a column of the table); copies go by element size
-COPY1, COPY2, COPY4, COPY8 = 0, 1, 2, 3
-BF16_F32, BF16_F16 = 4, 5
-FP8_F32, FP8_F16, FP8_BF16 = 6, 7, 8
-#: table columns (the kernels read them as ``row + i``):
-#:  0 address, 1 numel, 2 data byte offset, 3 scale byte offset, 4 code, 5 contiguous flag,
-#:  6..8 sizes of dims 1..3, 9..12 strides of dims 0..3 (elements; dims collapsed, padded in front),
-#:  13 first program, 14 elements stored incl. padding, 15 scales stored incl. padding,
-#:  16 fast-path flag (contiguous and 16 bytes apart from the buffer), 17 address - buffer address,
-#:  18 blocks of the tensor
-_WIDTH = 19
-#: columns that change from call to call (addresses); the others are cached per layout and strides
-_ADDR, _FAST, _DELTA = 0, 16, 17
 #: programs per multiprocessor a GPU launch aims at (each loops over ``iters`` blocks): about four waves of
 #: the 8 that fit at once (``fit_per_sm``), so that a last, partly filled wave costs a quarter of the
 #: launch at most, not half (one wave plus a few programs per tensor's remainder ran twice as long)
@@ -81,17 +76,11 @@ iters_override: int | None = None
 #: thread of the sm_90 build (``registers_per_thread``): 240-255 generic, 40-72 for one contiguous
 #: conversion, so that 7 or 8 programs of 4 warps fit a multiprocessor instead of 2.
 specialize: bool = True
-#: registers in a multiprocessor, threads a multiprocessor holds at most (sm_80 .. sm_90)
-_SM_REGISTERS, _SM_THREADS = 65536, 2048
 #: int32 indices: every tensor's blocks and element offsets below this
 _I32_LIMIT = 2**31 - 1
 #: binary-search steps: enough for the launch's tensor count and no more (a launch of one tensor reads
 #: no table row to find its tensor: its one step is masked; each launch compiles its own variant anyway)
 _MIN_LOG_N = 1
-_MAX_DIMS = 4
-_COPY_CODE = {1: COPY1, 2: COPY2, 4: COPY4, 8: COPY8}
-_BF16_CODE = {torch.float32: BF16_F32, torch.float16: BF16_F16}
-_FP8_CODE = {torch.float32: FP8_F32, torch.float16: FP8_F16, torch.bfloat16: FP8_BF16}
 
 
 # ---------------------------------------------------------------- device helpers
@@ -123,63 +112,6 @@ def _strided(local, row):
         off = (r // d1) * tl.load(row + 9).to(local.dtype) + (r % d1) * tl.load(row + 10).to(local.dtype)
         off += i2 * tl.load(row + 11).to(local.dtype) + i3 * tl.load(row + 12).to(local.dtype)
     return off
-
-
-@triton.jit
-def _bf16_bits(x):
-    """Round-to-nearest-even bfloat16 bits (uint16) of fp32 ``x``; NaN -> 0xFFFF as torch's CPU cast."""
-    u = x.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    r = tl.where(x != x, 0xFFFF, r)
-    return r.to(tl.uint16)
-
-
-@triton.jit
-def _bf16_value(bits):
-    """fp32 value of bfloat16 bits (uint16), exact."""
-    return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_bits(q):
-    """Round-to-nearest-even float8 e4m3fn code (uint8) of fp32 ``q``, saturated to +-448."""
-    nan = q != q
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    u = q.to(tl.uint32, bitcast=True)
-    sign = (u >> 24) & 0x80
-    a_bits = u & 0x7FFFFFFF
-    normal = ((a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) >> 20) - (120 << 3)
-    # below 2^-6 (exponent 121): adding 2^14 leaves round(a / 2^-9) in the low mantissa bits
-    a = a_bits.to(tl.float32, bitcast=True)
-    sub = (a + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
-    code = tl.where(a_bits < (121 << 23), sub, normal) | sign
-    code = tl.where(nan, 0x7F, code)
-    return code.to(tl.uint8)
-
-
-@triton.jit
-def _e4m3_value(code):
-    """fp32 value of float8 e4m3fn codes (uint8), exact (0x7F / 0xFF are NaN)."""
-    b = code.to(tl.uint32)
-    e = (b >> 3) & 15
-    m = b & 7
-    normal = ((e + 120) << 23) | (m << 20)
-    sub = (m.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
-    # the sign goes in as a bit: compiled Triton negates as 0 - x, which turns the code 0x80 into +0.0
-    val = (tl.where(e == 0, sub, normal) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), val)
-
-
-@triton.jit
-def _quantize(x, POW2: tl.constexpr):
-    """(e4m3 codes of the [ROWS, 128] fp32 tile ``x``, one fp32 scale per row = row absmax / 448)."""
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
-    if POW2:
-        bits = scale.to(tl.uint32, bitcast=True)
-        up = (bits & 0xFF800000) + 0x800000
-        scale = tl.where((bits & 0x7FFFFF) != 0, up, bits).to(tl.float32, bitcast=True)
-    divisor = tl.where(scale == 0.0, 1.0, scale)
-    return _e4m3_bits(tl.math.div_rn(x, divisor[:, None])), scale
 
 
 # ---------------------------------------------------------------- kernels
@@ -271,12 +203,12 @@ def _pack_tile(row, buf, blk, code, ROWS: tl.constexpr, POW2: tl.constexpr, FAST
         elif code == 5 or code == 7:
             x = _ld(base.to(tl.pointer_type(tl.float16), bitcast=True) + src, mask, FAST).to(tl.float32)
         else:
-            x = _bf16_value(_ld(base.to(tl.pointer_type(tl.uint16), bitcast=True) + src, mask, FAST))
+            x = bf16_value(_ld(base.to(tl.pointer_type(tl.uint16), bitcast=True) + src, mask, FAST))
         if code == 4 or code == 5:
-            _st(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, _bf16_bits(x), smask, FAST)
+            _st(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, bf16_bits(x), smask, FAST)
         else:
             scale_idx, scale_dst = _scales(row, buf, blk, ROWS)
-            q, scale = _quantize(x, POW2)
+            q, scale = quantize_e4m3(x, POW2)
             _st(dst + local, q, smask, FAST)
             _st(scale_dst + scale_idx, scale, scale_idx < tl.load(row + 15).to(scale_idx.dtype), FAST)
 
@@ -297,17 +229,17 @@ def _unpack_tile(row, buf, blk, code, ROWS: tl.constexpr, FAST: tl.constexpr, CO
         _copy_bits(src, local, base, dst, mask, mask, code, FAST)
     else:
         if code == 4 or code == 5:
-            x = _bf16_value(_ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask, FAST))
+            x = bf16_value(_ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask, FAST))
         else:
             scale_idx, scales = _scales(row, buf, blk, ROWS)
             scale = _ld(scales + scale_idx, scale_idx * 128 < tl.load(row + 1).to(scale_idx.dtype), FAST)
-            x = _e4m3_value(_ld(src + local, mask, FAST)) * scale[:, None]
+            x = e4m3_value(_ld(src + local, mask, FAST)) * scale[:, None]
         if code == 4 or code == 6:
             _st(base.to(tl.pointer_type(tl.float32), bitcast=True) + dst, x, mask, FAST)
         elif code == 5 or code == 7:
             _st(base.to(tl.pointer_type(tl.float16), bitcast=True) + dst, x.to(tl.float16), mask, FAST)
         else:
-            _st(base.to(tl.pointer_type(tl.uint16), bitcast=True) + dst, _bf16_bits(x), mask, FAST)
+            _st(base.to(tl.pointer_type(tl.uint16), bitcast=True) + dst, bf16_bits(x), mask, FAST)
 
 
 @triton.jit
@@ -366,56 +298,6 @@ def rows_per_block(device: torch.device) -> int:
     return 16 if device.type == "cuda" else 32
 
 
-def _collapse(shape: Sequence[int], stride: Sequence[int]) -> list[tuple[int, int]]:
-    """(size, stride) dims with size-1 dims dropped and mergeable neighbours merged (row-major order kept)."""
-    dims: list[tuple[int, int]] = []
-    for size, st in zip(shape, stride, strict=True):
-        if size == 1:
-            continue
-        if dims and dims[-1][1] == st * size:
-            dims[-1] = (dims[-1][0] * size, st)
-        else:
-            dims.append((size, st))
-    return dims
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _code(kind: int, dtype: torch.dtype) -> int:
-    if kind == KIND_COPY:
-        return _COPY_CODE[dtype.itemsize]
-    return _BF16_CODE[dtype] if kind == KIND_BF16 else _FP8_CODE[dtype]
-
-
-def _static_table(tensors: Sequence[torch.Tensor], layout: PackLayout, block: int) -> np.ndarray:
-    """The table's per-layout columns (one row per tensor; address columns left 0) and, in the first-program
-    column, each tensor's first *block* (turned into programs by :func:`_programs`)."""
-    rows, first = [], 0
-    for t, e in zip(tensors, layout.entries, strict=True):
-        dims = _collapse(t.shape, t.stride())
-        contig = int(len(dims) == 0 or (len(dims) == 1 and dims[0][1] == 1))
-        dims = [(1, 0)] * (_MAX_DIMS - len(dims)) + dims
-        sizes, strides = zip(*dims, strict=True)
-        # elements and scales written, padding included (the region's aligned end)
-        nstore = _align(e.nbytes) // (e.nbytes // e.numel) if e.numel else 0
-        nscale = _align(4 * e.num_scales) // 4
-        nblk = -(-nstore // block)
-        rows.append([0, e.numel, e.offset, max(e.scale_offset, 0), _code(e.kind, e.dtype), contig,
-                     *sizes[1:], *strides, first, nstore, nscale, 0, 0, nblk])  # fmt: skip
-        first += nblk
-    return np.array(rows, dtype=np.int64).reshape(len(rows), _WIDTH)
-
-
-def _programs(static: np.ndarray, iters: int) -> tuple[np.ndarray, int]:
-    """(``static`` with each tensor's first program for ``iters`` blocks per program, number of programs)."""
-    per = -(-static[:, 18] // iters)
-    out = static.copy()
-    out[:, 13] = np.cumsum(per) - per
-    return out, int(per.sum())
-
-
 def _variant(static: np.ndarray, block: int) -> tuple[int, bool, bool]:
     """(CODE, CONTIG, I32) of the kernel variant for ``static``'s tensors (the ones with blocks: a program
     never lands on the others): their one conversion code or -1, all contiguous, int32 indices enough."""
@@ -434,44 +316,6 @@ def _variant(static: np.ndarray, block: int) -> tuple[int, bool, bool]:
     sizes = np.concatenate([outer[:, None], inner], axis=1)
     last_offset = int((np.maximum(sizes - 1, 0) * np.abs(live[:, 9:13])).sum(axis=1).max())
     return code, contig, max(last_index, last_offset) <= _I32_LIMIT
-
-
-def registers_per_thread(cubin: bytes) -> int:
-    """Registers per thread of the (one) kernel in a CUDA ``cubin``: its ``.nv.info`` REGCOUNT attribute, what
-    ``cuobjdump --dump-resource-usage`` prints as REG.  Reads the ELF itself, so it needs no CUDA tool."""
-    import struct
-
-    if cubin[:5] != b"\x7fELF\x02":
-        raise ValueError("registers_per_thread: not a 64-bit ELF cubin")
-    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    names = sections[shstrndx][4]
-    found = []
-    for sec in sections:
-        name_at = names + sec[0]
-        if not cubin[name_at : cubin.index(b"\0", name_at)].startswith(b".nv.info"):
-            continue
-        pos, end = sec[4], sec[4] + sec[5]
-        while pos < end:  # attributes: format byte, attribute byte, then a 2-byte value or a sized body
-            fmt, attr = cubin[pos], cubin[pos + 1]
-            if fmt == 0x04:  # sized: u16 size, body (REGCOUNT 0x2f: u32 function symbol, u32 registers)
-                (size,) = struct.unpack_from("<H", cubin, pos + 2)
-                if attr == 0x2F:
-                    found.append(struct.unpack_from("<II", cubin, pos + 4)[1])
-                pos += 4 + size
-            else:
-                pos += 4
-    if len(found) != 1:
-        raise ValueError(f"registers_per_thread: expected one REGCOUNT attribute, found {len(found)}")
-    return found[0]
-
-
-def fit_per_sm(registers: int, num_warps: int) -> int:
-    """Programs of ``num_warps`` warps that fit one multiprocessor at ``registers`` per thread (registers are
-    given to a warp in units of 256; at most 2048 threads)."""
-    per_warp = -(-registers * 32 // 256) * 256
-    return max(1, min(_SM_REGISTERS // (per_warp * num_warps), _SM_THREADS // (32 * num_warps)))
 
 
 class _Plan:
