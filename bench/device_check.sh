@@ -19,7 +19,8 @@
 #              compiling again)
 #   gpu        pytest -m gpu on the GPU unit tests: the Triton pack kernels against the CPU fallback,
 #              the CUDA IPC engine's zero-copy views, small rings and teardown order, and the per-peer
-#              transport choice (CUDA IPC same host, torch across faked hosts; NCCL with 2+ GPUs) (JUnit XML)
+#              transport choice (CUDA IPC same host, torch across faked hosts; NCCL with 2+ GPUs), and the
+#              kernels' sm_90 builds with this machine's Triton (registers per variant) (JUnit XML)
 #   bench      dualpipe-kernels bench kernels (pack/unpack 64 KiB .. 256 MiB vs a same-GPU copy and torch
 #              cat + cast; with DEVICE_CHECK_VARIANTS=1 five launch shapes of the Triton kernels side by side, two of them the generic kernel), memory_gpu (offload / recompute / fp8 vs keep: step time and device memory),
 #              cuda_ipc --quick (IPC at >= 64 MiB vs a same-GPU copy, us per message, overlap)
@@ -220,7 +221,7 @@ mkdir -p "$WORK/bench/variants"
 run_step smoke "$LIMIT_SMOKE" bash -c "$(declare -f smoke); PY='$PY' WORK='$WORK' smoke"
 run_step build "$LIMIT_BUILD" bash -c "$(declare -f build); PY='$PY' WORK='$WORK' DRY='$DRY' OUTDIR='$OUTDIR' build"
 # pytest: -v -rA so that every test reports as it ends; --timeout below the step's (markers: below too)
-run_step gpu "$LIMIT_GPU" "$PY" -m pytest -m gpu tests/test_kernels_pack.py tests/test_cuda_ipc_engine.py \
+run_step gpu "$LIMIT_GPU" "$PY" -m pytest -m "gpu or device_build" tests/test_kernels_pack.py tests/test_cuda_ipc_engine.py \
   tests/test_transport_per_peer_gpu.py -v -rA --continue-on-collection-errors \
   -p no:cacheprovider --timeout 30 --junitxml="$OUTDIR/junit-gpu.xml"
 run_step bench "$LIMIT_BENCH" bash -c "$(declare -f bench); PY='$PY' WORK='$WORK' bench"

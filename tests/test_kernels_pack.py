@@ -582,6 +582,7 @@ def test_layout_pickles_with_buffer() -> None:
     _assert_same_bits(unpack(buf, again), unpack(buf, layout))
 
 
+@pytest.mark.device_build
 @pytest.mark.skipif(INTERP, reason="compiles for a GPU target; the interpreter run has no compiler")
 @pytest.mark.timeout(300)
 def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
@@ -623,6 +624,9 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
     # Occupancy: the generic kernel holds ~250 registers a thread (2 programs of 4 warps per multiprocessor);
     # a launch of one dtype, contiguous, compiles to a kernel of which at least 7 programs fit (8 for copies
     # and bf16), which the grid (PROGRAMS_PER_SM) assumes.
+    names = ["generic pack", "generic pack pow2", "generic unpack"]
+    names += [f"{k} code {c}" for c in (ptab.COPY4, ptab.BF16_F32, ptab.FP8_F32) for k in ("pack", "unpack")]
+    print("sm_90 registers per thread:", ", ".join(f"{n} {r}" for n, r in zip(names, registers, strict=True)))
     specialised = registers[3:]
     assert all(fit_per_sm(r, 4) >= 7 for r in specialised), registers
     assert all(fit_per_sm(r, 4) >= 8 for r in specialised[:4]), registers
