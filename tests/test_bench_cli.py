@@ -131,9 +131,15 @@ def test_bench_schedules_short_chunks_only(tmp_path: Path) -> None:
     # two launches: the row is the lower middle one (of two, the smaller ratio), with both and their range
     assert short["launches"] == 2 and len(short["ratios"]) == 2
     assert short["ratio"] == short["ratio_min"] == min(short["ratios"]) and short["ratio_max"] == max(short["ratios"])
+    # the compute floor: a rank's chunks (2 per rank, 8 micro-batches, F + B = 3 ms each) with no runtime
+    assert short["floor_alone_s"] >= 2 * 8 * 0.003 and short["floor_together_s"] >= short["floor_alone_s"] * 0.9
+    assert short["floor_inflation"] == pytest.approx(short["floor_together_s"] / short["floor_alone_s"])
+    assert 0.5 < short["alone_drift"] < 2  # the same chunks, timed in the launch and before it
+    split = short["floor_inflation"] * short["alone_drift"] * short["ratio_runtime"]
+    assert split == pytest.approx(short["ratio"])
     md = (tmp_path / "schedules.md").read_text()
     assert "Short chunks" in md and "of CPU per step" in md and "| dualpipev | 2 | 8 |" in md
-    assert "2 launches" in md
+    assert "2 launches" in md and "no runtime and no communication" in md
 
 
 def test_bench_schedules_short_chunks_only_needs_the_short_row() -> None:
@@ -360,6 +366,29 @@ def test_sleep_chunk_makes_one_activation_sized_tensor_per_forward_and_backward(
     t_w = time.perf_counter() - t0
     assert bwd.made == 1 and x.grad is not None and not torch.any(x.grad)
     assert 0.001 <= t_i < 0.003 + 0.002 and t_w >= 0.003  # I = B - W here, W at the W action
+
+
+@pytest.mark.parametrize("name", ["dualpipev", "zb1p", "1f1b", "dualpipe"])
+def test_compute_floor_runs_each_ranks_compute_actions_once(name: str) -> None:
+    """Every rank's compute list with no runtime: each forward meets its backward, each I its W, and the
+    W sleeps run at the W actions (a chunk of W = 2 ms: a rank's step sleeps all its F, I and W)."""
+    import time
+
+    import torch
+
+    from dualpipe_kernels.benchmarks.compute_floor import _compute_step
+    from dualpipe_kernels.benchmarks.sleep_stages import SleepStage
+    from dualpipe_kernels.schedules.generators import build_schedule
+
+    sched = build_schedule(name, 2, 4)
+    for rank in range(2):
+        actions = list(sched.compute_actions(rank))
+        modules = {s: SleepStage(0.0, 0.002, 0.002) for s in sched.stages_of_rank(rank)}
+        x = torch.zeros(4, 256)
+        t0 = time.perf_counter()
+        _compute_step(actions, modules, x, torch.zeros_like(x))
+        backwards = sum(1 for m in range(4) for s in sched.stages_of_rank(rank) if s in sched.path(m))
+        assert time.perf_counter() - t0 >= 0.002 * backwards  # every backward's W slept once, I is 0 here
 
 
 def test_busy_time_leaves_out_receive_waits_inside_compute() -> None:

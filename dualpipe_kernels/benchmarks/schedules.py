@@ -130,7 +130,9 @@ class SchedulesConfig:
         """The short-chunk row's settings: DualPipeV, 1/2/1 ms chunks, 4 x 16 (quick: 2 x 8), no peers."""
         f, b, w = SHORT_CHUNK_S
         quick = self.run.microbatches < 16
-        run = dataclasses.replace(self.run, f_s=f, b_s=b, w_s=w, steps=max(self.run.steps, 2 if quick else 10))
+        run = dataclasses.replace(
+            self.run, f_s=f, b_s=b, w_s=w, steps=max(self.run.steps, 2 if quick else 10), floor=True
+        )
         ranks = (2,) if quick else (4,)
         return SchedulesConfig(("dualpipev",), ranks, False, run, short=False, short_launches=self.short_launches)
 
@@ -425,7 +427,11 @@ def _short_chunk_rows(cfg: SchedulesConfig) -> list[dict[str, Any]]:
             per_rank = spawn(_worker, ranks, cfg, timeout_s=600, pg_timeout_s=300)
             row = _schedule_row(cfg, "dualpipev", ranks, per_rank, chunks, over)
             row.pop("step_times_s", None)
-            launches.append(row)
+            floor = _floor_fields([r["ours"].get("dualpipev") for r in per_rank], cfg, ranks, chunks)
+            launches.append({**row, **floor})
+        for r in launches:
+            known = r.get("ratio") is not None and r.get("floor_inflation") is not None and r.get("alone_drift")
+            r["ratio_runtime"] = r["ratio"] / (r["floor_inflation"] * r["alone_drift"]) if known else None
         ratios = [r["ratio"] for r in launches if r.get("ratio") is not None]
         if ratios:
             # the launch of median ratio (the lower middle one of an even count)
@@ -437,6 +443,38 @@ def _short_chunk_rows(cfg: SchedulesConfig) -> list[dict[str, Any]]:
                      "ratios": ratios, "ratio_min": min(ratios, default=None),
                      "ratio_max": max(ratios, default=None)})  # fmt: skip
     return rows
+
+
+def _floor_fields(per_rank: list[Any], cfg: SchedulesConfig, ranks: int, chunks: dict[int, Any]) -> dict[str, Any]:
+    """The compute floor of one launch (:mod:`.compute_floor`) and what it says of the row's ratio.
+
+    ``floor_alone_s`` / ``floor_together_s``: the slowest rank's compute alone and with every rank at once
+    (medians over steps); ``floor_inflation``: their ratio, the host's share of measured / simulated.
+    ``alone_drift``: each rank's compute alone in this launch over the same actions at the calibrated chunk
+    costs the simulator got (median over ranks): how far the calibration, taken before the launch, is
+    from what the chunks cost during it.  ``ratio_runtime``: measured / simulated with both taken out,
+    the runtime's own share and the waits it causes.
+    """
+    import statistics
+
+    from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.ir import T_B, T_F, T_I, T_PAIR, T_W
+
+    empty = {"floor_alone_s": None, "floor_together_s": None, "floor_inflation": None, "alone_drift": None}
+    if not per_rank or any(m is None or not m.floor_alone or not m.floor_together for m in per_rank):
+        return empty
+    sched = build_schedule("dualpipev", ranks, cfg.run.microbatches)
+    c = chunks[chunks_per_stage(sched)]
+    cost = {T_F: c.f, T_B: c.b, T_I: c.i, T_W: c.w}
+    drift = []
+    for r, m in enumerate(per_rank):
+        acts = [s for a in sched.compute_actions(r) for s in (a.sub_actions if a.type is T_PAIR else (a,))]
+        drift.append(statistics.median(m.floor_alone) / sum(cost[a.type] for a in acts))
+    alone = max(statistics.median(m.floor_alone) for m in per_rank)
+    together = statistics.median(max(ts) for ts in zip(*(m.floor_together for m in per_rank), strict=True))
+    return {"floor_alone_s": alone, "floor_together_s": together, "floor_inflation": together / alone,
+            "alone_drift": statistics.median(drift)}  # fmt: skip
 
 
 def _short_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -52,6 +52,18 @@ def _cpu_text(row: dict[str, Any]) -> str:
     )
 
 
+def _floor_text(row: dict[str, Any]) -> str:
+    """One sentence on the compute floor: the host's share of the row's ratio, before any runtime work."""
+    return (
+        f"\n{row['ranks']} x {row['microbatches']}, no runtime and no communication: the slowest rank's compute "
+        f"took {row['floor_alone_s'] * 1e3:.1f} ms a step alone and {row['floor_together_s'] * 1e3:.1f} ms with "
+        f"every rank at once, x{row['floor_inflation']:.3f}: what sharing this host does to the chunks themselves, "
+        "a floor under measured / simulated whatever the runtime costs. The chunks alone in this launch cost "
+        f"x{row['alone_drift']:.3f} their calibrated costs (the calibration runs before the launch); with both "
+        f"taken out, measured / simulated is {row['ratio_runtime']:.3f}: the runtime's work and the waits it causes."
+    )
+
+
 def _launches_text(row: dict[str, Any]) -> str:
     """One sentence on the row's launches: the median one is shown, here are all."""
     ratios = ", ".join(f"{x:.3f}" for x in row["ratios"])
@@ -97,6 +109,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             markdown_table(result["short_chunks"], [k for k, _ in _COLUMNS], [h for _, h in _COLUMNS]),
         ]
         parts += [_cpu_text(r) for r in result["short_chunks"] if r.get("rank_cpu_s") is not None]
+        parts += [_floor_text(r) for r in result["short_chunks"] if r.get("ratio_runtime") is not None]
         parts += [_launches_text(r) for r in result["short_chunks"] if len(r.get("ratios") or []) > 1]
     if result.get("peers"):
         parts += [

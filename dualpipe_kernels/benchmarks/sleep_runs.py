@@ -11,7 +11,8 @@ holds the pipeline's ranks.  It builds the schedule's sleep chunks
    (``T_compute``; the last one's timeline): alternating, both terms see the
    same load of a shared machine;
 2. the link between ranks 0 and 1 at the activation size (``T_comm`` is
-   then the recorded receives timed on that link).
+   then the recorded receives timed on that link);
+3. with ``floor``, the ranks' compute without the runtime (:mod:`.compute_floor`).
 
 Every step starts after a barrier; a step's time is this rank's wall time of
 ``Pipeline.step``.  The parent takes the slowest rank per step.
@@ -55,6 +56,8 @@ class SleepRun:
     record_timeline: bool = False
     device: str = "cpu"
     boundary_format: str = "none"
+    #: also the compute floor (:mod:`.compute_floor`): the ranks' compute alone, then all at once
+    floor: bool = False
 
     @classmethod
     def from_args(
@@ -116,6 +119,9 @@ class RankMeasurement:
     link: dict[str, Any] | None = None
     #: CPU seconds this rank's process (all its threads) used in each measured real step
     cpu_times: list[float] = field(default_factory=list)
+    #: with ``SleepRun.floor``: this rank's compute alone and with every rank at once, per step
+    floor_alone: list[float] = field(default_factory=list)
+    floor_together: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -198,6 +204,12 @@ def measure_sleep_pipeline(rank: int, run: SleepRun) -> RankMeasurement:
         out.cpu_times = out.cpu_times[run.warmup :]
         link = link_timing(switch.inner, rank, run.ranks, run.activation_bytes, device=dev)
         out.link = asdict(link) if link is not None else None
+        if run.floor:
+            from dualpipe_kernels.benchmarks.compute_floor import compute_floor
+
+            out.floor_alone, out.floor_together = compute_floor(
+                rank, run.ranks, sched, modules, run.activation_bytes, run.steps
+            )
         dist.barrier()
     finally:
         pipe.close()
