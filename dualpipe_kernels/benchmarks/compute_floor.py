@@ -15,6 +15,7 @@ does, since the simulator is fed chunks timed alone.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -60,7 +61,8 @@ def compute_floor(
     """(this rank's compute step alone, each measured step; the same with every rank at once), seconds.
 
     Runs in a rank process whose default group holds ``world`` ranks (every rank calls it); one untimed
-    step first in each phase.
+    step first in each phase.  A rank whose compute fails still meets every barrier and returns two empty
+    lists (the floor is left out of the row; the message goes to stderr).
     """
     import torch
     import torch.distributed as dist
@@ -71,13 +73,22 @@ def compute_floor(
     x = sleep_batch(1, activation_bytes)
     grad = torch.zeros_like(x)
 
+    failed: list[BaseException] = []
+
     def timed(n: int, barrier_each: bool) -> list[float]:
+        """``n`` steps (after a failure: none, but every barrier still met, so no other rank waits forever)."""
         times = []
         for _ in range(n):
             if barrier_each:
                 dist.barrier()
+            if failed:
+                continue
             t0 = time.perf_counter()
-            _compute_step(actions, modules, x, grad)
+            try:
+                _compute_step(actions, modules, x, grad)
+            except Exception as e:  # noqa: BLE001 - the floor is optional: its fields are left empty
+                failed.append(e)
+                continue
             times.append(time.perf_counter() - t0)
         return times
 
@@ -90,4 +101,7 @@ def compute_floor(
     together = timed(steps + 1, True)[1:]
     for m in modules.values():
         m.zero_grad(set_to_none=True)
+    if failed:
+        sys.stderr.write(f"compute floor, rank {rank}: {type(failed[0]).__name__}: {failed[0]}\n")
+        return [], []
     return alone, together

@@ -449,7 +449,8 @@ def _floor_fields(per_rank: list[Any], cfg: SchedulesConfig, ranks: int, chunks:
     """The compute floor of one launch (:mod:`.compute_floor`) and what it says of the row's ratio.
 
     ``floor_alone_s`` / ``floor_together_s``: the slowest rank's compute alone and with every rank at once
-    (medians over steps); ``floor_inflation``: their ratio, the host's share of measured / simulated.
+    (medians over steps of the slowest rank's step); ``floor_inflation``: their ratio, the host's share of
+    measured / simulated.
     ``alone_drift``: each rank's compute alone in this launch over the same actions at the calibrated chunk
     costs the simulator got (median over ranks): how far the calibration, taken before the launch, is
     from what the chunks cost during it.  ``ratio_runtime``: measured / simulated with both taken out,
@@ -466,13 +467,15 @@ def _floor_fields(per_rank: list[Any], cfg: SchedulesConfig, ranks: int, chunks:
         return empty
     sched = build_schedule("dualpipev", ranks, cfg.run.microbatches)
     c = chunks[chunks_per_stage(sched)]
-    cost = {T_F: c.f, T_B: c.b, T_I: c.i, T_W: c.w}
+    cost = {T_F: c.f, T_B: c.i + c.w, T_I: c.i, T_W: c.w}  # as the simulator's cost model (B = I + W)
     drift = []
     for r, m in enumerate(per_rank):
         acts = [s for a in sched.compute_actions(r) for s in (a.sub_actions if a.type is T_PAIR else (a,))]
         drift.append(statistics.median(m.floor_alone) / sum(cost[a.type] for a in acts))
-    alone = max(statistics.median(m.floor_alone) for m in per_rank)
-    together = statistics.median(max(ts) for ts in zip(*(m.floor_together for m in per_rank), strict=True))
+    # one statistic for both phases: the median over steps of the slowest rank's step (a max of several noisy
+    # ranks sits above the largest of their medians, which alone would tilt the ratio above 1)
+    alone = statistics.median(max(ts) for ts in zip(*(m.floor_alone for m in per_rank), strict=False))
+    together = statistics.median(max(ts) for ts in zip(*(m.floor_together for m in per_rank), strict=False))
     return {"floor_alone_s": alone, "floor_together_s": together, "floor_inflation": together / alone,
             "alone_drift": statistics.median(drift)}  # fmt: skip
 

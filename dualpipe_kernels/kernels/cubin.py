@@ -11,7 +11,8 @@ from __future__ import annotations
 
 __all__ = ["registers_per_thread", "fit_per_sm"]
 
-#: registers in a multiprocessor, threads a multiprocessor holds at most (sm_80 .. sm_90)
+#: registers in a multiprocessor, threads a multiprocessor holds at most (sm_80 and sm_90: A100, H100,
+#: H200; sm_86 and sm_89 hold 1536 threads: pass ``max_threads``)
 SM_REGISTERS, SM_THREADS = 65536, 2048
 
 
@@ -46,8 +47,8 @@ def registers_per_thread(cubin: bytes) -> int:
     return found[0]
 
 
-def fit_per_sm(registers: int, num_warps: int) -> int:
+def fit_per_sm(registers: int, num_warps: int, max_threads: int = SM_THREADS) -> int:
     """Programs of ``num_warps`` warps that fit one multiprocessor at ``registers`` per thread (registers are
-    given to a warp in units of 256; at most 2048 threads)."""
+    given to a warp in units of 256; at most ``max_threads`` threads)."""
     per_warp = -(-registers * 32 // 256) * 256
-    return max(1, min(SM_REGISTERS // (per_warp * num_warps), SM_THREADS // (32 * num_warps)))
+    return max(1, min(SM_REGISTERS // (per_warp * num_warps), max_threads // (32 * num_warps)))

@@ -6,8 +6,9 @@ conversion code, the tensor's shape and strides collapsed to at most 4 dims,
 and the index of its first block).  Every program handles one block of
 ``ROWS x 128`` elements of one tensor at a time, ``iters`` consecutive blocks in a
 loop (so the table reads and the search below are paid once per ``iters`` blocks,
-not per block: on a GPU about eight programs per multiprocessor, each looping over
-its share); it finds its tensor by a binary search over the first-program column,
+not per block; a GPU launch aims at ``PROGRAMS_PER_SM`` programs per
+multiprocessor, so up to about 128 MiB on an H200 each program takes one block);
+it finds its tensor by a binary search over the first-program column,
 then branches on the conversion code.  Raw
 addresses work in the interpreter too (it reads CPU memory at those addresses).
 A whole block of a contiguous tensor whose address is 16 bytes apart from the
@@ -22,7 +23,8 @@ is built, when all are contiguous no strided index arithmetic, and indices are
 int32 when every block index and element offset fits.  The generic kernel
 (every path, 64-bit indices) needed ~250 registers a thread on sm_90, so two
 programs of 4 warps shared a multiprocessor; a launch of one conversion needs
-40-96 (7 to 12 programs fit), a mixed one with int32 indices 72-168
+40-72 contiguous (7 to 12 programs fit), up to 96 strided (5), a mixed one with
+int32 indices 72-168
 (:func:`.cubin.registers_per_thread` reads it from the compiled cubin, no GPU needed).
 
 Rounding is done explicitly on the fp32 bit patterns (:mod:`.triton_casts`), so
@@ -78,9 +80,9 @@ iters_override: int | None = None
 specialize: bool = True
 #: int32 indices: every tensor's blocks and element offsets below this
 _I32_LIMIT = 2**31 - 1
-#: binary-search steps: enough for the launch's tensor count and no more (a launch of one tensor reads
-#: no table row to find its tensor: its one step is masked; each launch compiles its own variant anyway)
-_MIN_LOG_N = 1
+#: binary-search steps for counts up to 2^_MIN_LOG_N tensors (one compiled variant for them all); a launch of
+#: one tensor takes none, more take ceil(log2 n): the search covers indices below 2^steps
+_MIN_LOG_N = 5
 
 
 # ---------------------------------------------------------------- device helpers
@@ -329,7 +331,8 @@ class _Plan:
         self.code, self.all_contig, self.i32 = _variant(table, block)
 
 
-#: (id(layout), strides, rows, device) -> _Plan; the plan holds its layout, so an id is never reused while cached
+#: (id(layout), strides, rows, device, the launch-shape settings) -> _Plan; the plan holds its layout, so an id is
+#: never reused while cached
 _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 256
 _SM_COUNT: dict[int, int] = {}
@@ -402,8 +405,11 @@ def _device_table(plan: _Plan, tensors: Sequence[torch.Tensor], buffer: torch.Te
     same addresses were launched on this stream before."""
     global table_builds
     addrs = _addresses(tensors)
+    # Under CUDA graph capture the copy below runs only at replay and the table lives in the graph's pool:
+    # such a table is neither served nor kept (a later capture or an eager call would read a copy never made)
+    capturing = buffer.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     key = (id(plan), buffer.data_ptr(), addrs.tobytes(), _stream_key(buffer.device))
-    hit = _TABLES.get(key)
+    hit = None if capturing else _TABLES.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
     table = _table(plan, tensors, buffer.data_ptr(), addrs)
@@ -415,9 +421,10 @@ def _device_table(plan: _Plan, tensors: Sequence[torch.Tensor], buffer: torch.Te
         meta = host.to(buffer.device, non_blocking=True)
     else:
         meta = torch.from_numpy(table.ravel())
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.clear()
-    _TABLES[key] = (plan, meta)
+    if not capturing:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        _TABLES[key] = (plan, meta)
     return meta
 
 
@@ -429,7 +436,7 @@ def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer:
         return
     meta = _device_table(plan, tensors, buffer)
     n = len(plan.table)
-    log_n = max(_MIN_LOG_N, math.ceil(math.log2(n)) + 1)
+    log_n = 0 if n == 1 else max(_MIN_LOG_N, math.ceil(math.log2(n)))
     # Triton launches on the current device; the buffer's may be another (switching costs microseconds)
     other = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if other else contextlib.nullcontext():
