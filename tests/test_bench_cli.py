@@ -379,7 +379,7 @@ def test_compute_floor_runs_each_ranks_compute_actions_once(name: str, monkeypat
     from dualpipe_kernels.benchmarks.compute_floor import _compute_step
     from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
     from dualpipe_kernels.schedules.generators import build_schedule
-    from dualpipe_kernels.schedules.ir import T_B, T_F, T_I, T_PAIR
+    from dualpipe_kernels.schedules.ir import T_B, T_F, T_I
 
     sleeps: list[tuple[float, bool]] = []  # (seconds, inside a W action)
     in_pop = [False]
@@ -397,7 +397,7 @@ def test_compute_floor_runs_each_ranks_compute_actions_once(name: str, monkeypat
     sched = build_schedule(name, 2, 4)
     for rank in range(2):
         sleeps.clear()
-        acts = [s for a in sched.compute_actions(rank) for s in (a.sub_actions if a.type is T_PAIR else (a,))]
+        acts = [a for op in sched.compute_actions(rank) for a in op.computes()]
         count = {t: sum(a.type is t for a in acts) for t in (T_F, T_B, T_I)}
         modules = {s: sleep_stages.SleepStage(0.001, 0.003, 0.002) for s in sched.stages_of_rank(rank)}
         x = torch.zeros(4, 256)

@@ -41,6 +41,8 @@ __all__ = [
     "option",
     "comma_ints",
     "int_list",
+    "allowed_cpus",
+    "host_cpus",
 ]
 
 #: Default results folder, relative to the working directory.
@@ -382,6 +384,18 @@ class ActivationMeter:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
 
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on, sorted: its affinity mask where the platform has one, else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def host_cpus() -> int:
+    """How many CPUs this process may run on (:func:`allowed_cpus`)."""
+    return len(allowed_cpus())
+
+
 def pin_to_core(rank: int) -> int | None:
     """Bind the calling thread to the ``rank``-th allowed core; the core, or None when there are fewer
     than two cores or than ``rank + 1`` (pinning would pile the ranks up) or the platform cannot.
@@ -390,9 +404,9 @@ def pin_to_core(rank: int) -> int | None:
     threads started before keep theirs.  Why benchmarks pin: with busy processes on few cores, a
     transfer's wake-up of a peer may run the woken process on the waker's core and preempt it.
     """
-    if not hasattr(os, "sched_getaffinity"):
+    if not hasattr(os, "sched_setaffinity"):
         return None
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = allowed_cpus()
     if len(cpus) < 2 or rank >= len(cpus):
         return None
     os.sched_setaffinity(0, {cpus[rank]})  # pid 0: on Linux, this thread only

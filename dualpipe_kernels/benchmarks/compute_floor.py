@@ -28,12 +28,12 @@ def _compute_step(actions: list[Any], modules: Mapping[int, Any], x: Any, grad: 
     import torch
 
     from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
-    from dualpipe_kernels.schedules.ir import T_B, T_F, T_I, T_PAIR, T_W
+    from dualpipe_kernels.schedules.ir import T_B, T_F, T_I, T_W
 
     store = WeightGradStore()
     outs: dict[tuple[int, int], Any] = {}
 
-    def run(a: Any) -> None:
+    def run(a: Any) -> None:  # a plain compute action (an F&B pair's halves come one by one)
         key = (a.stage, a.microbatch)
         if a.type is T_F:
             outs[key] = modules[a.stage](x.detach().requires_grad_(True))  # a fresh leaf, as a received input
@@ -44,13 +44,11 @@ def _compute_step(actions: list[Any], modules: Mapping[int, Any], x: Any, grad: 
                 store.flush(key)
         elif a.type is T_W:
             store.pop(key)
-        elif a.type is T_PAIR:
-            for sub in a.sub_actions:
-                run(sub)
 
     with store.bind():
-        for a in actions:
-            run(a)
+        for op in actions:
+            for a in op.computes():
+                run(a)
     if outs or len(store):
         raise RuntimeError(f"compute floor: {len(outs)} forwards without a backward, {len(store)} W units left")
 

@@ -29,13 +29,15 @@ The model is the same for every schedule: ``2 * ranks`` chunks of cost
 Side by side (``peers``): the same chunks and costs through
 torch.distributed.pipelining's ScheduleDualPipeV and Schedule1F1B; a peer's
 ``ratio`` is our step time / theirs (below 1: we are faster).
+
+The short-chunk row (1/2/1 ms chunks, where the runtime's own cost shows) is
+:mod:`.schedules_short`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -52,7 +54,6 @@ SCHEDULES = ("dualpipev", "dualpipe", "1f1b", "zb1p")
 TARGET_RATIO = 1.05
 #: the short-chunk row (issue 16): DualPipeV with F/B/W = 1/2/1 ms chunks, where the runtime's own cost shows
 SHORT_CHUNK_S = (0.001, 0.002, 0.001)
-SHORT_TARGET_RATIO = 1.10
 
 __all__ = [
     "NAME",
@@ -221,14 +222,6 @@ def chunk_costs_from_config(c: dict[str, Any]) -> dict[int, Any] | None:
 
 
 # ---------------------------------------------------------------- rank worker
-def host_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _note(rank: int, text: str) -> None:
     if rank == 0:
         sys.stderr.write(f"  bench schedules: {text}\n")
@@ -281,7 +274,7 @@ def _schedule_row(
     cfg: SchedulesConfig, name: str, ranks: int, per_rank: list[dict[str, Any]], chunks: dict[int, Any], over: float
 ) -> dict[str, Any]:
     """One schedule's row: the three measured terms, the metric and the simulator's predictions."""
-    from dualpipe_kernels.benchmarks.common import median
+    from dualpipe_kernels.benchmarks.common import host_cpus, median
     from dualpipe_kernels.benchmarks.sleep_runs import overlap_terms
     from dualpipe_kernels.runtime.timeline import measured_stage_costs
     from dualpipe_kernels.schedules.costs import CommModel
@@ -367,6 +360,7 @@ def _peer_rows(cfg: SchedulesConfig, ranks: int, per_rank: list[dict[str, Any]],
 # ---------------------------------------------------------------- suite entry points
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualpipe_kernels.benchmarks.common import Progress
+    from dualpipe_kernels.benchmarks.schedules_short import short_chunk_rows, short_targets
     from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
     from dualpipe_kernels.runtime.launch import spawn
 
@@ -389,14 +383,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 timeline = {"schedule": name, "ranks": ranks, "microbatches": cfg.run.microbatches, "entries": tl}
         peers += _peer_rows(cfg, ranks, per_rank, rows)
         bar.update(f"ranks={ranks} done")
-    short_rows = _short_chunk_rows(cfg.short_chunks()) if cfg.short else []
+    short_rows = short_chunk_rows(cfg.short_chunks()) if cfg.short else []
     bar.close()
     config = {
         **cfg.as_dict(),
         "sleep_overshoot_s": over,
         "chunk_costs_s": {str(k): dataclasses.asdict(c) for k, c in chunks.items()},
     }
-    targets = {**_targets(rows, peers), **_short_targets(short_rows)}
+    targets = {**_targets(rows, peers), **short_targets(short_rows)}
     return {
         "rows": rows,
         "peers": peers,
@@ -405,89 +399,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "targets": targets,
         "timeline": timeline,
     }
-
-
-def _short_chunk_rows(cfg: SchedulesConfig) -> list[dict[str, Any]]:
-    """DualPipeV on 1/2/1 ms chunks: the same row as the others, its chunks calibrated the same way.
-
-    The row is measured ``cfg.short_launches`` times, each launch with fresh rank processes and its own
-    calibration just before (a launch's ratio moved by up to 20% between launches minutes apart on the
-    2-core machine, calibration and measurement together): the row is the launch of median ratio, with
-    every launch's ratio in ``ratios`` and their range in ``ratio_min`` / ``ratio_max``.
-    """
-    from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
-    from dualpipe_kernels.runtime.launch import spawn
-
-    rows = []
-    for ranks in cfg.ranks:
-        launches = []
-        for _ in range(cfg.short_launches):
-            over = sleep_overshoot(cfg.run.f_s, repeats=20)
-            chunks = calibrate_chunks(cfg)
-            per_rank = spawn(_worker, ranks, cfg, timeout_s=600, pg_timeout_s=300)
-            row = _schedule_row(cfg, "dualpipev", ranks, per_rank, chunks, over)
-            row.pop("step_times_s", None)
-            floor = _floor_fields([r["ours"].get("dualpipev") for r in per_rank], cfg, ranks, chunks)
-            launches.append({**row, **floor})
-        for r in launches:
-            known = r.get("ratio") is not None and r.get("floor_inflation") is not None and r.get("alone_drift")
-            r["ratio_runtime"] = r["ratio"] / (r["floor_inflation"] * r["alone_drift"]) if known else None
-        ratios = [r["ratio"] for r in launches if r.get("ratio") is not None]
-        if ratios:
-            # the launch of median ratio (the lower middle one of an even count)
-            ordered = sorted((r for r in launches if r.get("ratio") is not None), key=lambda r: r["ratio"])
-            row = ordered[(len(ordered) - 1) // 2]
-        else:
-            row = launches[0]
-        rows.append({**row, "f_s": cfg.run.f_s, "b_s": cfg.run.b_s, "w_s": cfg.run.w_s, "launches": len(launches),
-                     "ratios": ratios, "ratio_min": min(ratios, default=None),
-                     "ratio_max": max(ratios, default=None)})  # fmt: skip
-    return rows
-
-
-def _floor_fields(per_rank: list[Any], cfg: SchedulesConfig, ranks: int, chunks: dict[int, Any]) -> dict[str, Any]:
-    """The compute floor of one launch (:mod:`.compute_floor`) and what it says of the row's ratio.
-
-    ``floor_alone_s`` / ``floor_together_s``: the slowest rank's compute alone and with every rank at once
-    (medians over steps of the slowest rank's step); ``floor_inflation``: their ratio, the host's share of
-    measured / simulated.
-    ``alone_drift``: each rank's compute alone in this launch over the same actions at the calibrated chunk
-    costs the simulator got (median over ranks): how far the calibration, taken before the launch, is
-    from what the chunks cost during it.  ``ratio_runtime``: measured / simulated with both taken out,
-    the runtime's own share and the waits it causes.
-    """
-    import statistics
-
-    from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
-    from dualpipe_kernels.schedules.generators import build_schedule
-    from dualpipe_kernels.schedules.ir import T_B, T_F, T_I, T_PAIR, T_W
-
-    empty = {"floor_alone_s": None, "floor_together_s": None, "floor_inflation": None, "alone_drift": None}
-    if not per_rank or any(m is None or not m.floor_alone or not m.floor_together for m in per_rank):
-        return empty
-    sched = build_schedule("dualpipev", ranks, cfg.run.microbatches)
-    c = chunks[chunks_per_stage(sched)]
-    cost = {T_F: c.f, T_B: c.i + c.w, T_I: c.i, T_W: c.w}  # as the simulator's cost model (B = I + W)
-    drift = []
-    for r, m in enumerate(per_rank):
-        acts = [s for a in sched.compute_actions(r) for s in (a.sub_actions if a.type is T_PAIR else (a,))]
-        drift.append(statistics.median(m.floor_alone) / sum(cost[a.type] for a in acts))
-    # one statistic for both phases: the median over steps of the slowest rank's step (a max of several noisy
-    # ranks sits above the largest of their medians, which alone would tilt the ratio above 1)
-    alone = statistics.median(max(ts) for ts in zip(*(m.floor_alone for m in per_rank), strict=False))
-    together = statistics.median(max(ts) for ts in zip(*(m.floor_together for m in per_rank), strict=False))
-    return {"floor_alone_s": alone, "floor_together_s": together, "floor_inflation": together / alone,
-            "alone_drift": statistics.median(drift)}  # fmt: skip
-
-
-def _short_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for r in rows:
-        if r["ranks"] == 4 and r["microbatches"] == 16 and r.get("ratio"):
-            out["dualpipev_4x16_short_chunks_measured_over_simulated"] = r["ratio"]
-            out["dualpipev_4x16_short_chunks_target"] = SHORT_TARGET_RATIO
-            out["dualpipev_4x16_short_chunks_met"] = r["ratio"] <= SHORT_TARGET_RATIO
-    return out
 
 
 def _targets(rows: list[dict[str, Any]], peers: list[dict[str, Any]]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dualpipe_kernels.benchmarks.common import markdown_table, pin_to_core
+from dualpipe_kernels.benchmarks.common import allowed_cpus, markdown_table, pin_to_core
 
 NAME = "transport"
 KIB = 1024
@@ -220,7 +220,7 @@ def _cross_core_copy_times(size: int, reps: int) -> list[float]:
     A writer thread pinned to one allowed core fills the source, then a reader thread pinned to another
     copies it out; only the copy is timed.  With one allowed core both threads share it (noted by the caller).
     """
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpus = allowed_cpus() if hasattr(os, "sched_setaffinity") else []  # the threads are pinned to two of them
     writer_cpu, reader_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     src = torch.zeros(size, dtype=torch.uint8)
     dst = torch.zeros(size, dtype=torch.uint8)

@@ -1,0 +1,96 @@
+"""The short-chunk row of ``bench schedules`` (issue 16): DualPipeV on 1/2/1 ms chunks, where the runtime's
+own cost per action shows.
+
+The row is the suite's schedule row (:func:`.schedules._schedule_row`), measured
+``cfg.short_launches`` times, each launch with fresh rank processes and its own
+calibration just before (a launch's ratio moved by up to 20% between launches
+minutes apart on the 2-core machine, calibration and measurement together): the
+row is the launch of median ratio, with every launch's ratio in ``ratios`` and
+their range in ``ratio_min`` / ``ratio_max``.  Each launch also measures its
+compute floor (:mod:`.compute_floor`), which splits the ratio into three factors
+(:func:`floor_fields`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from dualpipe_kernels.benchmarks.schedules import SchedulesConfig, _schedule_row, _worker, calibrate_chunks
+
+__all__ = ["SHORT_TARGET_RATIO", "short_chunk_rows", "floor_fields", "short_targets"]
+
+#: measured / simulated target of the short-chunk row, DualPipeV 4 ranks x 16 (issue 16)
+SHORT_TARGET_RATIO = 1.10
+
+
+def short_chunk_rows(cfg: SchedulesConfig) -> list[dict[str, Any]]:
+    """One row per rank count of ``cfg`` (the settings of :meth:`SchedulesConfig.short_chunks`)."""
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
+    from dualpipe_kernels.runtime.launch import spawn
+
+    rows = []
+    for ranks in cfg.ranks:
+        launches = []
+        for _ in range(cfg.short_launches):
+            over = sleep_overshoot(cfg.run.f_s, repeats=20)
+            chunks = calibrate_chunks(cfg)
+            per_rank = spawn(_worker, ranks, cfg, timeout_s=600, pg_timeout_s=300)
+            row = _schedule_row(cfg, "dualpipev", ranks, per_rank, chunks, over)
+            row.pop("step_times_s", None)
+            floor = floor_fields([r["ours"].get("dualpipev") for r in per_rank], cfg, ranks, chunks, row.get("ratio"))
+            launches.append({**row, **floor})
+        measured = sorted((r for r in launches if r.get("ratio") is not None), key=lambda r: r["ratio"])
+        ratios = [r["ratio"] for r in launches if r.get("ratio") is not None]  # in launch order
+        # the launch of median ratio (the lower middle one of an even count)
+        row = measured[(len(measured) - 1) // 2] if measured else launches[0]
+        rows.append({**row, "f_s": cfg.run.f_s, "b_s": cfg.run.b_s, "w_s": cfg.run.w_s, "launches": len(launches),
+                     "ratios": ratios, "ratio_min": min(ratios, default=None),
+                     "ratio_max": max(ratios, default=None)})  # fmt: skip
+    return rows
+
+
+def floor_fields(
+    per_rank: list[Any], cfg: SchedulesConfig, ranks: int, chunks: dict[int, Any], ratio: float | None
+) -> dict[str, Any]:
+    """The compute floor of one launch (:mod:`.compute_floor`) and what it says of the launch's ``ratio``.
+
+    ``floor_alone_s`` / ``floor_together_s``: the slowest rank's compute alone and with every rank at once
+    (medians over steps of the slowest rank's step); ``floor_inflation``: their ratio, the host's share of
+    measured / simulated.  ``alone_drift``: each rank's compute alone in this launch over the same actions
+    at the calibrated chunk costs the simulator got (median over ranks): how far the calibration, taken
+    before the launch, is from what the chunks cost during it.  ``ratio_runtime``: ``ratio`` with both
+    taken out, the runtime's own share and the waits it causes.
+    """
+    from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.ir import T_B, T_F, T_I, T_W
+
+    keys = ("floor_alone_s", "floor_together_s", "floor_inflation", "alone_drift", "ratio_runtime")
+    if not per_rank or any(m is None or not m.floor_alone or not m.floor_together for m in per_rank):
+        return dict.fromkeys(keys)
+    sched = build_schedule("dualpipev", ranks, cfg.run.microbatches)
+    c = chunks[chunks_per_stage(sched)]
+    cost = {T_F: c.f, T_B: c.i + c.w, T_I: c.i, T_W: c.w}  # as the simulator's cost model (B = I + W)
+    drift = statistics.median(
+        statistics.median(m.floor_alone) / sum(cost[a.type] for op in sched.compute_actions(r) for a in op.computes())
+        for r, m in enumerate(per_rank)
+    )
+    # one statistic for both phases: the median over steps of the slowest rank's step (a max of several noisy
+    # ranks sits above the largest of their medians, which alone would tilt the ratio above 1)
+    alone = statistics.median(max(ts) for ts in zip(*(m.floor_alone for m in per_rank), strict=False))
+    together = statistics.median(max(ts) for ts in zip(*(m.floor_together for m in per_rank), strict=False))
+    inflation = together / alone
+    runtime = ratio / (inflation * drift) if ratio is not None else None
+    return dict(zip(keys, (alone, together, inflation, drift, runtime), strict=True))
+
+
+def short_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 16's target, where this run measured it."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        if r["ranks"] == 4 and r["microbatches"] == 16 and r.get("ratio"):
+            out["dualpipev_4x16_short_chunks_measured_over_simulated"] = r["ratio"]
+            out["dualpipev_4x16_short_chunks_target"] = SHORT_TARGET_RATIO
+            out["dualpipev_4x16_short_chunks_met"] = r["ratio"] <= SHORT_TARGET_RATIO
+    return out
