@@ -605,6 +605,9 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
     for code in (ptab.COPY4, ptab.BF16_F32, ptab.FP8_F32):
         one = {"CODE": code, "CONTIG": True, "I32": True}
         variants += [(pt._pack_kernel, {"POW2": False, **one}), (pt._unpack_kernel, one)]
+    # one dtype strided, and mixed dtypes contiguous, both with int32 indices
+    for extra in ({"CODE": ptab.COPY4, "CONTIG": False, "I32": True}, {"CODE": -1, "CONTIG": True, "I32": True}):
+        variants += [(pt._pack_kernel, {"POW2": False, **extra}), (pt._unpack_kernel, extra)]
     registers = []
     for kernel, extra in variants:
         sig = {"table": "*i64", "buf": "*u8", "n": "i32", "iters": "i32"}
@@ -627,8 +630,10 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
     # and bf16), which the grid (PROGRAMS_PER_SM) assumes.
     names = ["generic pack", "generic pack pow2", "generic unpack"]
     names += [f"{k} code {c}" for c in (ptab.COPY4, ptab.BF16_F32, ptab.FP8_F32) for k in ("pack", "unpack")]
+    names += [f"{k} {what}" for what in ("strided code 2", "mixed contiguous") for k in ("pack", "unpack")]
     print("sm_90 registers per thread:", ", ".join(f"{n} {r}" for n, r in zip(names, registers, strict=True)))
-    specialised = registers[3:]
+    assert max(registers[9:]) < min(registers[:3]), registers  # int32 indices and fewer paths help here too
+    specialised = registers[3:9]
     assert all(fit_per_sm(r, 4) >= 7 for r in specialised), registers
     assert all(fit_per_sm(r, 4) >= 8 for r in specialised[:4]), registers
     assert max(specialised) < min(registers[:3]), registers
