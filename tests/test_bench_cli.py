@@ -518,6 +518,13 @@ def test_payload_switch_forwards_gathered_sends_cut_like_the_others() -> None:
     assert not sw.try_isend_gather([(0, meta), (KEEP_WHOLE_BYTES, strided)], KEEP_WHOLE_BYTES + 8192, 1, 10)
     assert 10 not in inner.sent
     assert not PayloadSwitch(Plain()).try_isend_gather(pieces, nbytes, 1, 11)
+    # what the pipeline may send as one gathered message is the inner transport's (runtime/inline.py)
+    assert PayloadSwitch(Plain()).message_inline_bytes == 0
+
+    class Wide(Gatherer):
+        message_inline_bytes = 1 << 18  # type: ignore[assignment]
+
+    assert PayloadSwitch(Wide()).message_inline_bytes == 1 << 18
 
 
 def test_payload_switch_cuts_large_transfers_and_records_what_a_step_moves() -> None:

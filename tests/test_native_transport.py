@@ -196,6 +196,17 @@ def _slot_sized_sends_go_inline_when_asked(rank: int) -> None:
         dist.barrier()
 
 
+def _message_inline_bytes_is_the_groups_smallest(rank: int) -> None:
+    """What a pipeline may send as one gathered message is the same on every rank: the group's smallest
+    ``inline_max_bytes``; nothing where a rank does not gather or a peer is on another host."""
+    with NativeTransport(timeout_s=WAIT_S, inline_max_bytes=4096 * (rank + 1)) as t:
+        assert t.inline_max_bytes == 4096 * (rank + 1) and t.message_inline_bytes == 4096
+    with NativeTransport(timeout_s=WAIT_S, gather_sends=rank != 1) as t:
+        assert t.message_inline_bytes == 0
+    with NativeTransport(timeout_s=WAIT_S, host_id="host-b" if rank == 2 else "host-a") as t:
+        assert t.message_inline_bytes == 0, "the torch fallback to another host does not gather"
+
+
 SCENARIOS: dict[str, Callable[[int], None]] = {
     "make_transport_native": _make_transport_native,
     "other_host_falls_back": _other_host_falls_back,
@@ -205,6 +216,7 @@ SCENARIOS: dict[str, Callable[[int], None]] = {
     "finished_transfers_hold_no_tensor": _finished_transfers_hold_no_tensor,
     "gathered_send_is_one_message_with_zero_gaps": _gathered_send_is_one_message_with_zero_gaps,
     "slot_sized_sends_go_inline_when_asked": _slot_sized_sends_go_inline_when_asked,
+    "message_inline_bytes_is_the_groups_smallest": _message_inline_bytes_is_the_groups_smallest,
 }
 
 

@@ -18,7 +18,7 @@ from repeat_workers import NoRepeats
 import dualpipe_kernels.runtime.p2p as p2p
 from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState, Wire
 from dualpipe_kernels.runtime.executor import _lowered_program
-from dualpipe_kernels.runtime.inline import INLINE_MAX_BYTES
+from dualpipe_kernels.runtime.inline import INLINE_MAX_BYTES, META_BYTES
 from dualpipe_kernels.runtime.p2p import LayoutMemory, TagSpace
 from dualpipe_kernels.runtime.repeat import RepeatRecvOp, SmallSend
 from dualpipe_kernels.schedules.generators import build_schedule
@@ -30,15 +30,13 @@ TIMEOUT_S = 5.0
 class Ends:
     """Ranks 0 (sender of SEND_F of micro-batch 0) and 1 (its receiver), each with its own layout memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = INLINE_MAX_BYTES) -> None:
         program = _lowered_program(build_schedule("1f1b", 2, 2))
         self.pair = LoopbackPair("cpu")
         tags = TagSpace(2, 2)
         self.b = [
             Boundary(
-                Wire(
-                    r, self.pair.ends[r], [0, 1], tags, LayoutMemory(INLINE_MAX_BYTES), torch.device("cpu"), TIMEOUT_S
-                ),
+                Wire(r, self.pair.ends[r], [0, 1], tags, LayoutMemory(limit), torch.device("cpu"), TIMEOUT_S),
                 program,
             )
             for r in (0, 1)
@@ -283,3 +281,73 @@ def test_same_signature_agrees_with_comparing_signatures() -> None:
     for tensors, flags in variants:
         assert same_signature(sig, tensors, flags) == (signature(tensors, flags) == sig), (tensors, flags)
     assert same_signature(sig, *base) and not same_signature(sig, [a, None, b], [True])
+
+
+# ---- large repeats: handed over (the tensors view the buffer they arrived in) ----------------------------
+def _big(seed: int, cols: int = 8192) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, cols, generator=g), None, torch.randint(0, 5, (2,), generator=g)]  # 64 KiB and 16 B
+
+
+def test_large_repeats_are_handed_over_in_a_new_buffer_per_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above HANDOVER_MIN_BYTES a repeat is one transfer into a new buffer whose views are the tensors: no
+    clone, nothing from the pool; bit-exact, and the same bytes on the wire as the general path."""
+    from dualpipe_kernels.runtime.repeat import HANDOVER_MIN_BYTES
+
+    flags = [True, False, False]
+    wires, bases = [], []
+    for fast in (False, True):
+        ends = Ends(limit=1 << 20)
+        if not fast:
+            for b in ends.b:
+                monkeypatch.setattr(b.wire.layouts, "repeat_send", NoRepeats())
+                monkeypatch.setattr(b.wire.layouts, "repeat_recv", NoRepeats())
+        for seed in range(1, 6):
+            ends.pair.box.log.clear()
+            got, _, _ = ends.exchange(_big(seed), flags)
+            _same(got, _big(seed), flags)
+            if fast and seed >= 3:
+                assert isinstance(ends.last_posted, RepeatRecvOp) and ends.last_posted.entry.handover
+                assert _sends(ends) == [0], "metadata and data in one transfer"
+                store = [t.untyped_storage() for t in got if t is not None]
+                assert store[0].nbytes() == META_BYTES + 65536 + 16 >= HANDOVER_MIN_BYTES, "the buffer: header, data"
+                assert store[1].data_ptr() == store[0].data_ptr(), "every tensor of the message views the one buffer"
+                bases.append(store[0].data_ptr())
+        wires.append(list(ends.pair.box.sent))
+        if fast:
+            assert ends.b[1].wire.layouts.pool.allocations == 1, "only the general path's inline read was pooled"
+        monkeypatch.undo()
+    assert wires[0] == wires[1]
+    assert len(set(bases)) == len(bases), "a new buffer per message (the earlier ones still live: got is kept)"
+
+
+def test_a_large_repeat_whose_layout_changed_falls_back_then_is_handed_over_again() -> None:
+    ends, flags = Ends(limit=1 << 20), [True, False, False]
+    for seed in (1, 2, 3):
+        ends.exchange(_big(seed), flags)
+    assert ends.last_posted.entry.handover  # type: ignore[attr-defined]
+    for seed, cols in ((4, 8200), (5, 8200), (6, 8200), (7, 8192)):
+        got, _, _ = ends.exchange(_big(seed, cols), flags)
+        _same(got, _big(seed, cols), flags)
+    assert isinstance(ends.last_posted, RepeatRecvOp), "posted from the old layout's entry, read by the general path"
+    got, _, _ = ends.exchange(_big(8), flags)
+    _same(got, _big(8), flags)
+
+
+def test_handover_needs_host_unpacked_large_messages_with_bytes() -> None:
+    from dualpipe_kernels.runtime.boundary_codec import MessageCodec
+    from dualpipe_kernels.runtime.inline import inline_plan
+    from dualpipe_kernels.runtime.repeat import HANDOVER_MIN_BYTES, handover
+
+    cpu, n = torch.device("cpu"), HANDOVER_MIN_BYTES // 4
+
+    def ok(fmt: str, tensors: list[torch.Tensor | None], device: torch.device = cpu) -> bool:
+        codec = MessageCodec(fmt, 0)
+        layout = codec.layout(tensors, [False] * len(tensors))
+        return handover(layout, inline_plan(codec, layout), device)
+
+    assert ok("none", [torch.zeros(n), None])
+    assert not ok("none", [torch.zeros(n)], torch.device("cuda", 0)), "read on a device: copied there"
+    assert not ok("none", [torch.zeros(n - 4)]), "below HANDOVER_MIN_BYTES: cloned out of a pooled buffer"
+    assert not ok("none", [torch.zeros(n), torch.zeros(0, 3)]), "a zero-size tensor has no bytes to view"
+    assert not ok("packed", [torch.zeros(n)]), "a packed message is unpacked into new tensors anyway"

@@ -18,13 +18,28 @@ import torch
 STEPS = 50
 
 
-@pytest.fixture(scope="module", params=["native", "torch"])
+#: a native transport that takes messages up to 64 KiB (its default on a core per rank) or a whole ring slot
+#: (the default when ranks share CPUs), with 32 KiB activations (more than the pipeline's own inline limit)
+#: and 128 KiB ones (handed over: repeat.HANDOVER_MIN_BYTES)
+SETUPS = {
+    "native": ("native", 8, None),
+    "torch": ("torch", 8, None),
+    "native-48k": ("native", 12 * 1024, 64 * 1024),
+    "native-128k-handover": ("native", 32 * 1024, 260 * 1024),
+}
+
+
+@pytest.fixture(scope="module", params=list(SETUPS))
 def runs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     from repeat_workers import long_run
 
     from dualpipe_kernels.runtime.launch import spawn
 
-    return spawn(long_run, 2, STEPS, request.param, timeout_s=240.0)
+    kind, width, inline = SETUPS[request.param]
+    out = spawn(long_run, 2, STEPS, kind, width, inline, timeout_s=240.0)
+    for res in out:
+        res["setup"] = request.param
+    return out
 
 
 @pytest.mark.timeout(300)
@@ -51,3 +66,22 @@ def test_fifty_steps_flat_with_repeats(runs: list[dict[str, Any]]) -> None:
         general = res["False"]["entries"][-1]
         assert general == (0, 0), "the forced run kept no entries"
         assert res["closed/True"] == (0, 0, 0), f"rank {rank}: close() left {res['closed/True']}"
+
+
+@pytest.mark.timeout(300)
+def test_large_messages_repeat_inline_up_to_what_the_transport_takes(runs: list[dict[str, Any]]) -> None:
+    """A native transport that takes whole messages of N bytes raises the pipeline's inline limit to N less
+    the 1 KiB header; 128 KiB messages are then handed over (every repeat receive entry), smaller ones not."""
+    from dualpipe_kernels.runtime.inline import INLINE_MAX_BYTES, META_BYTES
+
+    setup = runs[0]["setup"]
+    _, width, inline = SETUPS[setup]
+    for rank, res in enumerate(runs):
+        want = max(INLINE_MAX_BYTES, inline - META_BYTES) if inline is not None else None
+        if want is not None:
+            assert res["inline_limit"] == want, f"rank {rank}: inline limit {res['inline_limit']}, want {want}"
+        run = res["True"]
+        _, recvs = run["entries"][-1]
+        assert recvs > 0, f"rank {rank}: messages of {4 * width} B do not repeat inline"
+        handed = run["handovers"][-1]
+        assert handed == (recvs if 4 * width >= 64 * 1024 else 0), f"rank {rank}: {handed} of {recvs} handed over"

@@ -86,6 +86,10 @@ class PayloadSwitch(Transport):
     def early_small_receives(self) -> bool:
         return self.inner.early_small_receives
 
+    @property
+    def message_inline_bytes(self) -> int:
+        return self.inner.message_inline_bytes
+
     def _large(self, tensor: torch.Tensor) -> bool:
         return tensor.numel() * tensor.element_size() > _KEPT
 

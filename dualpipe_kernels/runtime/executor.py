@@ -45,7 +45,7 @@ from dualpipe_kernels.runtime.construction import (
 from dualpipe_kernels.runtime.conveniences import PipelineConveniences
 from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan, mirror_dp_groups
 from dualpipe_kernels.runtime.fingerprint import agree, fingerprint, resolved_transport
-from dualpipe_kernels.runtime.inline import INLINE_MAX_BYTES
+from dualpipe_kernels.runtime.inline import INLINE_MAX_BYTES, inline_limit
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.memory import ActivationMemory
 from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, parse_memory_policy
@@ -249,6 +249,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
+        self._layouts.inline_max_bytes = inline_limit(self._transport)  # a larger one where the transport takes it
         self.recv_lookahead = recv_lookahead if recv_lookahead is not None else self._transport.recv_lookahead
         self.early_small_receives = (
             bool(early_small_receives) if early_small_receives is not None else self._transport.early_small_receives

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ from dualpipe_kernels.kernels import PackLayout, pack_as
 from dualpipe_kernels.runtime.boundary_codec import MessageCodec
 from dualpipe_kernels.runtime.boundary_meta import META_LEN, Layout
 
-__all__ = ["INLINE_MAX_BYTES", "META_BYTES", "InlinePlan", "inline_plan", "build", "read", "data_views"]
+__all__ = ["INLINE_MAX_BYTES", "META_BYTES", "inline_limit", "InlinePlan", "inline_plan", "build", "read", "data_views"]
 
 #: data bytes (after the metadata) up to which a message with a remembered layout travels as one transfer
 INLINE_MAX_BYTES = 32 * 1024
@@ -74,6 +75,13 @@ def inline_plan(codec: MessageCodec, layout: Layout) -> InlinePlan:
         offsets.append(pos)
         pos += n
     return InlinePlan(pos, tuple(offsets), None)
+
+
+def inline_limit(transport: Any) -> int:
+    """The data bytes up to which a repeated message travels inline on ``transport``: :data:`INLINE_MAX_BYTES`,
+    or more where the transport takes a larger message as one copy on each side, the same on every rank
+    (``Transport.message_inline_bytes``, less the metadata header)."""
+    return max(INLINE_MAX_BYTES, int(getattr(transport, "message_inline_bytes", 0)) - META_BYTES)
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:

@@ -73,7 +73,7 @@ from dualpipe_kernels.runtime.boundary_meta import (
     wire_device,
 )
 from dualpipe_kernels.runtime.inline import META_BYTES, build, read
-from dualpipe_kernels.runtime.repeat import RepeatRecv, RepeatSend, header_bytes, signature
+from dualpipe_kernels.runtime.repeat import RepeatRecv, RepeatSend, handover, header_bytes, signature
 from dualpipe_kernels.transport.base import Handle, Transport, TransportError
 
 __all__ = [
@@ -356,8 +356,9 @@ class BoundaryRecv:
             self._buffers, self._handles = [], []
             grads = tuple(m is not None and m.requires_grad for m in metas)
             self._memory.repeat_recv[self._key] = RepeatRecv(
-                header_bytes(buf), buf.numel(), self._codec, layout, self._inline, grads
-            )
+                header_bytes(buf), buf.numel(), self._codec, layout, self._inline, grads,
+                handover=handover(layout, self._inline, self._device),
+            )  # fmt: skip
         else:
             self._tensors, self._buffers = self._codec.alloc(layout, self._device)
             self._handles = self._post(self._buffers, FRESH_BASE)

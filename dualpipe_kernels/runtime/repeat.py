@@ -51,10 +51,17 @@ __all__ = [
     "signature",
     "same_signature",
     "header_bytes",
+    "handover",
+    "HANDOVER_MIN_BYTES",
     "post_repeat",
 ]
 
 _MAX_VIEWS = 16  # pooled buffers remembered per entry (the receive window needs a few)
+
+#: data bytes from which a repeated message received on the host is handed over: its tensors are views of
+#: the buffer it arrived in, a new one per message, instead of clones out of a pooled buffer (a clone of a
+#: large message costs a copy of it; a new buffer, an allocation)
+HANDOVER_MIN_BYTES = 64 * 1024
 
 Signature = tuple[tuple[torch.dtype, torch.Size, bool] | None, ...]
 
@@ -78,6 +85,18 @@ def same_signature(sig: Signature, tensors: Sequence[torch.Tensor | None], grad_
         elif e[0] != t.dtype or e[2] != bool(g) or e[1] != t.shape:
             return False
     return True
+
+
+def handover(layout: Layout, plan: InlinePlan, device: torch.device) -> bool:
+    """Whether messages of ``layout`` (read on ``device``) are handed over (:data:`HANDOVER_MIN_BYTES`):
+    host tensors, unpacked, at least that many bytes, and every tensor with bytes to view (a zero-size one
+    is allocated by :func:`read`)."""
+    return (
+        device.type == "cpu"
+        and plan.pack is None
+        and plan.nbytes >= HANDOVER_MIN_BYTES
+        and all(e is None or off is not None for e, off in zip(layout, plan.offsets, strict=True))
+    )
 
 
 def header_bytes(buf: torch.Tensor) -> bytes:
@@ -184,6 +203,9 @@ class RepeatRecv:
     layout: Layout
     plan: InlinePlan
     grads: tuple[bool, ...]  # per tensor: requires grad on this side
+    #: large, unpacked and read on the host: each message arrives in a new buffer that its tensors view
+    #: (:data:`HANDOVER_MIN_BYTES`); else in a pooled buffer its tensors are copied out of
+    handover: bool = False
     views: dict[int, tuple[torch.Tensor, Any, list[torch.Tensor | None] | None]] = field(default_factory=dict)
 
     def views_of(self, buf: torch.Tensor) -> tuple[Any, list[torch.Tensor | None] | None]:
@@ -218,17 +240,23 @@ class RepeatRecvOp:
         """The message's tensors once :attr:`handle` completed, or None when its header is not the
         remembered one (the caller hands :attr:`buf` to the general protocol)."""
         e, buf = self.entry, self.buf
-        header, views = e.views_of(buf)
-        if header.tobytes() != e.header:
-            return None
-        if views is not None and device.type == "cpu":
-            out: list[torch.Tensor | None] = [None if v is None else v.clone() for v in views]
+        out: list[torch.Tensor | None]
+        if e.handover:
+            if header_bytes(buf) != e.header:
+                return None
+            out = data_views(buf, e.layout, e.plan)  # the tensors keep the buffer; it never returns to the pool
         else:
-            out = read(buf, e.codec, e.layout, e.plan, device)
+            header, views = e.views_of(buf)
+            if header.tobytes() != e.header:
+                return None
+            if views is not None and device.type == "cpu":
+                out = [None if v is None else v.clone() for v in views]
+            else:
+                out = read(buf, e.codec, e.layout, e.plan, device)
+            memory.pool.give(buf)  # copied out: free again
         for t, g in zip(out, e.grads, strict=True):
             if g and t is not None:
                 t.requires_grad_(True)
-        memory.pool.give(buf)  # copied out: free again
         return out
 
 
@@ -236,5 +264,5 @@ def post_repeat(
     memory: LayoutMemory, entry: RepeatRecv, transport: Transport, peer: int, tag: int, what: str
 ) -> RepeatRecvOp:
     """Post the inline receive of a message expected in ``entry``'s layout."""
-    buf = memory.pool.take(entry.nbytes)
+    buf = torch.empty(entry.nbytes, dtype=torch.uint8) if entry.handover else memory.pool.take(entry.nbytes)
     return RepeatRecvOp(entry, transport.irecv(buf, peer, tag, what), buf)

@@ -147,6 +147,15 @@ class Transport(abc.ABC):
         here."""
         return False
 
+    @property
+    def message_inline_bytes(self) -> int:
+        """The largest boundary message (its 1 KiB metadata header and its data) that this transport takes as
+        one copy on each side when posted at once (a gathered send, ``try_isend_gather``, and an ``irecv``
+        copied by the thread that waits), the same on every rank of its group.  A pipeline sends a repeated
+        message up to this size as one transfer whatever its data size (runtime/inline.py).  Default 0: no
+        such promise; the pipeline's own limit (32 KiB of data) applies."""
+        return 0
+
     @abc.abstractmethod
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
         """Post an asynchronous send of a contiguous tensor to group rank ``peer``."""

@@ -90,7 +90,7 @@ __all__ = [
 #: dtypes with fixed codes in message headers (the package-wide wire table); others get a stable hash code.
 DTYPES = WIRE_DTYPES
 DEFAULT_NUM_SLOTS = 8
-DEFAULT_SLOT_BYTES = 256 * 1024
+DEFAULT_SLOT_BYTES = 260 * 1024
 #: sends of at least this many bytes are read by the receiver straight from the sender (when permitted)
 DEFAULT_SINGLE_COPY_MIN_BYTES = 256 * 1024
 #: environment variable: "0" turns the single-copy path off (any other value or unset: on)
@@ -250,6 +250,7 @@ class NativeTransport(Transport):
         self._inflight: dict[int, tuple[Any, torch.Tensor]] = {}
         self._sweep_at = _MIN_SWEEP
         self._fallback: TorchDistTransport | None = None
+        self._group_inline_bytes = 0  # set by the rendezvous
         self._engine = shm.Engine(
             self._rank,
             num_slots=num_slots,
@@ -287,10 +288,14 @@ class NativeTransport(Transport):
         # same order, so the counts agree and two transports never share keys.
         generation = store.add(f"{_STORE_PREFIX}/generation/{self._rank}", 1)
         prefix = f"{_STORE_PREFIX}/{generation}"
-        store.set(f"{prefix}/host/{self._rank}", host_id)
-        hosts = [
-            self._wait_key(store, f"{prefix}/host/{p}", f"peer rank {p}'s hostname").decode() for p in range(self._size)
+        # what this rank takes as one gathered copy (gather_sends off: nothing), published with its host
+        store.set(f"{prefix}/host/{self._rank}", f"{self.inline_max_bytes if self.gather_sends else 0} {host_id}")
+        entries = [
+            self._wait_key(store, f"{prefix}/host/{p}", f"peer rank {p}'s hostname").decode().split(" ", 1)
+            for p in range(self._size)
         ]
+        hosts = [h for _, h in entries]
+        self._group_inline_bytes = min(int(n) for n, _ in entries)
         peers = [p for p in range(self._size) if p != self._rank and hosts[p] == hosts[self._rank]]
         for p in peers:
             store.set(f"{prefix}/ring/{self._rank}to{p}", self._engine.create_send_channel(p))
@@ -318,6 +323,12 @@ class NativeTransport(Transport):
     def early_small_receives(self) -> bool:
         """The torch fallback's when some peers are on other hosts (gloo), else the default (off)."""
         return super().early_small_receives if self._fallback is None else self._fallback.early_small_receives
+
+    @property
+    def message_inline_bytes(self) -> int:
+        """The smallest ``inline_max_bytes`` of the group's ranks (0 where any has ``gather_sends`` off, or
+        when some peers are on other hosts: the torch fallback does not gather)."""
+        return self._group_inline_bytes if self._fallback is None else 0
 
     @property
     def world_size(self) -> int:
