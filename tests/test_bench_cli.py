@@ -138,9 +138,13 @@ def test_bench_schedules_short_chunks_only(tmp_path: Path) -> None:
     # (ratio_runtime is defined as what the other two leave of the ratio: the three come from one launch)
     split = short["floor_inflation"] * short["alone_drift"] * short["ratio_runtime"]
     assert split == pytest.approx(short["ratio"])
+    # the bare pipeline (same chunks and transfers, no runtime): a rank's chunks at least, and the two shares
+    # multiply to the ratio (measured / simulated = bare / simulated x measured / bare)
+    assert short["bare_s"] >= 2 * 8 * 0.003
+    assert short["bare_over_simulated"] * short["measured_over_bare"] == pytest.approx(short["ratio"])
     md = (tmp_path / "schedules.md").read_text()
     assert "Short chunks" in md and "of CPU per step" in md and "| dualpipev | 2 | 8 |" in md
-    assert "2 launches" in md and "no runtime and no communication" in md
+    assert "2 launches" in md and "no runtime and no communication" in md and "the bare pipeline" in md
 
 
 def test_bench_schedules_short_chunks_only_needs_the_short_row() -> None:

@@ -15,28 +15,26 @@ does, since the simulator is fed chunks timed alone.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["compute_floor"]
+__all__ = ["compute_floor", "bare_pipeline"]
 
 
-def _compute_step(actions: list[Any], modules: Mapping[int, Any], x: Any, grad: Any) -> None:
-    """The rank's compute actions once: F, B (full), I (W deferred through a bound store), W, F&B pairs."""
+def _runner(modules: Mapping[int, Any], x: Any, grad: Any, store: Any, outs: dict[tuple[int, int], Any]) -> Any:
+    """``run(a)`` for a plain compute action ``a`` (an F&B pair's halves come one by one): F on a fresh leaf of
+    ``x`` (as a received input), B or I seeded with ``grad`` (I's W deferred through ``store``), W."""
     import torch
 
-    from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
     from dualpipe_kernels.schedules.ir import T_B, T_F, T_I, T_W
 
-    store = WeightGradStore()
-    outs: dict[tuple[int, int], Any] = {}
-
-    def run(a: Any) -> None:  # a plain compute action (an F&B pair's halves come one by one)
+    def run(a: Any) -> None:
         key = (a.stage, a.microbatch)
         if a.type is T_F:
-            outs[key] = modules[a.stage](x.detach().requires_grad_(True))  # a fresh leaf, as a received input
+            outs[key] = modules[a.stage](x.detach().requires_grad_(True))
         elif a.type is T_B or a.type is T_I:
             with store.enabled_for(a.type is T_I):
                 torch.autograd.backward([outs.pop(key)], [grad])
@@ -45,12 +43,26 @@ def _compute_step(actions: list[Any], modules: Mapping[int, Any], x: Any, grad: 
         elif a.type is T_W:
             store.pop(key)
 
+    return run
+
+
+def _check_done(outs: dict[tuple[int, int], Any], store: Any) -> None:
+    if outs or len(store):
+        raise RuntimeError(f"compute floor: {len(outs)} forwards without a backward, {len(store)} W units left")
+
+
+def _compute_step(actions: list[Any], modules: Mapping[int, Any], x: Any, grad: Any) -> None:
+    """The rank's compute actions once: F, B (full), I (W deferred through a bound store), W, F&B pairs."""
+    from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
+
+    store = WeightGradStore()
+    outs: dict[tuple[int, int], Any] = {}
+    run = _runner(modules, x, grad, store, outs)
     with store.bind():
         for op in actions:
             for a in op.computes():
                 run(a)
-    if outs or len(store):
-        raise RuntimeError(f"compute floor: {len(outs)} forwards without a backward, {len(store)} W units left")
+    _check_done(outs, store)
 
 
 def compute_floor(
@@ -103,3 +115,115 @@ def compute_floor(
         sys.stderr.write(f"compute floor, rank {rank}: {type(failed[0]).__name__}: {failed[0]}\n")
         return [], []
     return alone, together
+
+
+def bare_pipeline(
+    rank: int, world: int, schedule: Any, modules: Mapping[int, Any], transport: Any, activation_bytes: int, steps: int
+) -> list[float]:
+    """This rank's steps of ``schedule`` with no runtime: its lowered action list (the one the runtime and the
+    simulator run) with the same chunks as :func:`compute_floor`, and each SEND / RECV a plain transfer of one
+    activation-sized tensor over ``transport`` (preallocated: no metadata, allocation, protocol or autograd
+    wiring).  Waits and sends sit where the runtime has them: a receive is posted at its RECV action and
+    waited by the compute half that reads it (an F&B pair's backward half after its forward half), and a
+    pair's forward send goes out between its halves when the list sends it right after the pair
+    (runtime/loop.py).  One untimed step first.
+
+    What a host gives a runtime whose only work is to move the bytes and wait: the chunks, the transfers'
+    copies and the wake-ups of ranks waiting for each other.  Measured / this (``measured_over_bare``) is the
+    runtime's own share.  Collective over the default group (every rank calls it, after its pipeline steps,
+    nothing in flight).  A rank that fails meets every barrier and returns an empty list.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_batch
+    from dualpipe_kernels.runtime.executor import _lowered_program
+    from dualpipe_kernels.runtime.loop import early_sends
+    from dualpipe_kernels.runtime.p2p import TagSpace
+    from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
+    from dualpipe_kernels.schedules.ir import T_F, T_RECV_F, T_SEND_B, T_SEND_F
+
+    program = _lowered_program(schedule)
+    actions = program.schedule.actions[rank]
+    tags = TagSpace(schedule.num_stages, schedule.num_microbatches)
+    x = sleep_batch(1, activation_bytes)
+    grad, out = torch.zeros_like(x), torch.zeros_like(x)
+    # per comm action: (send, peer, tag, the receive's key, its buffer)
+    routes: dict[int, tuple[bool, int, int, Any, Any]] = {}
+    for i, a in enumerate(actions):
+        if a.is_compute:
+            continue
+        send = a.type in (T_SEND_F, T_SEND_B)
+        if send:
+            key, peer = program.sends[rank][i][0]
+            routes[i] = (True, peer, tags.tag(*program.tag_key(key), 0), None, None)
+        else:
+            key = program.remote[rank][i][0]
+            recv_key = (a.type is T_RECV_F, a.stage, a.microbatch)
+            routes[i] = (False, program.topo.key_rank(key), tags.tag(*program.tag_key(key), 0), recv_key, x.clone())
+    early = early_sends(actions)
+    timeout = transport.timeout_s
+    sends: list[Any] = []
+
+    def post_send(j: int) -> None:
+        _, peer, tag, _, _ = routes[j]
+        sends.append(transport.isend(out, peer, tag, f"bare pipeline: {actions[j]}"))
+
+    def step() -> None:
+        store = WeightGradStore()
+        outs: dict[tuple[int, int], Any] = {}
+        run = _runner(modules, x, grad, store, outs)
+        posted: dict[Any, Any] = {}
+        sent_early: set[int] = set()
+        with store.bind():
+            for i, op in enumerate(actions):
+                if not op.is_compute:
+                    send, peer, tag, recv_key, buf = routes[i]
+                    if not send:
+                        posted[recv_key] = transport.irecv(buf, peer, tag, f"bare pipeline: {op}")
+                    elif i not in sent_early:
+                        post_send(i)
+                    continue
+                halves = op.computes()
+                for n, a in enumerate(halves):
+                    h = posted.pop((a.type is T_F, a.stage, a.microbatch), None)
+                    if h is not None:
+                        h.wait(timeout)
+                    run(a)
+                    if n == 0 and len(halves) == 2 and i in early:
+                        post_send(early[i])
+                        sent_early.add(early[i])
+        _check_done(outs, store)
+        if posted:
+            raise RuntimeError(f"bare pipeline: {len(posted)} receives no compute read")
+        for h in sends:
+            h.wait(timeout)
+
+    times: list[float] = []
+    failed: list[BaseException] = []
+    for k in range(steps + 1):
+        dist.barrier()  # met by a rank that failed too, so no other rank waits here forever
+        if failed:
+            continue
+        t0 = time.perf_counter()
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - optional fields; a peer waiting on this rank times out, named
+            failed.append(e)
+            continue
+        finally:
+            sends.clear()
+        if k:
+            times.append(time.perf_counter() - t0)
+    for m in modules.values():
+        m.zero_grad(set_to_none=True)
+    dist.barrier()
+    if failed:
+        sys.stderr.write(f"bare pipeline, rank {rank}: {type(failed[0]).__name__}: {failed[0]}\n")
+        return []
+    return times
+
+
+def slowest_median(per_rank: list[list[float]]) -> float:
+    """The median over steps of the slowest rank's step."""
+    return float(statistics.median(max(ts) for ts in zip(*per_rank, strict=False)))

@@ -61,6 +61,17 @@ def _floor_text(row: dict[str, Any]) -> str:
         "a floor under measured / simulated whatever the runtime costs. The chunks alone in this launch cost "
         f"x{row['alone_drift']:.3f} their calibrated costs (the calibration runs before the launch); with both "
         f"taken out, measured / simulated is {row['ratio_runtime']:.3f}: the runtime's work and the waits it causes."
+        + (_bare_text(row) if row.get("bare_s") is not None else "")
+    )
+
+
+def _bare_text(row: dict[str, Any]) -> str:
+    """One sentence on the bare pipeline: the host's share of the ratio and the runtime's."""
+    return (
+        " The same chunks and transfers with no runtime (the bare pipeline: each rank's lowered list, each "
+        f"transfer one preallocated tensor) took {row['bare_s'] * 1e3:.1f} ms a step, "
+        f"x{row['bare_over_simulated']:.3f} the simulated step: what this host gives any runtime; measured / "
+        f"bare is {row['measured_over_bare']:.3f}, the runtime's own share."
     )
 
 

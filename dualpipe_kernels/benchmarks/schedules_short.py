@@ -8,7 +8,8 @@ minutes apart on the 2-core machine, calibration and measurement together): the
 row is the launch of median ratio, with every launch's ratio in ``ratios`` and
 their range in ``ratio_min`` / ``ratio_max``.  Each launch also measures its
 compute floor (:mod:`.compute_floor`), which splits the ratio into three factors
-(:func:`floor_fields`).
+(:func:`floor_fields`), and runs the bare pipeline, which splits it into the host's share and the runtime's
+(:func:`bare_fields`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from dualpipe_kernels.benchmarks.schedules import SchedulesConfig, _schedule_row, _worker, calibrate_chunks
 
-__all__ = ["SHORT_TARGET_RATIO", "short_chunk_rows", "floor_fields", "short_targets"]
+__all__ = ["SHORT_TARGET_RATIO", "short_chunk_rows", "floor_fields", "bare_fields", "short_targets"]
 
 #: measured / simulated target of the short-chunk row, DualPipeV 4 ranks x 16 (issue 16)
 SHORT_TARGET_RATIO = 1.10
@@ -38,7 +39,9 @@ def short_chunk_rows(cfg: SchedulesConfig) -> list[dict[str, Any]]:
             per_rank = spawn(_worker, ranks, cfg, timeout_s=600, pg_timeout_s=300)
             row = _schedule_row(cfg, "dualpipev", ranks, per_rank, chunks, over)
             row.pop("step_times_s", None)
-            floor = floor_fields([r["ours"].get("dualpipev") for r in per_rank], cfg, ranks, chunks, row.get("ratio"))
+            ms = [r["ours"].get("dualpipev") for r in per_rank]
+            floor = floor_fields(ms, cfg, ranks, chunks, row.get("ratio"))
+            floor.update(bare_fields(ms, row.get("measured_s"), row.get("simulated_s")))
             launches.append({**row, **floor})
         measured = sorted((r for r in launches if r.get("ratio") is not None), key=lambda r: r["ratio"])
         ratios = [r["ratio"] for r in launches if r.get("ratio") is not None]  # in launch order
@@ -83,6 +86,23 @@ def floor_fields(
     inflation = together / alone
     runtime = ratio / (inflation * drift) if ratio is not None else None
     return dict(zip(keys, (alone, together, inflation, drift, runtime), strict=True))
+
+
+def bare_fields(per_rank: list[Any], measured: float | None, simulated: float | None) -> dict[str, Any]:
+    """The bare pipeline of one launch (:func:`.compute_floor.bare_pipeline`) against the row.
+
+    ``bare_s``: the median over steps of the slowest rank's step with the same chunks and transfers and no
+    runtime; ``bare_over_simulated``: what the host gives any runtime (the chunks, the transfers' copies and
+    the wake-ups of waiting ranks); ``measured_over_bare``: what this runtime adds to that, its own share.
+    Their product is ``ratio``.
+    """
+    from dualpipe_kernels.benchmarks.compute_floor import slowest_median
+
+    keys = ("bare_s", "bare_over_simulated", "measured_over_bare")
+    if not per_rank or any(m is None or not m.bare for m in per_rank) or not measured or not simulated:
+        return dict.fromkeys(keys)
+    bare = slowest_median([m.bare for m in per_rank])
+    return dict(zip(keys, (bare, bare / simulated, measured / bare), strict=True))
 
 
 def short_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:

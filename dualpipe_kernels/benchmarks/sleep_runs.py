@@ -12,7 +12,8 @@ holds the pipeline's ranks.  It builds the schedule's sleep chunks
    same load of a shared machine;
 2. the link between ranks 0 and 1 at the activation size (``T_comm`` is
    then the recorded receives timed on that link);
-3. with ``floor``, the ranks' compute without the runtime (:mod:`.compute_floor`).
+3. with ``floor``, the ranks' compute without the runtime (:mod:`.compute_floor`), and the bare pipeline:
+   the same compute and transfers with no runtime.
 
 Every step starts after a barrier; a step's time is this rank's wall time of
 ``Pipeline.step``.  The parent takes the slowest rank per step.
@@ -122,6 +123,8 @@ class RankMeasurement:
     #: with ``SleepRun.floor``: this rank's compute alone and with every rank at once, per step
     floor_alone: list[float] = field(default_factory=list)
     floor_together: list[float] = field(default_factory=list)
+    #: with ``SleepRun.floor``: this rank's steps of the bare pipeline (no runtime: compute_floor.bare_pipeline)
+    bare: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,7 +208,11 @@ def measure_sleep_pipeline(rank: int, run: SleepRun) -> RankMeasurement:
         link = link_timing(switch.inner, rank, run.ranks, run.activation_bytes, device=dev)
         out.link = asdict(link) if link is not None else None
         if run.floor:
-            from dualpipe_kernels.benchmarks.compute_floor import compute_floor
+            from dualpipe_kernels.benchmarks.compute_floor import bare_pipeline, compute_floor
+
+            out.bare = bare_pipeline(
+                rank, run.ranks, sched, modules, switch.inner, run.activation_bytes, min(run.steps, 5)
+            )
 
             # five steps a phase: the alone phase runs the ranks one after another
             out.floor_alone, out.floor_together = compute_floor(
