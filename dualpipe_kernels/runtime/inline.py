@@ -20,6 +20,13 @@ that one buffer, and the real data to the fresh tags, as in the general
 protocol.  Only transports whose buffers live in host memory use it (the
 metadata is read on the host; a device transport would need a sync).
 
+The limit is higher on a transport that takes a whole larger message as one
+copy on each side, the same on every rank (``Transport.message_inline_bytes``,
+:func:`inline_limit`; the native transport where ranks share CPUs: a ring slot):
+there a repeated message of a 256 KiB activation is one transfer too, gathered
+into the ring slot by the sender and, from ``HANDOVER_MIN_BYTES`` of data on,
+handed over by the receiver (repeat.py).
+
 The receiver's buffers come from a :class:`~dualpipe_kernels.runtime.buffer_pool.BufferPool` (reused across steps:
 the data is copied out of them, so they are free again as soon as the
 message is read; no fresh allocation or page faults per message).

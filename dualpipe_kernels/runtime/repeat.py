@@ -24,6 +24,12 @@ So each end keeps, per message key, what the last such message was
   buffer that arrived (``BoundaryRecv(..., posted=...)``), which reads it as
   if it had posted it itself.
 
+A large message (:data:`HANDOVER_MIN_BYTES` of data or more, read on the
+host, unpacked) is not cloned out of a pooled buffer: it arrives in a new
+buffer whose views are its tensors (a clone would copy it once more).  Its
+tensors then share that buffer: one of them kept alive keeps all of the
+message's bytes, and its 1 KiB header.
+
 Both entries are dropped whenever a message of their key takes the general
 path and are made again from it, so they always describe the layout that
 both ends' layout memories hold.  The bytes on the wire are the same as on
