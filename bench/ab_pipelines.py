@@ -11,8 +11,9 @@ per step, then the median over rounds of the paired difference A - B.
 
 Settings are JSON objects: ``NativeTransport`` keyword arguments, plus
 ``inline_limit`` (the pipeline's inline data limit, bytes: 32768 is the limit
-without ``Transport.message_inline_bytes``) and ``sends_first`` / any other
-``ActionLoop`` attribute under ``loop``.  Example (the large-message change)::
+without ``Transport.message_inline_bytes``) and, under ``loop``, attributes of
+the pipeline's ``ActionLoop`` to set (an unknown one is an error).  Example
+(the large-message change)::
 
     python bench/ab_pipelines.py --a '{"inline_limit": 32768}' --b '{}' --rounds 24
 """
@@ -26,7 +27,7 @@ import time
 from typing import Any
 
 
-def _worker(rank: int, world: int, cfg: dict[str, Any]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> tuple[dict[str, list[float]], dict[str, list[float]], Any]:
     import torch
     import torch.distributed as dist
 
@@ -49,8 +50,11 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> tuple[dict[str, list[
         if limit is not None:
             pipe._layouts.inline_max_bytes = int(limit)
         for attr, value in loop.items():
+            if not hasattr(pipe._loop, attr):
+                raise ValueError(f"setting {name}: the action loop has no attribute {attr!r}")
             setattr(pipe._loop, attr, value)
         pipes[name] = pipe
+    applied = {n: {"inline_limit": p._layouts.inline_max_bytes} for n, p in pipes.items()}
     x = sleep_batch(cfg["microbatches"], cfg["activation_bytes"])
     labels = torch.zeros(x.shape[0])
     times: dict[str, list[float]] = {"A": [], "B": []}
@@ -69,7 +73,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> tuple[dict[str, list[
             pipe.close()
         for tr in transports:
             tr.close()
-    return times, cpu
+    return times, cpu, applied
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{n} {cfg[n]}: step median {out[n]['median_s'] * 1e3:.1f} ms (quartiles {q[0] * 1e3:.1f}-"
             f"{q[2] * 1e3:.1f}), busiest rank's CPU {busiest * 1e3:.1f} ms per step"
         )
+    out["applied"] = [r[2] for r in per_rank]  # per rank: what each pipeline ran with
     out["a_minus_b_s"] = statistics.median(a - b for a, b in zip(steps["A"], steps["B"], strict=True))
     print(f"A - B, median over rounds of the paired difference: {out['a_minus_b_s'] * 1e3:+.2f} ms")
     return out

@@ -33,6 +33,7 @@ CASES = (
     "disagree_microbatches",
     "disagree_schedule",
     "disagree_transport",
+    "disagree_inline_limit",
     "meta_stage",
     "criterion_without_labels",
 )
@@ -75,6 +76,13 @@ def _case(rank: int, case: str, group: Any, timeout_s: float) -> None:
     else:
         schedule = build_schedule("1f1b", 2, 4)
     stage = nn.Linear(4, 4, device="meta") if case == "meta_stage" else nn.Linear(4, 4)
+    if case == "disagree_inline_limit":  # the same transport kind, reporting another limit on each rank
+        owned = _Inline(group, 65536 if rank == 0 else 0, timeout_s)
+        try:
+            Pipeline(schedule, [stage], group=group, transport=owned, timeout_s=timeout_s).close()
+        finally:
+            owned.close()
+        return
     pipe = Pipeline(schedule, [stage], group=group, transport=transport, timeout_s=timeout_s)
     try:
         x, y = torch.randn(8, 4), torch.randn(8, 4)
@@ -82,6 +90,18 @@ def _case(rank: int, case: str, group: Any, timeout_s: float) -> None:
         pipe.step(x, labels=labels, criterion=_mse)
     finally:
         pipe.close()
+
+
+def _Inline(group: Any, nbytes: int, timeout_s: float) -> Any:  # noqa: N802 - builds the class below
+    """A torch transport that says it takes whole messages of ``nbytes`` (a promise broken across ranks)."""
+    from dualpipe_kernels.transport.torch_dist import TorchDistTransport
+
+    class Inline(TorchDistTransport):
+        @property
+        def message_inline_bytes(self) -> int:
+            return nbytes
+
+    return Inline(group, timeout_s=timeout_s)
 
 
 def fail_fast_cases(rank: int, world_size: int, cases: Sequence[str], timeout_s: float) -> dict[str, Any]:

@@ -55,9 +55,19 @@ def long_run(
     ``width``: features per row (8: Linear stages; more: elementwise ones, so messages of 4 x width bytes);
     ``inline_max_bytes``: a native transport built with it (None: ``transport`` by name).
     """
+    import dualpipe_kernels.runtime.repeat as repeat
+
     torch.use_deterministic_algorithms(True)
     sched = build_schedule("dualpipev", world_size, 8)
     out: dict[str, Any] = {}
+    handed = [0]  # messages handed over (repeat._handed_over calls), counted per step below
+    real = repeat._handed_over
+
+    def counting(*args: Any) -> Any:
+        handed[0] += 1
+        return real(*args)
+
+    repeat._handed_over = counting  # type: ignore[assignment]  # (this rank process only)
     for repeats in (False, True):
         modules = _stages(sched, rank, width)
         tr = _transport(transport, inline_max_bytes)
@@ -72,12 +82,19 @@ def long_run(
             for step in range(steps):
                 g = torch.Generator().manual_seed(step % 3)
                 x, label = torch.randn(8, width, generator=g), torch.randn(8, width, generator=g)
+                handed[0] = 0
                 res = pipe.step(x, labels=(label,), criterion=lambda y, t: F.mse_loss(y, t))
+                handovers.append(handed[0])
                 losses.append({mb: v.item() for mb, v in res.losses.items()})
                 if step == 1:
                     out[f"grads/{repeats}"] = {
                         s: [p.grad.clone() for p in m.parameters()]
                         for s, m in modules.items()  # type: ignore[union-attr]
+                    }
+                if step == steps - 1:  # every message a repeat by then; as bytes, which no live-tensor count sees
+                    out[f"grads_last/{repeats}"] = {
+                        s: [p.grad.numpy().tobytes() for p in m.parameters()]  # type: ignore[union-attr]
+                        for s, m in modules.items()
                     }
                 for m in modules.values():
                     m.zero_grad(set_to_none=True)
@@ -86,7 +103,6 @@ def long_run(
                 rss.append(resident)
                 pool.append((mem.pool.allocations, mem.pool.free_bytes()))
                 entries.append((len(mem.repeat_send), len(mem.repeat_recv)))
-                handovers.append(sum(e.handover for e in mem.repeat_recv.values()))
             out[f"{repeats}"] = {"losses": losses, "tensors": tensors, "rss": rss, "pool": pool, "entries": entries,
                                  "handovers": handovers}  # fmt: skip
         finally:

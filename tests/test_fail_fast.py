@@ -41,6 +41,8 @@ EXPECT = {
     ),
     "disagree_schedule": (2.0, "RanksDisagree", r"disagree on schedule.*'1f1b'.*'gpipe'"),
     "disagree_transport": (2.0, "RanksDisagree", r"disagree on transport.*: torch.*: native"),
+    # both ends of a message decide alike whether it travels inline (runtime/inline.py: inline_limit)
+    "disagree_inline_limit": (2.0, "RanksDisagree", r"disagree on inline message limit.*: 64512.*: 32768"),
     "meta_stage": (1.0, "ValueError", r"stage \d+: 'weight' is on the meta device"),
 }
 

@@ -283,19 +283,22 @@ def test_same_signature_agrees_with_comparing_signatures() -> None:
     assert same_signature(sig, *base) and not same_signature(sig, [a, None, b], [True])
 
 
-# ---- large repeats: handed over (the tensors view the buffer they arrived in) ----------------------------
-def _big(seed: int, cols: int = 8192) -> list[torch.Tensor | None]:
+# ---- large repeats: handed over (the tensor is made on the buffer it arrived in) ----------------------------
+def _big(seed: int, cols: int = 8192, extra: bool = False) -> list[torch.Tensor | None]:
+    """One 64 KiB tensor (``extra``: and a 16-byte one, which keeps the message from being handed over)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, cols, generator=g), None, torch.randint(0, 5, (2,), generator=g)]  # 64 KiB and 16 B
+    return [torch.randn(2, cols, generator=g), None, torch.randint(0, 5, (2,), generator=g) if extra else None]
 
 
 def test_large_repeats_are_handed_over_in_a_new_buffer_per_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above HANDOVER_MIN_BYTES a repeat is one transfer into a new buffer whose views are the tensors: no
-    clone, nothing from the pool; bit-exact, and the same bytes on the wire as the general path."""
+    """Above HANDOVER_MIN_BYTES a one-tensor repeat is one transfer into a new buffer whose storage is the
+    tensor's: no clone, nothing from the pool, not a view (no ``_base``, its own version counter, the
+    storage's only holder once read); bit-exact, and the same bytes on the wire as the general path."""
+    from dualpipe_kernels.runtime.memory import _sole_holder
     from dualpipe_kernels.runtime.repeat import HANDOVER_MIN_BYTES
 
     flags = [True, False, False]
-    wires, bases = [], []
+    wires, kept = [], []
     for fast in (False, True):
         ends = Ends(limit=1 << 20)
         if not fast:
@@ -309,29 +312,49 @@ def test_large_repeats_are_handed_over_in_a_new_buffer_per_message(monkeypatch: 
             if fast and seed >= 3:
                 assert isinstance(ends.last_posted, RepeatRecvOp) and ends.last_posted.entry.handover
                 assert _sends(ends) == [0], "metadata and data in one transfer"
-                store = [t.untyped_storage() for t in got if t is not None]
-                assert store[0].nbytes() == META_BYTES + 65536 + 16 >= HANDOVER_MIN_BYTES, "the buffer: header, data"
-                assert store[1].data_ptr() == store[0].data_ptr(), "every tensor of the message views the one buffer"
-                bases.append(store[0].data_ptr())
+                t = got[0]
+                assert t is not None and t._base is None and t.is_contiguous()
+                assert t.untyped_storage().nbytes() == META_BYTES + 65536 >= HANDOVER_MIN_BYTES, "header and data"
+                ends.last_posted = None  # type: ignore[assignment]  # (the test's own reference to the op)
+                assert _sole_holder(t), "nothing but the received tensor holds its storage"
+                version = t._version
+                t.detach().mul_(1.0)  # an in-place edit moves its own version counter only
+                assert t._version == version + 1
+                kept.append(t)  # all alive: their buffers cannot be the same memory
         wires.append(list(ends.pair.box.sent))
         if fast:
             assert ends.b[1].wire.layouts.pool.allocations == 1, "only the general path's inline read was pooled"
         monkeypatch.undo()
     assert wires[0] == wires[1]
-    assert len(set(bases)) == len(bases), "a new buffer per message (the earlier ones still live: got is kept)"
+    assert len({t.data_ptr() for t in kept}) == len(kept) == 3, "a new buffer per message"
+
+
+def test_a_large_message_of_two_tensors_is_cloned_out_of_the_pool() -> None:
+    """Two tensors in one buffer would share a storage: such a message is read as a small one is."""
+    ends, flags = Ends(limit=1 << 20), [True, False, False]
+    for seed in range(1, 6):
+        got, _, _ = ends.exchange(_big(seed, extra=True), flags)
+        _same(got, _big(seed, extra=True), flags)
+    assert isinstance(ends.last_posted, RepeatRecvOp) and not ends.last_posted.entry.handover
+    assert got[0] is not None and got[2] is not None
+    assert got[0].untyped_storage().data_ptr() != got[2].untyped_storage().data_ptr()
+    assert ends.b[1].wire.layouts.pool.allocations == 1, "one pooled buffer, reused"
 
 
 def test_a_large_repeat_whose_layout_changed_falls_back_then_is_handed_over_again() -> None:
     ends, flags = Ends(limit=1 << 20), [True, False, False]
     for seed in (1, 2, 3):
         ends.exchange(_big(seed), flags)
-    assert ends.last_posted.entry.handover  # type: ignore[attr-defined]
-    for seed, cols in ((4, 8200), (5, 8200), (6, 8200), (7, 8192)):
+    assert isinstance(ends.last_posted, RepeatRecvOp) and ends.last_posted.entry.handover
+    for seed, cols in ((4, 8200), (5, 8200), (6, 8200)):
         got, _, _ = ends.exchange(_big(seed, cols), flags)
         _same(got, _big(seed, cols), flags)
-    assert isinstance(ends.last_posted, RepeatRecvOp), "posted from the old layout's entry, read by the general path"
-    got, _, _ = ends.exchange(_big(8), flags)
-    _same(got, _big(8), flags)
+    assert isinstance(ends.last_posted, RepeatRecvOp) and ends.last_posted.entry.handover, "the new layout's"
+    for seed in (7, 8, 9):  # back to the first layout: the general path once, then handed over again
+        got, _, _ = ends.exchange(_big(seed), flags)
+        _same(got, _big(seed), flags)
+    assert isinstance(ends.last_posted, RepeatRecvOp) and ends.last_posted.entry.handover
+    assert got[0] is not None and got[0].untyped_storage().nbytes() == META_BYTES + 65536
 
 
 def test_handover_needs_host_unpacked_large_messages_with_bytes() -> None:
@@ -347,6 +370,7 @@ def test_handover_needs_host_unpacked_large_messages_with_bytes() -> None:
         return handover(layout, inline_plan(codec, layout), device)
 
     assert ok("none", [torch.zeros(n), None])
+    assert not ok("none", [torch.zeros(n), torch.zeros(4)]), "two tensors would share one storage"
     assert not ok("none", [torch.zeros(n)], torch.device("cuda", 0)), "read on a device: copied there"
     assert not ok("none", [torch.zeros(n - 4)]), "below HANDOVER_MIN_BYTES: cloned out of a pooled buffer"
     assert not ok("none", [torch.zeros(n), torch.zeros(0, 3)]), "a zero-size tensor has no bytes to view"

@@ -19,8 +19,8 @@ STEPS = 50
 
 
 #: a native transport that takes messages up to 64 KiB (its default on a core per rank) or a whole ring slot
-#: (the default when ranks share CPUs), with 32 KiB activations (more than the pipeline's own inline limit)
-#: and 128 KiB ones (handed over: repeat.HANDOVER_MIN_BYTES)
+#: (the default when ranks share CPUs), with 48 KiB activations (more than the pipeline's own inline limit of
+#: 32 KiB) and 128 KiB ones (handed over: repeat.HANDOVER_MIN_BYTES)
 SETUPS = {
     "native": ("native", 8, None),
     "torch": ("torch", 8, None),
@@ -49,6 +49,8 @@ def test_repeats_are_bit_exact_against_the_general_protocol(runs: list[dict[str,
         for s, grads in res["grads/True"].items():
             for a, b in zip(grads, res["grads/False"][s], strict=True):
                 assert torch.equal(a, b), f"rank {rank}, stage {s}: gradients differ"
+        # the last step's, bit for bit (by then received gradients are repeats too, large ones handed over)
+        assert res["grads_last/True"] == res["grads_last/False"], f"rank {rank}: last step's gradients differ"
     assert any(res["True"]["losses"][0] for res in runs), "the loss stage's rank reports losses"
 
 
@@ -71,7 +73,8 @@ def test_fifty_steps_flat_with_repeats(runs: list[dict[str, Any]]) -> None:
 @pytest.mark.timeout(300)
 def test_large_messages_repeat_inline_up_to_what_the_transport_takes(runs: list[dict[str, Any]]) -> None:
     """A native transport that takes whole messages of N bytes raises the pipeline's inline limit to N less
-    the 1 KiB header; 128 KiB messages are then handed over (every repeat receive entry), smaller ones not."""
+    the 1 KiB header; 128 KiB messages are then handed over (every received message of a step once all
+    repeat), smaller ones not."""
     from dualpipe_kernels.runtime.inline import INLINE_MAX_BYTES, META_BYTES
 
     setup = runs[0]["setup"]

@@ -123,84 +123,25 @@ def bare_pipeline(
     """This rank's steps of ``schedule`` with no runtime: its lowered action list (the one the runtime and the
     simulator run) with the same chunks as :func:`compute_floor`, and each SEND / RECV a plain transfer of one
     activation-sized tensor over ``transport`` (preallocated: no metadata, allocation, protocol or autograd
-    wiring).  Waits and sends sit where the runtime has them: a receive is posted at its RECV action and
-    waited by the compute half that reads it (an F&B pair's backward half after its forward half), and a
-    pair's forward send goes out between its halves when the list sends it right after the pair
-    (runtime/loop.py).  One untimed step first.
+    wiring).  Receives are posted, waited and sent where the runtime (runtime/loop.py) does it on this
+    transport: posted ``transport.recv_lookahead`` computes ahead (all at the step's start where the transport
+    asks for early receives) and waited by the compute half that reads them (an F&B pair's backward half after
+    its forward half); a pair's forward send goes out between its halves when the list sends it right after
+    the pair, every other send at its SEND.  One untimed step first.
 
     What a host gives a runtime whose only work is to move the bytes and wait: the chunks, the transfers'
     copies and the wake-ups of ranks waiting for each other.  Measured / this (``measured_over_bare``) is the
     runtime's own share.  Collective over the default group (every rank calls it, after its pipeline steps,
     nothing in flight).  A rank that fails meets every barrier and returns an empty list.
     """
-    import torch
     import torch.distributed as dist
 
-    from dualpipe_kernels.benchmarks.sleep_stages import sleep_batch
-    from dualpipe_kernels.runtime.executor import _lowered_program
-    from dualpipe_kernels.runtime.loop import early_sends
-    from dualpipe_kernels.runtime.p2p import TagSpace
-    from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
-    from dualpipe_kernels.schedules.ir import T_F, T_RECV_F, T_SEND_B, T_SEND_F
-
-    program = _lowered_program(schedule)
-    actions = program.schedule.actions[rank]
-    tags = TagSpace(schedule.num_stages, schedule.num_microbatches)
-    x = sleep_batch(1, activation_bytes)
-    grad, out = torch.zeros_like(x), torch.zeros_like(x)
-    # per comm action: (send, peer, tag, the receive's key, its buffer)
-    routes: dict[int, tuple[bool, int, int, Any, Any]] = {}
-    for i, a in enumerate(actions):
-        if a.is_compute:
-            continue
-        send = a.type in (T_SEND_F, T_SEND_B)
-        if send:
-            key, peer = program.sends[rank][i][0]
-            routes[i] = (True, peer, tags.tag(*program.tag_key(key), 0), None, None)
-        else:
-            key = program.remote[rank][i][0]
-            recv_key = (a.type is T_RECV_F, a.stage, a.microbatch)
-            routes[i] = (False, program.topo.key_rank(key), tags.tag(*program.tag_key(key), 0), recv_key, x.clone())
-    early = early_sends(actions)
-    timeout = transport.timeout_s
-    sends: list[Any] = []
-
-    def post_send(j: int) -> None:
-        _, peer, tag, _, _ = routes[j]
-        sends.append(transport.isend(out, peer, tag, f"bare pipeline: {actions[j]}"))
-
-    def step() -> None:
-        store = WeightGradStore()
-        outs: dict[tuple[int, int], Any] = {}
-        run = _runner(modules, x, grad, store, outs)
-        posted: dict[Any, Any] = {}
-        sent_early: set[int] = set()
-        with store.bind():
-            for i, op in enumerate(actions):
-                if not op.is_compute:
-                    send, peer, tag, recv_key, buf = routes[i]
-                    if not send:
-                        posted[recv_key] = transport.irecv(buf, peer, tag, f"bare pipeline: {op}")
-                    elif i not in sent_early:
-                        post_send(i)
-                    continue
-                halves = op.computes()
-                for n, a in enumerate(halves):
-                    h = posted.pop((a.type is T_F, a.stage, a.microbatch), None)
-                    if h is not None:
-                        h.wait(timeout)
-                    run(a)
-                    if n == 0 and len(halves) == 2 and i in early:
-                        post_send(early[i])
-                        sent_early.add(early[i])
-        _check_done(outs, store)
-        if posted:
-            raise RuntimeError(f"bare pipeline: {len(posted)} receives no compute read")
-        for h in sends:
-            h.wait(timeout)
-
-    times: list[float] = []
     failed: list[BaseException] = []
+    try:
+        step = _bare_step(rank, schedule, modules, transport, activation_bytes)
+    except Exception as e:  # noqa: BLE001 - optional fields; the barriers below are still met
+        failed.append(e)
+    times: list[float] = []
     for k in range(steps + 1):
         dist.barrier()  # met by a rank that failed too, so no other rank waits here forever
         if failed:
@@ -208,11 +149,9 @@ def bare_pipeline(
         t0 = time.perf_counter()
         try:
             step()
-        except Exception as e:  # noqa: BLE001 - optional fields; a peer waiting on this rank times out, named
+        except Exception as e:  # noqa: BLE001 - a peer waiting on this rank times out, naming it
             failed.append(e)
             continue
-        finally:
-            sends.clear()
         if k:
             times.append(time.perf_counter() - t0)
     for m in modules.values():
@@ -222,6 +161,86 @@ def bare_pipeline(
         sys.stderr.write(f"bare pipeline, rank {rank}: {type(failed[0]).__name__}: {failed[0]}\n")
         return []
     return times
+
+
+def _bare_step(rank: int, schedule: Any, modules: Mapping[int, Any], transport: Any, activation_bytes: int) -> Any:
+    """One step of :func:`bare_pipeline` as a function of no arguments (everything worked out once here)."""
+    import torch
+
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_batch
+    from dualpipe_kernels.runtime.executor import _lowered_program
+    from dualpipe_kernels.runtime.loop import ActionLoop
+    from dualpipe_kernels.runtime.p2p import TagSpace
+    from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
+    from dualpipe_kernels.schedules.ir import T_F, T_RECV_F, T_SEND_B, T_SEND_F
+
+    program = _lowered_program(schedule)
+    actions = program.schedule.actions[rank]
+    loop = ActionLoop(actions, transport.recv_lookahead, transport.early_small_receives)  # its posting plan
+    tags = TagSpace(schedule.num_stages, schedule.num_microbatches)
+    x = sleep_batch(1, activation_bytes)
+    grad, out = torch.zeros_like(x), torch.zeros_like(x)
+    sends_at: dict[int, tuple[int, int]] = {}  # SEND index -> (peer, tag)
+    recvs_at: dict[int, tuple[int, int, Any, Any]] = {}  # RECV index -> (peer, tag, key of its reader, buffer)
+    for i, a in enumerate(actions):
+        if a.type in (T_SEND_F, T_SEND_B):
+            key, peer = program.sends[rank][i][0]
+            sends_at[i] = (peer, tags.tag(*program.tag_key(key), 0))
+        elif not a.is_compute:
+            key = program.remote[rank][i][0]
+            reader = (a.type is T_RECV_F, a.stage, a.microbatch)
+            recvs_at[i] = (program.topo.key_rank(key), tags.tag(*program.tag_key(key), 0), reader, x.clone())
+    timeout = transport.timeout_s
+
+    def step() -> None:
+        store = WeightGradStore()
+        outs: dict[tuple[int, int], Any] = {}
+        run = _runner(modules, x, grad, store, outs)
+        posted: dict[int, Any] = {}  # RECV index -> handle
+        readers: dict[Any, int] = {}  # reader key -> RECV index, once the list reached the RECV
+        sends: list[Any] = []
+        sent_early: set[int] = set()
+
+        def post(j: int) -> None:
+            if j not in posted:
+                peer, tag, _, buf = recvs_at[j]
+                posted[j] = transport.irecv(buf, peer, tag, f"bare pipeline: {actions[j]}")
+
+        def send(j: int) -> None:
+            peer, tag = sends_at[j]
+            sends.append(transport.isend(out, peer, tag, f"bare pipeline: {actions[j]}"))
+
+        if loop.early_small:
+            for j in loop.recvs:
+                post(j)
+        with store.bind():
+            for i, op in enumerate(actions):
+                for j in loop.posts[i]:
+                    post(j)
+                if i in recvs_at:
+                    post(i)
+                    readers[recvs_at[i][2]] = i
+                    continue
+                if i in sends_at:
+                    if i not in sent_early:
+                        send(i)
+                    continue
+                halves = op.computes()
+                for n, a in enumerate(halves):
+                    r = readers.pop((a.type is T_F, a.stage, a.microbatch), -1)
+                    if r >= 0:
+                        posted.pop(r).wait(timeout)
+                    run(a)
+                    if n == 0 and len(halves) == 2 and i in loop.early_send:
+                        send(loop.early_send[i])
+                        sent_early.add(loop.early_send[i])
+        _check_done(outs, store)
+        if posted or readers:
+            raise RuntimeError(f"bare pipeline: {len(posted)} receives no compute read")
+        for h in sends:
+            h.wait(timeout)
+
+    return step
 
 
 def slowest_median(per_rank: list[list[float]]) -> float:

@@ -44,7 +44,7 @@ from dualpipe_kernels.runtime.construction import (
 )
 from dualpipe_kernels.runtime.conveniences import PipelineConveniences
 from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan, mirror_dp_groups
-from dualpipe_kernels.runtime.fingerprint import agree, fingerprint, resolved_transport
+from dualpipe_kernels.runtime.fingerprint import Fingerprint, agree, fingerprint, resolved_transport
 from dualpipe_kernels.runtime.inline import INLINE_MAX_BYTES, inline_limit
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.memory import ActivationMemory
@@ -249,7 +249,12 @@ class Pipeline(PipelineConveniences, nn.Module):
         agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
-        self._layouts.inline_max_bytes = inline_limit(self._transport)  # a larger one where the transport takes it
+        # A larger inline limit where the transport takes whole larger messages.  Both ends of a message must
+        # use the same one (it decides how the message travels): a transport that reports different values on
+        # different ranks fails here, on every rank, naming them (RanksDisagree), not at its first large message.
+        self._layouts.inline_max_bytes = inline_limit(self._transport)
+        field = ("inline message limit (Transport.message_inline_bytes)", str(self._layouts.inline_max_bytes))
+        agree(Fingerprint(self.rank, (field,)), self.group, self.timeout_s, self.rank_mapping)
         self.recv_lookahead = recv_lookahead if recv_lookahead is not None else self._transport.recv_lookahead
         self.early_small_receives = (
             bool(early_small_receives) if early_small_receives is not None else self._transport.early_small_receives

@@ -7,9 +7,9 @@ adds one entry there (see docs/adding_an_action.md).
 Receives are posted ``recv_lookahead`` compute actions ahead of need (metadata
 first, data the moment the metadata is in).  With ``early_small`` (a transport
 that gains from it says so: gloo) every receive whose message repeats the last
-step's small layout (one inline transfer of at most ``INLINE_MAX_BYTES`` of data,
-runtime/repeat.py) is posted when the step starts instead; the window then
-covers the rest.  A RECV action the loop reaches is
+step's layout inline (one transfer of at most the pipeline's inline limit of data:
+``INLINE_MAX_BYTES`` on such a transport, runtime/inline.py and repeat.py) is
+posted when the step starts instead; the window then covers the rest.  A RECV action the loop reaches is
 not waited for there but by the compute that reads its data (``fetch``), so an
 F&B pair runs its forward half while its backward half's gradient is still in
 flight; its timeline entry spans the actual wait.

@@ -29,7 +29,9 @@ transport's completion callback where it has one, otherwise from
 :meth:`BoundaryRecv.progress` between actions).
 
 Small messages (runtime/inline.py): when the remembered layout's data is at
-most ``INLINE_MAX_BYTES`` and the transport moves host memory, the receiver
+most the pipeline's inline limit (``INLINE_MAX_BYTES``, or more where the
+transport takes larger whole messages: ``inline_limit``) and the transport
+moves host memory, the receiver
 posts one buffer for metadata and data together and the sender fills it: one
 transfer per boundary instead of two or more (a changed layout: metadata and
 zeros in that buffer, the data to the fresh tags).

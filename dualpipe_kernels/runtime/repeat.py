@@ -24,11 +24,11 @@ So each end keeps, per message key, what the last such message was
   buffer that arrived (``BoundaryRecv(..., posted=...)``), which reads it as
   if it had posted it itself.
 
-A large message (:data:`HANDOVER_MIN_BYTES` of data or more, read on the
-host, unpacked) is not cloned out of a pooled buffer: it arrives in a new
-buffer whose views are its tensors (a clone would copy it once more).  Its
-tensors then share that buffer: one of them kept alive keeps all of the
-message's bytes, and its 1 KiB header.
+A large message (:data:`HANDOVER_MIN_BYTES` of data or more in one tensor,
+read on the host, unpacked) is not cloned out of a pooled buffer: it arrives
+in a new buffer, and its tensor is made on that buffer's storage (a clone would
+copy it once more), a tensor of its own, not a view (the storage's only holder
+once read; it keeps the 1 KiB header too).
 
 Both entries are dropped whenever a message of their key takes the general
 path and are made again from it, so they always describe the layout that
@@ -95,14 +95,33 @@ def same_signature(sig: Signature, tensors: Sequence[torch.Tensor | None], grad_
 
 def handover(layout: Layout, plan: InlinePlan, device: torch.device) -> bool:
     """Whether messages of ``layout`` (read on ``device``) are handed over (:data:`HANDOVER_MIN_BYTES`):
-    host tensors, unpacked, at least that many bytes, and every tensor with bytes to view (a zero-size one
-    is allocated by :func:`read`)."""
+    host tensors, unpacked, at least that many bytes, all in one tensor (the others None: a zero-size one is
+    allocated by :func:`read`, and two tensors in one buffer would share their storage)."""
     return (
         device.type == "cpu"
         and plan.pack is None
         and plan.nbytes >= HANDOVER_MIN_BYTES
+        and sum(off is not None for off in plan.offsets) == 1
         and all(e is None or off is not None for e, off in zip(layout, plan.offsets, strict=True))
     )
+
+
+def _handed_over(buf: torch.Tensor, layout: Layout, plan: InlinePlan) -> list[torch.Tensor | None]:
+    """The message's one tensor on ``buf``'s storage, not a view of ``buf`` (its own version counter, no
+    ``_base``: in-place edits, a stage returning its input and the memory policies' sole-holder test
+    behave as for a fresh tensor); the other entries None."""
+    out: list[torch.Tensor | None] = []
+    for e, off in zip(layout, plan.offsets, strict=True):
+        if e is None or off is None:
+            out.append(None)
+            continue
+        shape, strides, n = tuple(e[1]), [], 1
+        for d in reversed(shape):  # contiguous strides
+            strides.append(n)
+            n *= d
+        t = torch.empty(0, dtype=e[0])
+        out.append(t.set_(buf.untyped_storage(), (META_BYTES + off) // e[0].itemsize, shape, strides[::-1]))
+    return out
 
 
 def header_bytes(buf: torch.Tensor) -> bytes:
@@ -250,7 +269,8 @@ class RepeatRecvOp:
         if e.handover:
             if header_bytes(buf) != e.header:
                 return None
-            out = data_views(buf, e.layout, e.plan)  # the tensors keep the buffer; it never returns to the pool
+            out = _handed_over(buf, e.layout, e.plan)  # the tensor keeps the buffer; it never returns to the pool
+            self.buf = None  # type: ignore[assignment]  # the tensor is the storage's only holder once read
         else:
             header, views = e.views_of(buf)
             if header.tobytes() != e.header:
