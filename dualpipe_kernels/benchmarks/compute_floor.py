@@ -15,7 +15,6 @@ does, since the simulator is fed chunks timed alone.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections.abc import Mapping
@@ -65,6 +64,28 @@ def _compute_step(actions: list[Any], modules: Mapping[int, Any], x: Any, grad: 
     _check_done(outs, store)
 
 
+def _timed(n: int, step: Any, failed: list[BaseException], barrier_each: bool) -> list[float]:
+    """``n`` calls of ``step()``, timed; ``barrier_each``: a barrier before each.  After a failure (appended to
+    ``failed``; the floor's fields are optional and left empty) no more calls, but every barrier is still met,
+    so no other rank waits at one forever."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(n):
+        if barrier_each:
+            dist.barrier()
+        if failed:
+            continue
+        t0 = time.perf_counter()
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - see above
+            failed.append(e)
+            continue
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def compute_floor(
     rank: int, world: int, schedule: Any, modules: Mapping[int, Any], activation_bytes: int, steps: int
 ) -> tuple[list[float], list[float]]:
@@ -85,30 +106,16 @@ def compute_floor(
 
     failed: list[BaseException] = []
 
-    def timed(n: int, barrier_each: bool) -> list[float]:
-        """``n`` steps (after a failure: none, but every barrier still met, so no other rank waits forever)."""
-        times = []
-        for _ in range(n):
-            if barrier_each:
-                dist.barrier()
-            if failed:
-                continue
-            t0 = time.perf_counter()
-            try:
-                _compute_step(actions, modules, x, grad)
-            except Exception as e:  # noqa: BLE001 - the floor is optional: its fields are left empty
-                failed.append(e)
-                continue
-            times.append(time.perf_counter() - t0)
-        return times
+    def step() -> None:
+        _compute_step(actions, modules, x, grad)
 
     alone: list[float] = []
     for r in range(world):
         dist.barrier()
         if r == rank:
-            alone = timed(steps + 1, False)[1:]
+            alone = _timed(steps + 1, step, failed, barrier_each=False)[1:]
         dist.barrier()
-    together = timed(steps + 1, True)[1:]
+    together = _timed(steps + 1, step, failed, barrier_each=True)[1:]
     for m in modules.values():
         m.zero_grad(set_to_none=True)
     if failed:
@@ -137,23 +144,12 @@ def bare_pipeline(
     import torch.distributed as dist
 
     failed: list[BaseException] = []
+    step: Any = None
     try:
         step = _bare_step(rank, schedule, modules, transport, activation_bytes)
     except Exception as e:  # noqa: BLE001 - optional fields; the barriers below are still met
         failed.append(e)
-    times: list[float] = []
-    for k in range(steps + 1):
-        dist.barrier()  # met by a rank that failed too, so no other rank waits here forever
-        if failed:
-            continue
-        t0 = time.perf_counter()
-        try:
-            step()
-        except Exception as e:  # noqa: BLE001 - a peer waiting on this rank times out, naming it
-            failed.append(e)
-            continue
-        if k:
-            times.append(time.perf_counter() - t0)
+    times = _timed(steps + 1, step, failed, barrier_each=True)[1:]  # (a peer waiting on a failed rank times out)
     for m in modules.values():
         m.zero_grad(set_to_none=True)
     dist.barrier()
@@ -241,8 +237,3 @@ def _bare_step(rank: int, schedule: Any, modules: Mapping[int, Any], transport: 
             h.wait(timeout)
 
     return step
-
-
-def slowest_median(per_rank: list[list[float]]) -> float:
-    """The median over steps of the slowest rank's step."""
-    return float(statistics.median(max(ts) for ts in zip(*per_rank, strict=False)))

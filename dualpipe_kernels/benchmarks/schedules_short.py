@@ -65,7 +65,7 @@ def floor_fields(
     before the launch, is from what the chunks cost during it.  ``ratio_runtime``: ``ratio`` with both
     taken out, the runtime's own share and the waits it causes.
     """
-    from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
+    from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage, slowest_step_median
     from dualpipe_kernels.schedules.generators import build_schedule
     from dualpipe_kernels.schedules.ir import T_B, T_F, T_I, T_W
 
@@ -81,8 +81,8 @@ def floor_fields(
     )
     # one statistic for both phases: the median over steps of the slowest rank's step (a max of several noisy
     # ranks sits above the largest of their medians, which alone would tilt the ratio above 1)
-    alone = statistics.median(max(ts) for ts in zip(*(m.floor_alone for m in per_rank), strict=False))
-    together = statistics.median(max(ts) for ts in zip(*(m.floor_together for m in per_rank), strict=False))
+    alone = slowest_step_median([m.floor_alone for m in per_rank])
+    together = slowest_step_median([m.floor_together for m in per_rank])
     inflation = together / alone
     runtime = ratio / (inflation * drift) if ratio is not None else None
     return dict(zip(keys, (alone, together, inflation, drift, runtime), strict=True))
@@ -96,12 +96,12 @@ def bare_fields(per_rank: list[Any], measured: float | None, simulated: float | 
     the wake-ups of waiting ranks); ``measured_over_bare``: what this runtime adds to that, its own share.
     Their product is ``ratio``.
     """
-    from dualpipe_kernels.benchmarks.compute_floor import slowest_median
+    from dualpipe_kernels.benchmarks.sleep_runs import slowest_step_median
 
     keys = ("bare_s", "bare_over_simulated", "measured_over_bare")
     if not per_rank or any(m is None or not m.bare for m in per_rank) or not measured or not simulated:
         return dict.fromkeys(keys)
-    bare = slowest_median([m.bare for m in per_rank])
+    bare = slowest_step_median([m.bare for m in per_rank])
     return dict(zip(keys, (bare, bare / simulated, measured / bare), strict=True))
 
 

@@ -57,7 +57,8 @@ class SleepRun:
     record_timeline: bool = False
     device: str = "cpu"
     boundary_format: str = "none"
-    #: also the compute floor (:mod:`.compute_floor`): the ranks' compute alone, then all at once
+    #: also the compute floor (:mod:`.compute_floor`: the ranks' compute alone, then all at once) and the bare
+    #: pipeline (the same compute and transfers, no runtime)
     floor: bool = False
 
     @classmethod
@@ -210,11 +211,10 @@ def measure_sleep_pipeline(rank: int, run: SleepRun) -> RankMeasurement:
         if run.floor:
             from dualpipe_kernels.benchmarks.compute_floor import bare_pipeline, compute_floor
 
+            # five steps each (the floor's alone phase runs the ranks one after another)
             out.bare = bare_pipeline(
                 rank, run.ranks, sched, modules, switch.inner, run.activation_bytes, min(run.steps, 5)
             )
-
-            # five steps a phase: the alone phase runs the ranks one after another
             out.floor_alone, out.floor_together = compute_floor(
                 rank, run.ranks, sched, modules, run.activation_bytes, min(run.steps, 5)
             )

@@ -36,13 +36,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dualpipe_kernels.kernels import PackLayout, pack_as
 from dualpipe_kernels.runtime.boundary_codec import MessageCodec
 from dualpipe_kernels.runtime.boundary_meta import META_LEN, Layout
+
+if TYPE_CHECKING:
+    from dualpipe_kernels.transport.base import Transport
 
 __all__ = ["INLINE_MAX_BYTES", "META_BYTES", "inline_limit", "InlinePlan", "inline_plan", "build", "read", "data_views"]
 
@@ -84,11 +87,11 @@ def inline_plan(codec: MessageCodec, layout: Layout) -> InlinePlan:
     return InlinePlan(pos, tuple(offsets), None)
 
 
-def inline_limit(transport: Any) -> int:
+def inline_limit(transport: Transport) -> int:
     """The data bytes up to which a repeated message travels inline on ``transport``: :data:`INLINE_MAX_BYTES`,
     or more where the transport takes a larger message as one copy on each side, the same on every rank
     (``Transport.message_inline_bytes``, less the metadata header)."""
-    return max(INLINE_MAX_BYTES, int(getattr(transport, "message_inline_bytes", 0)) - META_BYTES)
+    return max(INLINE_MAX_BYTES, transport.message_inline_bytes - META_BYTES)
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:

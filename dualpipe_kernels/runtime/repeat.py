@@ -64,9 +64,9 @@ __all__ = [
 
 _MAX_VIEWS = 16  # pooled buffers remembered per entry (the receive window needs a few)
 
-#: data bytes from which a repeated message received on the host is handed over: its tensors are views of
-#: the buffer it arrived in, a new one per message, instead of clones out of a pooled buffer (a clone of a
-#: large message costs a copy of it; a new buffer, an allocation)
+#: data bytes from which a repeated one-tensor message received on the host is handed over: the tensor is
+#: made on the storage of the buffer it arrived in, a new one per message, instead of cloned out of a pooled
+#: buffer (a clone of a large message costs a copy of it; a new buffer, an allocation)
 HANDOVER_MIN_BYTES = 64 * 1024
 
 Signature = tuple[tuple[torch.dtype, torch.Size, bool] | None, ...]
@@ -228,8 +228,8 @@ class RepeatRecv:
     layout: Layout
     plan: InlinePlan
     grads: tuple[bool, ...]  # per tensor: requires grad on this side
-    #: large, unpacked and read on the host: each message arrives in a new buffer that its tensors view
-    #: (:data:`HANDOVER_MIN_BYTES`); else in a pooled buffer its tensors are copied out of
+    #: large, one tensor, unpacked and read on the host: each message arrives in a new buffer whose storage
+    #: becomes the tensor's (:data:`HANDOVER_MIN_BYTES`); else in a pooled buffer its tensors are copied out of
     handover: bool = False
     views: dict[int, tuple[torch.Tensor, Any, list[torch.Tensor | None] | None]] = field(default_factory=dict)
 
