@@ -26,8 +26,8 @@
 #              cuda_ipc --quick (IPC at >= 64 MiB vs a same-GPU copy, us per message, overlap)
 #   runtime    the demo on the GPU: two processes on GPU 0, --device cuda, transport auto (the torch transport on
 #              GPUs unless DUALPIPE_KERNELS_CUDA_IPC=1: the CUDA IPC engine crashed at set-up on the first H200)
-#   transport  pytest tests/test_cuda_ipc.py (per-test timeouts below the step's; JUnit XML)
-#   compat     pytest -m gpu tests/test_compat.py (the reference's API on CUDA; JUnit XML)
+#   transport  pytest tests/process/test_cuda_ipc.py (per-test timeouts below the step's; JUnit XML)
+#   compat     pytest -m gpu tests/process/test_compat.py (the reference's API on CUDA; JUnit XML)
 #   hostcpu    dualpipe-kernels bench schedules --short-chunks-only: the short-chunk row (DualPipeV 4 x 16,
 #              1/2/1 ms sleep chunks, CPU tensors) on this host's CPUs, a core per rank (issue 16's target
 #              was measured only with 4 ranks on 2 CPUs so far); no GPU, so it goes last
@@ -226,17 +226,17 @@ run_step smoke "$LIMIT_SMOKE" bash -c "$(declare -f smoke); PY='$PY' WORK='$WORK
 run_step build "$LIMIT_BUILD" bash -c "$(declare -f build); PY='$PY' WORK='$WORK' DRY='$DRY' OUTDIR='$OUTDIR' build"
 # pytest: -v -rA so that every test reports as it ends; --timeout below the step's (a marker's too: the
 # device_build test's 90 s)
-run_step gpu "$LIMIT_GPU" "$PY" -m pytest -m "gpu or device_build" tests/test_kernels_pack.py tests/test_cuda_ipc_engine.py \
-  tests/test_transport_per_peer_gpu.py -v -rA --continue-on-collection-errors \
+run_step gpu "$LIMIT_GPU" "$PY" -m pytest -m "gpu or device_build" tests/unit/test_kernels_pack.py tests/process/test_cuda_ipc_engine.py \
+  tests/process/test_transport_per_peer_gpu.py -v -rA --continue-on-collection-errors \
   -p no:cacheprovider --timeout 30 --junitxml="$OUTDIR/junit-gpu.xml"
 run_step bench "$LIMIT_BENCH" bash -c "$(declare -f bench); PY='$PY' WORK='$WORK' bench"
 # the demo over the CUDA IPC engine (--transport native), then over auto (the torch transport on GPUs)
 run_step runtime "$LIMIT_RUNTIME" bash -c "set -o pipefail; rc=0; for t in native auto; do \
   '$PY' -m dualpipe_kernels demo --device cuda --ranks 2 --steps 2 --json --transport \$t | tee '$WORK/demo-'\$t.json || rc=1; \
   done; cp '$WORK/demo-native.json' '$WORK/demo.json' 2>/dev/null; exit \$rc"
-run_step transport "$LIMIT_TRANSPORT" "$PY" -m pytest tests/test_cuda_ipc.py -v -rA -p no:cacheprovider \
+run_step transport "$LIMIT_TRANSPORT" "$PY" -m pytest tests/process/test_cuda_ipc.py -v -rA -p no:cacheprovider \
   --timeout 60 --junitxml="$OUTDIR/junit-transport.xml"
-run_step compat "$LIMIT_COMPAT" "$PY" -m pytest -m gpu tests/test_compat.py -v -rA -p no:cacheprovider \
+run_step compat "$LIMIT_COMPAT" "$PY" -m pytest -m gpu tests/process/test_compat.py -v -rA -p no:cacheprovider \
   --timeout 40 --junitxml="$OUTDIR/junit-compat.xml"
 run_step hostcpu "$LIMIT_HOSTCPU" bash -c "$(declare -f hostcpu); PY='$PY' WORK='$WORK' hostcpu"
 

@@ -19,14 +19,14 @@ step build
 timeout 70 env DUALPIPE_KERNELS_CUDA=1 "$PY" setup.py build_ext --inplace >"$OUTDIR/build.log" 2>&1
 echo "build rc=$?" >>"$LOG"
 step "the engine's GPU tests"
-timeout 45 "$PY" -m pytest -q -m gpu tests/test_cuda_ipc_engine.py tests/test_transport_per_peer_gpu.py \
+timeout 45 "$PY" -m pytest -q -m gpu tests/process/test_cuda_ipc_engine.py tests/process/test_transport_per_peer_gpu.py \
   -p no:cacheprovider --timeout 30 -x 2>&1 | tail -40 >>"$LOG"
 step "demo over the CUDA IPC engine"
 timeout 30 "$PY" -m dualpipe_kernels demo --device cuda --ranks 2 --steps 2 --transport native --json \
   >"$OUTDIR/demo_native.json" 2>>"$LOG"
 echo "rc=$?" >>"$LOG"
 step "transport suite, every set-up, stacks of a stuck scenario after 8 s"
-DPK_STUCK_STACKS_S=8 timeout 150 "$PY" -m pytest -q tests/test_cuda_ipc.py -p no:cacheprovider \
+DPK_STUCK_STACKS_S=8 timeout 150 "$PY" -m pytest -q tests/process/test_cuda_ipc.py -p no:cacheprovider \
   --timeout 60 -rA 2>&1 | grep -v "^frame #" | tail -300 >>"$LOG"
 step done
 tail -c 11000 "$LOG"

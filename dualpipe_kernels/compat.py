@@ -244,7 +244,7 @@ class _DualPipeBase(nn.Module):
         from dualpipe_kernels.runtime.checks import check_timeout
 
         timeout_s = check_timeout(timeout_s)
-        from dualpipe_kernels.runtime.boundary_codec import boundary_format as parse_format
+        from dualpipe_kernels.runtime.boundary.codec import boundary_format as parse_format
 
         #: how stage-boundary messages travel (validated here, used by every pipeline built)
         self.boundary_format = parse_format(boundary_format)

@@ -1,6 +1,6 @@
 """The dtype codes carried on the wire: one table for every message format of the package.
 
-Stage-boundary metadata (``runtime/boundary_meta.py``), packed-buffer layouts
+Stage-boundary metadata (``runtime/boundary/header.py``), packed-buffer layouts
 (``kernels/layout.py``) and the native engine's message headers
 (``transport/native.py``) all name a dtype by its index here.  Both ends of a
 message run the same package, so the codes only need to agree within one

@@ -1,7 +1,10 @@
 """Shared fixtures of the runtime tests.
 
-``tests/`` goes on ``sys.path`` so the spawned worker processes can import
-the rank functions (``rank_configs``, ``rank_lifecycle``) by name (the spawn start method passes ``sys.path`` on).
+The suite has two rooms: ``tests/unit`` runs in this process (fast: ``pytest
+tests/unit``), ``tests/process`` spawns ranks or other processes.  Helper
+modules live in ``tests/support``, which goes on ``sys.path`` so tests and the
+spawned worker processes import the rank functions (``rank_configs``,
+``rank_lifecycle``) by name (the spawn start method passes ``sys.path`` on).
 
 ``spawned_runs(cfg)`` runs every configuration of
 ``toy_models.configs_for_world(cfg.world)`` in ONE group of spawned
@@ -33,8 +36,10 @@ except ImportError:  # hypothesis is a test dependency; conftest must not fail w
     pass
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if TESTS_DIR not in sys.path:
-    sys.path.insert(0, TESTS_DIR)
+#: the helper modules (toy models, rank functions, fake transports), imported by bare name
+SUPPORT_DIR = os.path.join(TESTS_DIR, "support")
+if SUPPORT_DIR not in sys.path:
+    sys.path.insert(0, SUPPORT_DIR)
 
 #: every wait inside a pipeline step (seconds); a configuration that fails costs at most about this
 PIPELINE_TIMEOUT_S = 30.0
@@ -69,7 +74,7 @@ def spawned_runs() -> Callable[[Any], list[dict[str, Any]]]:
     return get
 
 
-#: steps of the memory run (tests/test_runtime_memory.py)
+#: steps of the memory run (tests/process/test_runtime_memory.py)
 LIFECYCLE_STEPS = 50
 
 

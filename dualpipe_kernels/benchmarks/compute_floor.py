@@ -164,9 +164,9 @@ def _bare_step(rank: int, schedule: Any, modules: Mapping[int, Any], transport: 
     import torch
 
     from dualpipe_kernels.benchmarks.sleep_stages import sleep_batch
+    from dualpipe_kernels.runtime.boundary.transfer import TagSpace
     from dualpipe_kernels.runtime.executor import _lowered_program
     from dualpipe_kernels.runtime.loop import ActionLoop
-    from dualpipe_kernels.runtime.p2p import TagSpace
     from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
     from dualpipe_kernels.schedules.ir import T_F, T_RECV_F, T_SEND_B, T_SEND_F
 

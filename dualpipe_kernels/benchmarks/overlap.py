@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dualpipe_kernels.benchmarks.sleep_runs import SleepRun
-from dualpipe_kernels.runtime.boundary_codec import BOUNDARY_FORMATS
+from dualpipe_kernels.runtime.boundary.codec import BOUNDARY_FORMATS
 
 NAME = "overlap"
 TRANSPORTS = ("torch", "native")

@@ -47,7 +47,7 @@ KEEP_WHOLE_BYTES = 1024
 
 
 #: what a cut transfer keeps: a small message travels as metadata + data in one transfer
-#: (runtime/inline.py), so its first KiB, the metadata, is never cut either
+#: (runtime/boundary/inline.py), so its first KiB, the metadata, is never cut either
 _KEPT = KEEP_WHOLE_BYTES + TINY_BYTES
 
 
@@ -67,7 +67,7 @@ class PayloadSwitch(Transport):
         super().__init__(inner.timeout_s)
         self.inner = inner
         self.name = f"{inner.name}+switch"
-        # what runtime/p2p.py's wire_device reads: without these the runtime would post host tensors
+        # what runtime/boundary/transfer.py's wire_device reads: without these the runtime would post host tensors
         # to a device transport (CudaIpcTransport refuses them)
         self.device = getattr(inner, "device", None)
         self.device_native = getattr(inner, "device_native", True)
@@ -106,10 +106,10 @@ class PayloadSwitch(Transport):
                 tensor.reshape(-1).view(torch.uint8)[_KEPT:].zero_()
                 tensor = _cut(tensor)
             else:
-                from dualpipe_kernels.runtime.boundary_meta import META_LEN, TagSpace
+                from dualpipe_kernels.runtime.boundary.header import META_LEN, TagSpace
 
                 nbytes = tensor.numel() * tensor.element_size()
-                # a small message's one transfer (runtime/inline.py): its data follows the metadata
+                # a small message's one transfer (runtime/boundary/inline.py): its data follows the metadata
                 self.received_bytes.append(nbytes - META_LEN * 8 if TagSpace.is_metadata(tag) else nbytes)
         return self.inner.irecv(tensor, peer, tag, what)
 

@@ -113,7 +113,7 @@ def _config(args: argparse.Namespace) -> DemoConfig:
     import torch
 
     from dualpipe_kernels.models.gpt import GPTConfig
-    from dualpipe_kernels.runtime.boundary_codec import boundary_format
+    from dualpipe_kernels.runtime.boundary.codec import boundary_format
     from dualpipe_kernels.schedules.generators import build_schedule
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0

@@ -18,7 +18,7 @@
 Peaks are linear in the chunk sizes, so the planner computes them once per
 (schedule, ranks, micro-batches, policy) at the profiled micro-batch size and
 scales.  For the planned schedules they stop changing once ``N >= 2 x ranks``
-(the warm-up depth bounds what is in flight; tests/test_planner_memory.py
+(the warm-up depth bounds what is in flight; tests/unit/test_planner_memory.py
 checks it), which lets the planner profile a long step on a shorter one.
 """
 

@@ -183,7 +183,7 @@ class PipelineConveniences:
         return {name: (b.messages_sent[d], b.bytes_sent[d]) for d, name in enumerate(("activations", "gradients"))}
 
     def receive_buffers(self) -> tuple[int, int]:
-        """``(allocated, pooled bytes)`` of the pool of small-message receive buffers (runtime/inline.py):
+        """``(allocated, pooled bytes)`` of the pool of small-message receive buffers (runtime/boundary/inline.py):
         buffers ever allocated (flat after the first steps of a training loop) and the bytes held free now."""
         pool = self._layouts.pool
         return pool.allocations, pool.free_bytes()

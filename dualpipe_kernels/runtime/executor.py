@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState, Wire
-from dualpipe_kernels.runtime.boundary_codec import BoundaryFormat
-from dualpipe_kernels.runtime.boundary_codec import boundary_format as parse_boundary_format
+from dualpipe_kernels.runtime.boundary.codec import BoundaryFormat
+from dualpipe_kernels.runtime.boundary.codec import boundary_format as parse_boundary_format
+from dualpipe_kernels.runtime.boundary.exchange import Boundary, BoundaryState, Wire
+from dualpipe_kernels.runtime.boundary.inline import INLINE_MAX_BYTES, inline_limit
+from dualpipe_kernels.runtime.boundary.transfer import LayoutMemory, TagSpace
 from dualpipe_kernels.runtime.checks import check_stage_devices, check_timeout
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.construction import (
@@ -45,13 +47,11 @@ from dualpipe_kernels.runtime.construction import (
 from dualpipe_kernels.runtime.conveniences import PipelineConveniences
 from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan, mirror_dp_groups
 from dualpipe_kernels.runtime.fingerprint import Fingerprint, agree, fingerprint, resolved_transport
-from dualpipe_kernels.runtime.inline import INLINE_MAX_BYTES, inline_limit
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.memory import ActivationMemory
 from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, parse_memory_policy
 from dualpipe_kernels.runtime.microbatch import split_microbatches
 from dualpipe_kernels.runtime.mirror import MirrorSync, mirrors
-from dualpipe_kernels.runtime.p2p import LayoutMemory, TagSpace
 from dualpipe_kernels.runtime.timeline import TimelineEntry, TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
 from dualpipe_kernels.schedules.deps import Program
@@ -125,7 +125,7 @@ class Pipeline(PipelineConveniences, nn.Module):
     stage-boundary messages travel, ``"none"`` (default: one transfer per tensor),
     ``"packed"`` (one lossless message), ``"bf16"`` or ``"fp8"``; one name for both
     directions, or ``(activations, gradients)`` / ``"fp8,bf16"`` / a BoundaryFormat
-    (runtime/boundary_codec.py; every rank must pass the same).
+    (runtime/boundary/codec.py; every rank must pass the same).
 
     PP x DP: ``dp_group`` is this rank's data-parallel group (the ranks
     holding the same pipeline rank of the other replicas; ``group`` is then

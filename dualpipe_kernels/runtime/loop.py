@@ -8,7 +8,7 @@ Receives are posted ``recv_lookahead`` compute actions ahead of need (metadata
 first, data the moment the metadata is in).  With ``early_small`` (a transport
 that gains from it says so: gloo) every receive whose message repeats the last
 step's layout inline (one transfer of at most the pipeline's inline limit of data:
-``INLINE_MAX_BYTES`` on such a transport, runtime/inline.py and repeat.py) is
+``INLINE_MAX_BYTES`` on such a transport, runtime/boundary/inline.py and repeat.py) is
 posted when the step starts instead; the window then covers the rest.  A RECV action the loop reaches is
 not waited for there but by the compute that reads its data (``fetch``), so an
 F&B pair runs its forward half while its backward half's gradient is still in
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from dualpipe_kernels.runtime.boundary import Boundary, BoundaryState
+from dualpipe_kernels.runtime.boundary.exchange import Boundary, BoundaryState
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.timeline import TimelineRecorder
 from dualpipe_kernels.schedules.ir import (

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from dualpipe_kernels.runtime.boundary import Wire
-from dualpipe_kernels.runtime.p2p import BoundaryRecv, BoundarySend
+from dualpipe_kernels.runtime.boundary.exchange import Wire
+from dualpipe_kernels.runtime.boundary.transfer import BoundaryRecv, BoundarySend
 from dualpipe_kernels.schedules.ir import Schedule
 
 __all__ = ["MirrorSync", "mirrors"]

@@ -18,7 +18,7 @@ matching receive.  So "isend -> wait -> irecv" on both ranks of a pair may
 deadlock (it does over CUDA IPC above 1 MiB and passes below): a caller posts
 every receive a send's completion could depend on before waiting for that
 send.  The runtime never waits for a send before posting the receives of the
-same exchange (tests/test_runtime_transport_rules.py drives it over a
+same exchange (tests/process/test_runtime_transport_rules.py drives it over a
 transport whose sends complete only when matched).
 
 Devices: a transport that moves tensors of one device exposes it as
@@ -27,7 +27,7 @@ must be on that device (the CUDA transport refuses host tensors).  A
 transport without ``device``, or whose ``device_native`` is False (torch over
 gloo with a CUDA ``device``: it moves host memory and stages device tensors
 through it), takes CPU tensors.  The runtime stages the metadata and
-everything else it posts accordingly (runtime/p2p.py ``wire_device``).
+everything else it posts accordingly (runtime/boundary/transfer.py ``wire_device``).
 
 Packed sends: ``isend_packed`` packs several tensors into one message of
 ``layout.nbytes`` uint8 bytes (:func:`dualpipe_kernels.kernels.pack`); the
@@ -152,7 +152,7 @@ class Transport(abc.ABC):
         """The largest boundary message (its 1 KiB metadata header and its data) that this transport takes as
         one copy on each side when posted at once (a gathered send, ``try_isend_gather``, and an ``irecv``
         copied by the thread that waits), the same on every rank of its group.  A pipeline sends a repeated
-        message up to this size as one transfer whatever its data size (runtime/inline.py).  Default 0: no
+        message up to this size as one transfer whatever its data size (runtime/boundary/inline.py).  Default 0: no
         such promise; the pipeline's own limit (32 KiB of data) applies."""
         return 0
 

@@ -77,7 +77,7 @@ from dualpipe_kernels.transport.ordered import OrderedP2P
 
 __all__ = ["TorchDistTransport"]
 
-# A tag the runtime never uses (its tags stay below 2**31 - 1, see runtime.p2p.TagSpace): the cancelling receive.
+# A tag the runtime never uses (its tags stay below 2**31 - 1: boundary.header.TagSpace): the cancelling receive.
 _CANCEL_TAG = 2**31 - 1
 _JOIN_S = 5.0  # how long close() waits for cancelled waiters to leave gloo
 
