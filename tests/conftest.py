@@ -41,6 +41,13 @@ SUPPORT_DIR = os.path.join(TESTS_DIR, "support")
 if SUPPORT_DIR not in sys.path:
     sys.path.insert(0, SUPPORT_DIR)
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test of tests/process ``process`` (``-m "not process"`` runs the in-process room only)."""
+    for item in items:
+        if f"{os.sep}process{os.sep}" in str(item.path):
+            item.add_marker(pytest.mark.process)
+
+
 #: every wait inside a pipeline step (seconds); a configuration that fails costs at most about this
 PIPELINE_TIMEOUT_S = 30.0
 #: the whole spawned run of one world size

@@ -6,6 +6,11 @@ tests.  Every rank runs ``fn(rank, world_size, *args)`` after joining a gloo
 parent (serialised with ``torch.save``, so tensors are fine).  Nothing is left
 behind: the parent always reaps its children, kills the ones still running
 after ``timeout_s`` and reports which rank failed how.
+
+A failure ends the run early: once one rank has raised or died, the others get
+``failure_grace_s`` seconds to report (a pipeline tells its peers when its
+step fails, so they usually end with their own message at once), then the
+ones still running are killed and reported as stopped because of that rank.
 """
 
 from __future__ import annotations
@@ -115,15 +120,21 @@ def spawn_outcomes(
     pg_timeout_s: float = 120.0,
     threads: int = 1,
     env: dict[str, str] | None = None,
+    failure_grace_s: float = 10.0,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return every rank's outcome.
 
     ``fn`` must be importable by name (a module-level function). ``timeout_s``
     bounds the whole run: ranks still alive then are killed and reported as
-    timed out. Never raises for a rank's failure; see :func:`spawn`.
+    timed out.  After the first rank fails (raises, or exits without a result)
+    the others have ``failure_grace_s`` more seconds; those still running then
+    are killed and reported as stopped after that rank's failure.  Never raises
+    for a rank's failure; see :func:`spawn`.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not failure_grace_s >= 0:
+        raise ValueError(f"failure_grace_s must be >= 0 seconds, got {failure_grace_s!r}")
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     port = free_port()
@@ -137,6 +148,10 @@ def spawn_outcomes(
     ]
     got: dict[int, tuple[bool, bytes | str]] = {}
     deadline = time.monotonic() + timeout_s
+    first_failure: int | None = None  # the rank that failed first (stops the run after failure_grace_s)
+    exited_at: dict[int, float] = {}  # when a rank was first seen exited without a result
+    stopped_at: float | None = None
+    killed: set[int] = set()
     try:
         for p in procs:
             p.start()
@@ -145,9 +160,19 @@ def spawn_outcomes(
             try:
                 rank, ok, payload = results.get(timeout=0.05)
                 got[rank] = (ok, payload)
+                if not ok and first_failure is None:
+                    first_failure, stopped_at = rank, time.monotonic() + failure_grace_s
                 continue
             except queue.Empty:
                 pass
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                # A rank that exited without a result died (its result, if any, arrives within a moment).
+                if r not in got and not p.is_alive() and exited_at.setdefault(r, now) < now - 1.0:
+                    if first_failure is None:
+                        first_failure, stopped_at = r, now + failure_grace_s
+            if stopped_at is not None and now >= stopped_at:
+                break  # the others had their grace period after the first failure: stop them
             if all(not p.is_alive() for p in procs):
                 # Everyone has exited; collect what is still in flight, then stop.
                 try:
@@ -161,8 +186,9 @@ def spawn_outcomes(
             if p.pid is None:  # p.start() raised for it or an earlier rank: nothing to join, the error propagates
                 continue
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if len(got) == world_size else 0.5)
-        for p in procs:
+        for r, p in enumerate(procs):
             if p.is_alive():
+                killed.add(r)
                 p.kill()
                 p.join(timeout=5.0)
         results.close()
@@ -176,6 +202,15 @@ def spawn_outcomes(
                 outcomes.append(RankOutcome(r, True, value=_loads(payload), exitcode=p.exitcode))  # type: ignore[arg-type]
             else:
                 outcomes.append(RankOutcome(r, False, error=str(payload), exitcode=p.exitcode))
+        elif r in killed and first_failure is not None:
+            outcomes.append(
+                RankOutcome(
+                    r,
+                    False,
+                    error=f"rank {r} was stopped {failure_grace_s:.3g} s after rank {first_failure} failed",
+                    exitcode=p.exitcode,
+                )
+            )
         elif time.monotonic() >= deadline:
             outcomes.append(
                 RankOutcome(
