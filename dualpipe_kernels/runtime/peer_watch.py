@@ -1,0 +1,182 @@
+"""Failures that spread: a rank whose step fails tells its peers at once, and a rank that dies is named.
+
+Without this, a rank whose step raised (and whose process lives on, because the
+user's code caught the error) leaves its peers waiting for their full timeout,
+and a killed rank is named by its neighbours only, as "the peer of the
+transfer I was waiting for".
+
+Each pipeline has one :class:`PeerWatch`, made collectively at construction
+on the process group's store under a prefix of its own (each rank counts the
+watches it built on that store; ranks build their pipelines in the same order,
+so the counts agree):
+
+- ``publish(exc)``: the failed rank writes ``failed/<rank>`` (its error, one
+  line) and bumps ``failures``; done by ``Pipeline.step`` on any exception.
+- a daemon thread polls ``failures`` every ``poll_s`` (one store round trip)
+  and bumps this rank's ``beat/<rank>``; every ``liveness_s`` it reads the
+  other ranks' beats: a rank whose beat has not moved for ``liveness_s`` (killed,
+  stopped, or its process gone) is a failure too, named by every rank alike.
+  A store that stops answering means its host (group rank 0's process) died.
+- the runtime's waits call :meth:`PeerWatch.wait` instead of ``handle.wait``:
+  the wait runs in slices of ``poll_s`` and raises :class:`PeerFailed` (naming
+  the failed rank and its error) as soon as the thread has seen a failure.
+
+Nothing here runs per message on the fast path: a wait that completes within
+its first slice costs one ``handle.wait`` call, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from dualpipe_kernels.transport.base import Handle, TransportTimeout
+
+__all__ = ["PeerFailed", "PeerWatch"]
+
+_PREFIX = "dpk/peerwatch"
+
+
+class PeerFailed(RuntimeError):
+    """Another pipeline rank failed (raised in its step, died or stopped responding)."""
+
+    def __init__(self, rank: int, error: str, seen_by: int) -> None:
+        self.rank = rank
+        self.error = error
+        super().__init__(f"pipeline rank {seen_by}: pipeline rank {rank} failed: {error}")
+
+
+class PeerWatch:
+    """Publishes this rank's failure and watches the others' (see the module docstring).
+
+    ``store``: the process group's store.  ``rank``: this pipeline rank;
+    ``world``: the number of pipeline ranks.  ``key_rank``: the rank under
+    which this watch counts its generation (the group rank; any value unique
+    per process on this store).  ``store_host``: the pipeline rank whose
+    process hosts the store (group rank 0's), named when the store stops answering.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        key_rank: int | None = None,
+        poll_s: float = 0.1,
+        liveness_s: float = 15.0,
+        store_host: int = 0,
+    ) -> None:
+        if not poll_s > 0 or not liveness_s > poll_s:
+            raise ValueError(f"PeerWatch needs 0 < poll_s < liveness_s, got poll_s={poll_s} liveness_s={liveness_s}")
+        self.rank, self.world, self.store_host = rank, world, store_host
+        self.poll_s, self.liveness_s = poll_s, liveness_s
+        self._store = store
+        gen = store.add(f"{_PREFIX}/gen/{rank if key_rank is None else key_rank}", 1)
+        self._prefix = f"{_PREFIX}/{gen}"
+        self._failure: PeerFailed | None = None
+        self._published = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _failure
+        store.add(f"{self._prefix}/beat/{rank}", 1)
+        self._thread = threading.Thread(target=self._run, name=f"dpk-peerwatch-{rank}", daemon=True)
+        self._thread.start()
+
+    # ---- this rank --------------------------------------------------------
+    def publish(self, exc: BaseException) -> None:
+        """Tell every peer that this rank failed with ``exc`` (once; errors of the store are ignored)."""
+        if self._published or isinstance(exc, PeerFailed):
+            return  # a failure seen from a peer is that peer's to publish, not a new one
+        self._published = True
+        text = str(exc).strip().splitlines()
+        line = f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+        try:
+            self._store.set(f"{self._prefix}/failed/{self.rank}", line)
+            self._store.add(f"{self._prefix}/failures", 1)
+        except Exception:  # noqa: BLE001 - the store's host may be the one that died; nothing more to tell
+            pass
+
+    def close(self) -> None:
+        """Stop watching (idempotent); peers stop counting this rank's heartbeat."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self._store.set(f"{self._prefix}/closed/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - closing after the store's host died
+            pass
+        self._thread.join(timeout=5.0)
+
+    # ---- the others -------------------------------------------------------
+    def failure(self) -> PeerFailed | None:
+        """The first failure of another rank seen so far, or None."""
+        with self._lock:
+            return self._failure
+
+    def check(self) -> None:
+        """Raise :class:`PeerFailed` if another rank has failed."""
+        failure = self.failure()
+        if failure is not None:
+            raise failure
+
+    def wait(self, handle: Handle, timeout_s: float) -> None:
+        """``handle.wait(timeout_s)``, but raising :class:`PeerFailed` as soon as another rank has failed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                handle.wait(max(0.001, min(left, self.poll_s)))
+                return
+            except TransportTimeout:
+                self.check()
+                if left <= self.poll_s:
+                    raise
+            except Exception:
+                # A transfer that broke because a peer failed: name that failure, which the thread
+                # sees within a poll or two, rather than the transport's view of it.
+                for _ in range(3):
+                    self.check()
+                    time.sleep(self.poll_s)
+                self.check()
+                raise
+
+    def _set(self, failure: PeerFailed) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = failure
+
+    def _run(self) -> None:
+        store, prefix = self._store, self._prefix
+        last_beats: dict[int, tuple[int, float]] = {}
+        next_liveness = time.monotonic() + self.liveness_s
+        while not self._stop.wait(self.poll_s):
+            try:
+                store.add(f"{prefix}/beat/{self.rank}", 1)
+                if store.add(f"{prefix}/failures", 0) > 0:
+                    for r in range(self.world):
+                        if r != self.rank and store.check([f"{prefix}/failed/{r}"]):
+                            self._set(PeerFailed(r, store.get(f"{prefix}/failed/{r}").decode(), self.rank))
+                            return
+                now = time.monotonic()
+                if now < next_liveness:
+                    continue
+                next_liveness = now + self.poll_s * 5
+                for r in range(self.world):
+                    if r == self.rank or store.check([f"{prefix}/closed/{r}"]):
+                        continue
+                    beat = store.add(f"{prefix}/beat/{r}", 0)
+                    seen, since = last_beats.get(r, (-1, now))
+                    if beat != seen:
+                        last_beats[r] = (beat, now)
+                    elif now - since >= self.liveness_s:
+                        self._set(
+                            PeerFailed(
+                                r, f"no sign of life for {now - since:.0f} s (killed, stopped or hung)", self.rank
+                            )
+                        )
+                        return
+            except Exception as exc:  # noqa: BLE001 - the store is hosted by group rank 0's process
+                if self._stop.is_set():
+                    return
+                self._set(PeerFailed(self.store_host, f"its store stopped answering ({type(exc).__name__}: {exc})", self.rank))
+                return
