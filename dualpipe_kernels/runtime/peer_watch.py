@@ -178,5 +178,6 @@ class PeerWatch:
             except Exception as exc:  # noqa: BLE001 - the store is hosted by group rank 0's process
                 if self._stop.is_set():
                     return
-                self._set(PeerFailed(self.store_host, f"its store stopped answering ({type(exc).__name__}: {exc})", self.rank))
+                why = f"its store stopped answering ({type(exc).__name__}: {exc})"
+                self._set(PeerFailed(self.store_host, why, self.rank))
                 return
