@@ -40,8 +40,11 @@ void ChannelConfig::validate() const {
 std::shared_ptr<ShmSegment> create_ring_segment(const ChannelConfig& cfg, int src_rank, int dst_rank) {
   cfg.validate();
   const std::size_t bytes = ring_segment_bytes(cfg.num_slots, cfg.slot_bytes);
-  auto seg = std::make_shared<ShmSegment>(
-      ShmSegment::create("r" + std::to_string(src_rank) + "to" + std::to_string(dst_rank), bytes));
+  // Anonymous (no /dev/shm name that a process killed before its peer mapped the ring could leave behind)
+  // unless DUALPIPE_KERNELS_SHM_NAMED=1 asks for names.
+  const std::string label = "r" + std::to_string(src_rank) + "to" + std::to_string(dst_rank);
+  auto seg = std::make_shared<ShmSegment>(anonymous_segments_enabled() ? ShmSegment::create_anonymous(label, bytes)
+                                                                       : ShmSegment::create(label, bytes));
   RingView::initialise(seg->data(), seg->size(), cfg.num_slots, cfg.slot_bytes, src_rank, dst_rank);
   return seg;
 }

@@ -75,11 +75,42 @@ ShmSegment ShmSegment::create(const std::string& label, std::size_t bytes) {
   return seg;
 }
 
+ShmSegment ShmSegment::create_anonymous(const std::string& label, std::size_t bytes) {
+  if (bytes == 0) throw std::invalid_argument("shared-memory segment size must be > 0");
+  const std::string what = std::string(kSegmentPrefix) + label;
+  const int fd = ::memfd_create(what.c_str(), MFD_CLOEXEC);
+  if (fd < 0) throw std::runtime_error(errno_message("memfd_create", what));
+  const int fr = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (fr != 0) {
+    errno = fr;
+    const std::string msg = errno_message("posix_fallocate", what + ", " + std::to_string(bytes) + " B");
+    ::close(fd);
+    throw std::runtime_error(msg);
+  }
+  ShmSegment seg;
+  seg.fd_ = fd;  // from here on the destructor closes it
+  seg.creator_ = true;
+  seg.name_ = "/proc/" + std::to_string(::getpid()) + "/fd/" + std::to_string(fd);
+  seg.data_ = map_fd(fd, bytes, what);
+  seg.size_ = bytes;
+  return seg;
+}
+
+bool anonymous_segments_enabled() {
+  const char* v = std::getenv("DUALPIPE_KERNELS_SHM_NAMED");
+  return v == nullptr || std::strcmp(v, "1") != 0;
+}
+
 ShmSegment ShmSegment::open(const std::string& name) {
   ShmSegment seg;
   seg.name_ = name;
-  const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
-  if (fd < 0) throw std::runtime_error(errno_message("shm_open(open)", name));
+  const bool by_proc = name.compare(0, 6, "/proc/") == 0;
+  const int fd = by_proc ? ::open(name.c_str(), O_RDWR | O_CLOEXEC) : ::shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) {
+    std::string msg = errno_message(by_proc ? "open(anonymous segment)" : "shm_open(open)", name);
+    if (by_proc) msg += " (the peer's /proc entry must be readable; DUALPIPE_KERNELS_SHM_NAMED=1 uses /dev/shm names)";
+    throw std::runtime_error(msg);
+  }
   struct stat st {};
   if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
     const std::string msg = errno_message("fstat", name);
@@ -107,6 +138,8 @@ ShmSegment& ShmSegment::operator=(ShmSegment&& other) noexcept {
     size_ = other.size_;
     creator_ = other.creator_;
     unlinked_ = other.unlinked_;
+    fd_ = other.fd_;
+    other.fd_ = -1;
     other.data_ = nullptr;
     other.size_ = 0;
     other.creator_ = false;
@@ -120,12 +153,22 @@ ShmSegment::~ShmSegment() { release(); }
 void ShmSegment::unlink() {
   if (unlinked_ || name_.empty()) return;
   unlinked_ = true;
+  if (name_.compare(0, 6, "/proc/") == 0) {  // anonymous: no name; the creator lets go of its descriptor
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+    return;
+  }
   if (::shm_unlink(name_.c_str()) != 0 && errno != ENOENT) {
     throw std::runtime_error(errno_message("shm_unlink", name_));
   }
 }
 
 void ShmSegment::release() noexcept {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+    unlinked_ = true;
+  }
   if (creator_ && !unlinked_ && !name_.empty()) ::shm_unlink(name_.c_str());
   unlinked_ = true;
   if (data_ != nullptr) ::munmap(data_, size_);

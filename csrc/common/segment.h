@@ -5,6 +5,11 @@
 // CUDA IPC control blocks: "cuda-<src>to<dst>"), so that stale segments
 // (creator dead) are recognised and removed by one sweep, and so that a test
 // can check that none of ours is left in /dev/shm.
+//
+// The shared-memory rings of the CPU engine are anonymous instead
+// (create_anonymous: a memfd, opened by the peer through /proc/<pid>/fd/<fd>),
+// so they have no name in /dev/shm at all and nothing is left behind even when
+// every process is killed before its peer has mapped the ring.
 #pragma once
 
 #include <sys/types.h>
@@ -28,6 +33,13 @@ class ShmSegment {
   //! error here rather than a SIGBUS later. Throws std::runtime_error naming
   //! the segment on failure.
   static ShmSegment create(const std::string& label, std::size_t bytes);
+  //! Create an anonymous segment (memfd_create) of `bytes` bytes: no /dev/shm
+  //! name. name() is "/proc/<pid>/fd/<fd>", which open() maps while this
+  //! segment has not been unlink()ed (unlink closes the creator's descriptor;
+  //! the mappings stay valid). Opening it needs read access to this process's
+  //! /proc entry (same user; a /proc mounted with hidepid may refuse: set
+  //! DUALPIPE_KERNELS_SHM_NAMED=1 for named segments then).
+  static ShmSegment create_anonymous(const std::string& label, std::size_t bytes);
   //! Open and map an existing segment by its full name (as returned by name()).
   static ShmSegment open(const std::string& name);
 
@@ -55,7 +67,11 @@ class ShmSegment {
   std::size_t size_ = 0;
   bool creator_ = false;
   bool unlinked_ = false;
+  int fd_ = -1;  // an anonymous segment's descriptor, kept by its creator until unlink()
 };
+
+//! True unless DUALPIPE_KERNELS_SHM_NAMED=1 asks for named /dev/shm segments.
+bool anonymous_segments_enabled();
 
 //! Remove /dev/shm segments of ours (either engine, any build) whose creator
 //! process no longer exists or is a zombie. Returns the number removed. Safe

@@ -368,3 +368,45 @@ def test_kill_peer_mid_transfer(single_copy: bool) -> None:
     pids = (res["pid"], int(dead_pid.group(1)))
     left = [n for n in load_engine_module().list_segments() if any(n.startswith(f"dpk-{p}-") for p in pids)]
     assert left == []
+
+
+# ---------------------------------------------------------------- killed during the rendezvous
+
+_CREATE_AND_HANG = """
+import sys, time
+import torch
+from dualpipe_kernels import _C
+eng = _C.shm.Engine(0)
+print(eng.create_send_channel(1), flush=True)  # the peer never maps it: every rank is killed first
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("named", [False, True])
+def test_rings_of_ranks_killed_in_the_rendezvous_leave_nothing_in_dev_shm(named: bool) -> None:
+    """A ring is anonymous (no /dev/shm name) unless DUALPIPE_KERNELS_SHM_NAMED=1; killing its creator
+    before any peer mapped it leaves nothing behind (named: the name stays until the next engine's sweep)."""
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DUALPIPE_KERNELS_SHM_NAMED": "1" if named else "0"}
+    proc = subprocess.Popen([sys.executable, "-c", _CREATE_AND_HANG], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        name = proc.stdout.readline().strip()
+        mine = [n for n in load_engine_module().list_segments() if n.startswith(f"dpk-{proc.pid}-")]
+        if named:
+            assert name.startswith(f"/dpk-{proc.pid}-") and mine == [name[1:]]
+        else:
+            assert name == f"/proc/{proc.pid}/fd/{name.rsplit('/', 1)[1]}" and mine == []
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    left = [n for n in load_engine_module().list_segments() if n.startswith(f"dpk-{proc.pid}-")]
+    if named:
+        assert len(left) == 1  # what only a later engine's sweep removes
+        load_engine_module().sweep_stale_segments()
+        left = [n for n in load_engine_module().list_segments() if n.startswith(f"dpk-{proc.pid}-")]
+    assert left == []
