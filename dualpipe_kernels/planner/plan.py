@@ -314,7 +314,9 @@ def _check_inputs(table: LayerTable, cluster: Cluster, global_batch: int, state_
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global batch must be an integer >= 1, got {global_batch!r}")
     if global_batch > MAX_GLOBAL_BATCH:
-        raise ValueError(f"global batch {global_batch} is beyond what the planner serves (at most {MAX_GLOBAL_BATCH:,})")
+        raise ValueError(
+            f"global batch {global_batch} is beyond what the planner serves (at most {MAX_GLOBAL_BATCH:,} samples)"
+        )
     if cluster.devices > MAX_DEVICES:
         raise ValueError(f"{cluster.devices} devices are beyond what the planner serves (at most {MAX_DEVICES:,})")
     if not (math.isfinite(state_multiplier) and state_multiplier >= 1):
