@@ -27,7 +27,7 @@ through that stage) x (the stage's layer costs).  The schedule's placement
 Bounded work.  The linear search is O(layers) per probe and always exact.  The
 nested, two-per-rank and Pareto searches grow as ``pairs x layers^2``,
 ``ranks x layers^3`` and exponentially: each runs exactly only while its
-estimated work stays under :data:`EXACT_WORK_LIMIT` (about 0.5 s and well under
+estimated work stays under :data:`EXACT_WORK_LIMIT` (about 0.3 s and well under
 1 GB).  Beyond it the same exact search runs on the layers merged into
 cost-balanced blocks (as many as the limit allows), the result is improved
 layer by layer (a cut moves one layer while that lowers the slowest rank, or
@@ -182,7 +182,7 @@ def partition_layers(costs: Sequence[float], placement: Placement) -> Partition:
 
 
 #: Largest estimated work (array cells touched per probe) for an exact nested / round-robin search.
-EXACT_WORK_LIMIT = 1_500_000
+EXACT_WORK_LIMIT = 300_000
 
 
 def _exact_work(placement: Placement, n: int) -> float:
