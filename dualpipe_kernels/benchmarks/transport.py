@@ -30,6 +30,7 @@ shared machine are noisy.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import threading
@@ -122,14 +123,25 @@ class TransportConfig:
         if rmin < 1 or rmax < rmin:
             raise ValueError(f"need 1 <= --min-reps <= --max-reps, got {rmin}, {rmax}")
         single_copy = getattr(args, "single_copy", "auto")
+        engine = {  # given values are checked here, not replaced by the defaults (a 0 is not "unset")
+            "--num-slots": (args.num_slots, 2),
+            "--slot-bytes": (args.slot_bytes, 64),
+            "--single-copy-min-bytes": (getattr(args, "single_copy_min_bytes", None), 1),
+        }
+        for option, (value, least) in engine.items():
+            if value is not None and value < least:
+                raise ValueError(f"{option} must be >= {least}, got {value}")
+        if args.spin_us is not None and not (math.isfinite(args.spin_us) and args.spin_us >= 0):
+            raise ValueError(f"--spin-us must be a finite number >= 0, got {args.spin_us}")
+        min_copy = getattr(args, "single_copy_min_bytes", None)
         return cls(
             sizes=tuple(picked),
             reps=tuple(max(rmin, min(rmax, BYTES_PER_SIZE // (2 * s))) for s in picked),
-            num_slots=args.num_slots or DEFAULT_NUM_SLOTS,
-            slot_bytes=args.slot_bytes or DEFAULT_SLOT_BYTES,
+            num_slots=DEFAULT_NUM_SLOTS if args.num_slots is None else args.num_slots,
+            slot_bytes=DEFAULT_SLOT_BYTES if args.slot_bytes is None else args.slot_bytes,
             spin_us=args.spin_us,
             single_copy=None if single_copy == "auto" else single_copy == "on",
-            single_copy_min_bytes=getattr(args, "single_copy_min_bytes", None) or DEFAULT_SINGLE_COPY_MIN_BYTES,
+            single_copy_min_bytes=DEFAULT_SINGLE_COPY_MIN_BYTES if min_copy is None else min_copy,
             pin=bool(getattr(args, "pin", True)),
         )
 

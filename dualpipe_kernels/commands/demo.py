@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -134,8 +135,8 @@ def _config(args: argparse.Namespace) -> DemoConfig:
     for name in ("batch_size", "seq_len", "d_model"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
     n = args.microbatches if args.microbatches is not None else 4 * ranks
     sched = build_schedule(args.schedule, ranks, n)  # ValueError naming the schedule's constraint
     n_model = len(set(sched.model_stage))
@@ -346,6 +347,10 @@ def _overlap(cfg: DemoConfig, sched: Any, per_rank: list[dict[str, Any]], times:
     return out
 
 
+class TrainingDiverged(RuntimeError):
+    """A step's loss is not a finite number (NaN or inf): the demo's training diverged."""
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Run the demo described by ``cfg`` (see ``_config``); return the JSON-ready result."""
     from dualpipe_kernels.runtime.launch import spawn
@@ -369,6 +374,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         for o in per_rank:
             mb_losses.update(o["losses"][k])
         losses.append(float(sum(float(mb_losses[m]) for m in sorted(mb_losses)) / max(1, len(mb_losses))))
+        if not math.isfinite(losses[-1]):
+            raise TrainingDiverged(
+                f"the loss became {losses[-1]} at step {k + 1} of {cfg.steps} (learning rate {cfg.lr:g}): "
+                "training diverged; try a smaller --lr"
+            )
         t = max(o["times"][k] for o in per_rank)
         times.append(t)
         bub_meas.append(max(t - o["busy"][k] for o in per_rank))
@@ -456,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
 
             return run_compare(cfg, args.compare, args.json)
         res = run_demo(cfg)
-    except RanksFailed as e:
+    except (RanksFailed, TrainingDiverged) as e:
         sys.stderr.write(f"dualpipe-kernels demo: failed: {e}\n")
         return 1
     if args.json:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .argtypes import parse_float, parse_int
+from .outputs import check_output_file
 
 _GB = 1e9
 
@@ -98,10 +99,33 @@ def _table(args: argparse.Namespace) -> tuple[Any, str | None]:
     from ..planner.targets import profile_target
 
     table = profile_target(args.model, args.repeats)
-    out = Path(args.out) if args.out else Path("plan.json")
-    path = out.with_name(out.stem + ".layers.json")
+    path = _layers_path(args)
     save_layers(table, path)
     return table, str(path)
+
+
+def _layers_path(args: argparse.Namespace) -> Path:
+    """Where ``--profile`` writes its layer table: beside ``--out`` (``plan.layers.json`` without it)."""
+    out = Path(args.out) if args.out else Path("plan.json")
+    return out.with_name(out.stem + ".layers.json")
+
+
+class _Progress:
+    """Progress lines on stderr for a long search: none in the first 2 s, then at most one per 2 s."""
+
+    def __init__(self, every_s: float = 2.0) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._start = self._last = self._clock()
+        self._every = every_s
+
+    def __call__(self, line: str) -> None:
+        now = self._clock()
+        if now - self._start >= self._every and now - self._last >= self._every:
+            self._last = now
+            sys.stderr.write(f"plan: {line} ({now - self._start:.0f} s)\n")
+            sys.stderr.flush()
 
 
 def _pp_list(text: str) -> tuple[int, ...]:
@@ -117,6 +141,10 @@ def _pp_list(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     from ..planner.plan import Cluster, plan
 
+    if args.out:  # before any work: a run never ends by failing to save
+        check_output_file(args.out, "--out")
+    if args.profile:
+        check_output_file(str(_layers_path(args)), "--out (its layer table)")
     table, layers_file = _table(args)
     cluster = Cluster(
         devices=args.devices,
@@ -139,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         memory_policy=args.memory_policy,
         top=args.top,
         pp_degrees=pp_degrees,
+        progress=_Progress(),
     )
     doc = {
         "best": result.best.to_dict(),

@@ -26,13 +26,21 @@ from typing import Any
 
 from ..schedules.costs import CommModel, CostModel, Num
 from ..schedules.generators import SCHEDULE_NAMES, build_schedule
+from ..schedules.limits import check_schedule_size
 from ..schedules.memory_model import MEMORY_POLICIES, ChunkBytes, peak_saved_bytes, policy_costs
 from ..schedules.simulator import SimResult, reference_bubble, simulate
 from ..schedules.validate import validate
-from .argtypes import parse_float
+from .argtypes import parse_float, parse_int
 from .outputs import check_output_file
 
 _ASCII_MAX_STEPS = 50  # print the grid only when every rank's list is this short (or with --ascii)
+_PROGRESS_FROM = 20_000  # ranks x micro-batches from which the stages of the run are reported on stderr (~1 s)
+
+
+def _progress(on: bool, line: str) -> None:
+    if on:
+        sys.stderr.write(f"simulate: {line}\n")
+        sys.stderr.flush()
 
 
 def _number(text: str) -> Num:
@@ -51,6 +59,32 @@ def _bandwidth(text: str) -> Num:
     if math.isfinite(value) and value == int(value) and "." not in text and "e" not in text.lower():
         return int(value)
     return value
+
+
+def _nonnegative(text: str) -> Num:
+    """A finite number >= 0."""
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_bandwidth(text: str) -> Num:
+    """A number > 0 bytes/s ('inf': an unlimited link)."""
+    value = _bandwidth(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes/s, got {text}")
+    return value
+
+
+def _count(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        value = parse_int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text}")
+        return value
+
+    return parse
 
 
 def add_parser(subparsers: Any) -> None:
@@ -79,12 +113,21 @@ def add_parser(subparsers: Any) -> None:
     mem = p.add_argument_group("activation memory (schedules/memory_model.py)")
     mem.add_argument("--memory-policy", choices=MEMORY_POLICIES, default=None, help="print peak saved bytes per rank")
     mem.add_argument(
-        "--saved-bytes", type=_number, default=None, help="saved bytes of a chunk per micro-batch (default: activation)"
+        "--saved-bytes",
+        type=_nonnegative,
+        default=None,
+        help="saved bytes of a chunk per micro-batch (default: activation)",
     )
-    mem.add_argument("--kept-bytes", type=_number, default=0, help="of those, bytes that never move (stage inputs)")
-    mem.add_argument("--host-bandwidth", type=_number, default=math.inf, help="offload host link, bytes/s")
-    mem.add_argument("--compress-cost", type=_number, default=0, help="compress: seconds per saved byte")
-    mem.add_argument("--reload-lookahead", type=int, default=2, help="offload: computes a reload runs ahead")
+    mem.add_argument(
+        "--kept-bytes", type=_nonnegative, default=0, help="of those, bytes that never move (stage inputs)"
+    )
+    mem.add_argument(
+        "--host-bandwidth", type=_positive_bandwidth, default=math.inf, help="offload host link, bytes/s (> 0)"
+    )
+    mem.add_argument("--compress-cost", type=_nonnegative, default=0, help="compress: seconds per saved byte (>= 0)")
+    mem.add_argument(
+        "--reload-lookahead", type=_count(0), default=2, help="offload: computes a reload runs ahead (>= 0)"
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--events", action="store_true", help="with --json: include every event")
@@ -154,7 +197,11 @@ def _export(args: argparse.Namespace, schedule: Any, res: SimResult) -> dict[str
 
 def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
+    check_schedule_size(args.ranks, args.microbatches * (args.stages_per_rank or 1))
+    long_run = args.ranks * args.microbatches >= _PROGRESS_FROM
+    _progress(long_run, f"building {args.schedule} for {args.ranks} ranks x {args.microbatches} micro-batches")
     schedule = build_schedule(args.schedule, args.ranks, args.microbatches, args.stages_per_rank)
+    _progress(long_run, "validating")
     program = validate(schedule)  # simulate() below reuses it instead of validating again
     cost = CostModel(f=args.f, b=args.b, w=args.w, fb=args.fb)
     comm = CommModel(
@@ -176,7 +223,13 @@ def run(args: argparse.Namespace) -> int:
         peaks = peak_saved_bytes(schedule, args.memory_policy, sizes, args.reload_lookahead)
         memory = {"memory_policy": args.memory_policy, "peak_saved_bytes_per_rank": peaks}
         memory["peak_saved_bytes"] = max(peaks)
+    _progress(long_run, "simulating")
     res = simulate(schedule, cost, comm, program=program)
+    if not math.isfinite(float(res.makespan)):
+        raise ValueError(
+            f"the costs overflow: the simulated makespan is {float(res.makespan)} (a float holds at most 1.8e308); "
+            "use smaller costs, byte counts or a larger bandwidth"
+        )
     ref = reference_bubble(schedule.name, schedule.num_ranks, cost)
 
     # Exports first, so a --json consumer sees complete files once the JSON is printed.

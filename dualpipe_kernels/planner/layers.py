@@ -45,8 +45,9 @@ class LayerCost:
     def __post_init__(self) -> None:
         for field in _NUM_FIELDS:
             v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"layer {self.name!r}: {field} must be a finite number >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or v < 0:
+                shown = f"an integer of {len(str(abs(v)))} digits" if isinstance(v, int) and not _finite(v) else repr(v)
+                raise ValueError(f"layer {self.name!r}: {field} must be a finite number >= 0, got {shown}")
         if self.w_s > self.b_s:
             raise ValueError(f"layer {self.name!r}: w_s ({self.w_s}) must be <= b_s ({self.b_s})")
 
@@ -83,6 +84,14 @@ class LayerTable:
         }
 
 
+def _finite(v: float) -> bool:
+    """``math.isfinite`` that also answers False for an int too large for a float (no OverflowError)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _layer_from(entry: object, index: int) -> LayerCost:
     if not isinstance(entry, dict):
         raise ValueError(f"layers[{index}] must be an object, got {type(entry).__name__}")
@@ -101,7 +110,7 @@ def table_from_dict(data: object) -> LayerTable:
 
 
 def load_layers(path: str | Path) -> LayerTable:
-    """Read a ``--layers`` file; a missing file, bad JSON, nan/inf or a bad field is a ValueError."""
+    """Read a ``--layers`` file; a missing file, bad JSON, nan/inf, a bad field or deep nesting is a ValueError."""
     try:
         text = Path(path).read_text()
     except OSError as e:
@@ -111,6 +120,8 @@ def load_layers(path: str | Path) -> LayerTable:
         data = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise ValueError(f"layers file {path} is not valid JSON: {e.msg} (line {e.lineno})") from None
+    except RecursionError:
+        raise ValueError(f"layers file {path} nests too deeply to be a layer table") from None
     return table_from_dict(data)
 
 

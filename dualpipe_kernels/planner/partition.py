@@ -6,7 +6,7 @@ through that stage) x (the stage's layer costs).  The schedule's placement
 (``schedules.schedule_layout``) decides which loads add up:
 
 * one model stage per rank (1f1b, zb1p, gpipe): the classic linear partition,
-  solved exactly by bisection over the sorted segment sums with a greedy check;
+  solved exactly by bisection over the greedy's segment sums (with jumps);
 * nested pairs, model stages ``k`` and ``M-1-k`` on the same ranks
   (DualPipeV's V: rank r holds stages r and 2R-1-r; DualPipe's two copies:
   ranks r and R-1-r both hold model stages r and R-1-r, each for half the
@@ -24,6 +24,18 @@ through that stage) x (the stage's layer costs).  The schedule's placement
 * anything else: the slowest model stage is minimised (exact for that
   objective, not for the per-rank sum).
 
+Bounded work.  The linear search is O(layers) per probe and always exact.  The
+nested, two-per-rank and Pareto searches grow as ``pairs x layers^2``,
+``ranks x layers^3`` and exponentially: each runs exactly only while its
+estimated work stays under :data:`EXACT_WORK_LIMIT` (about 0.3 s and well under
+1 GB).  Beyond it the same exact search runs on the layers merged into
+cost-balanced blocks (as many as the limit allows), the result is improved
+layer by layer (a cut moves one layer while that lowers the slowest rank, or
+leaves it and sheds one rank off it), and :attr:`Partition.lower_bound`
+states how far from the optimum it can be: ``max_load <= optimum x
+(max_load / lower_bound)``, the bound being the per-rank mean, the
+heaviest layer's rank share and (nested) the two end layers' pair.  :attr:`Partition.exact` says which happened.
+
 Every model stage gets at least one layer.  Embedding and head imbalance need
 no special case: the optimum simply gives a heavy first or last layer a stage
 of its own (or pairs it with a light one, for the V).
@@ -31,7 +43,7 @@ of its own (or pairs it with a light one, for the V).
 
 from __future__ import annotations
 
-import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -68,12 +80,23 @@ class Partition:
     """``sizes[m]``: number of layers of model stage ``m`` (what ``Pipeline.from_sequential(partition=)`` takes).
 
     ``max_load``: the objective at the optimum, in the costs' unit (slowest
-    rank's load, or slowest stage for ``per_stage``).
+    rank's load, or slowest stage for ``per_stage``).  ``exact``: whether
+    ``max_load`` is the proven optimum; when not, ``lower_bound`` is a
+    proven lower bound of the optimum (else it equals ``max_load``).
     """
 
     sizes: tuple[int, ...]
     max_load: float
     placement: Placement
+    exact: bool = True
+    lower_bound: float = 0.0
+
+    @property
+    def gap(self) -> float:
+        """Relative bound on the distance from the optimum: ``max_load / lower_bound - 1`` (0 when exact)."""
+        if self.exact or self.max_load <= self.lower_bound:
+            return 0.0
+        return self.max_load / self.lower_bound - 1 if self.lower_bound > 0 else float("inf")
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -131,23 +154,145 @@ def rank_loads(sizes: Sequence[int], costs: Sequence[float], placement: Placemen
 
 
 def partition_layers(costs: Sequence[float], placement: Placement) -> Partition:
-    """Cut ``costs`` (one per layer, >= 0) into ``placement.num_stages`` contiguous stages, optimally."""
+    """Cut ``costs`` (one per layer, >= 0) into ``placement.num_stages`` contiguous stages.
+
+    Optimal while the search fits :data:`EXACT_WORK_LIMIT`; otherwise within the
+    stated ``lower_bound`` of the optimum (module docstring).
+    """
     m, n = placement.num_stages, len(costs)
     if n < m:
         raise ValueError(f"{n} layers cannot fill {m} model stages (each needs at least one layer)")
     c = [float(x) for x in costs]
-    if placement.kind == "nested":
-        sizes = _nested(c, m)
-    elif placement.kind == "round_robin" and m == 2 * len(placement.groups):
-        sizes = _robin_two(c, len(placement.groups))
-    elif placement.kind == "round_robin":
-        sizes = _robin_pareto(c, len(placement.groups), m)
-    else:
+    if not all(math.isfinite(x) and x >= 0 for x in c) or not math.isfinite(math.fsum(c)):
+        raise ValueError("layer costs must be finite numbers >= 0 whose sum is finite")
+    exact = True
+    if placement.kind == "linear" or placement.kind == "per_stage":
         sizes = _linear(c, m)
+    elif _exact_work(placement, n) <= EXACT_WORK_LIMIT:
+        sizes = _exact(c, placement)
+    else:
+        sizes, exact = _bounded(c, placement), False
     loads = rank_loads(sizes, c, placement)
     if placement.kind == "per_stage":
         loads = rank_loads(sizes, c, Placement(m, tuple((k,) for k in range(m)), (1.0,) * m, "linear"))
-    return Partition(tuple(sizes), max(loads), placement)
+    best = max(loads)
+    if exact:
+        return Partition(tuple(sizes), best, placement, True, best)
+    return Partition(tuple(sizes), best, placement, False, min(best, _lower_bound(c, placement)))
+
+
+#: Largest estimated work (array cells touched per probe) for an exact nested / round-robin search.
+EXACT_WORK_LIMIT = 300_000
+
+
+def _exact_work(placement: Placement, n: int) -> float:
+    """Cells per feasibility probe of the exact search for ``n`` layers (Pareto: a rough count)."""
+    m, groups = placement.num_stages, len(placement.groups)
+    if placement.kind == "nested":
+        return (m // 2) * float(n + 1) ** 2
+    if m == 2 * groups:  # round robin, two stages per rank
+        w = n - 2 * groups + 1
+        return groups * float(w) ** 3
+    # Pareto fronts: up to (stages x layers^2) pairs of partial cuts, each front growing with the ranks
+    return m * float(n) ** 2 * groups**2
+
+
+def _exact(c: list[float], placement: Placement) -> list[int]:
+    m, ranks = placement.num_stages, len(placement.groups)
+    if placement.kind == "nested":
+        return _nested(c, m)
+    if m == 2 * ranks:
+        return _robin_two(c, ranks)
+    return _robin_pareto(c, ranks, m)
+
+
+def _lower_bound(c: list[float], placement: Placement) -> float:
+    """A proven lower bound of the slowest rank: the mean per rank, the heaviest layer (and, nested, the two
+    end layers together).
+
+    Every model stage sits in exactly one group (nested and round-robin placements), so the group loads
+    sum to ``sum_m weight_m x stage_m >= min weight x total``.
+    """
+    w = min(placement.weights)
+    bound = max(w * math.fsum(c) / len(placement.groups), w * max(c))
+    if placement.kind == "nested":  # the first and the last layer always share the outer pair
+        bound = max(bound, w * (c[0] + c[-1]))
+    return bound
+
+
+def _blocks(c: list[float], k: int) -> list[int]:
+    """Sizes of ``k`` contiguous blocks of about equal cost (each >= 1 layer)."""
+    n = len(c)
+    prefix = np.concatenate([[0.0], np.cumsum(c)])
+    total = float(prefix[-1])
+    ends = np.searchsorted(prefix, total * np.arange(1, k) / k, side="left").tolist() if total > 0 else []
+    if len(ends) != k - 1:
+        ends = [round(n * j / k) for j in range(1, k)]
+    cut = [0, *ends, n]
+    for j in range(1, k):  # strictly increasing, leaving a layer for every later block
+        cut[j] = min(max(cut[j], cut[j - 1] + 1), n - (k - j))
+    return [cut[j + 1] - cut[j] for j in range(k)]
+
+
+def _bounded(c: list[float], placement: Placement) -> list[int]:
+    """The exact search on cost-balanced blocks of layers, then refined one layer at a time."""
+    n, m = len(c), placement.num_stages
+    k = n
+    while k > m and _exact_work(placement, k) > EXACT_WORK_LIMIT:
+        k = max(m, int(k * 0.9))
+    if _exact_work(placement, k) <= EXACT_WORK_LIMIT:
+        block = _blocks(c, k)
+        bc, start = [], 0
+        for size in block:
+            bc.append(math.fsum(c[start : start + size]))
+            start += size
+        block_sizes = _exact(bc, placement)
+        sizes, b = [], 0
+        for count in block_sizes:
+            sizes.append(sum(block[b : b + count]))
+            b += count
+    else:  # even one block per stage is too much work: the per-stage optimum, refined
+        sizes = _linear(c, m)
+    return _refine(c, sizes, placement)
+
+
+def _refine(c: list[float], sizes: list[int], placement: Placement) -> list[int]:
+    """Move single layers across cuts while that lowers (slowest load, ranks at it); bounded passes."""
+    m = len(sizes)
+    group_of = [0] * m
+    for g, members in enumerate(placement.groups):
+        for s in members:
+            group_of[s] = g
+    w = placement.weights
+    cuts = [0, *np.cumsum(sizes).tolist()]
+    prefix = np.concatenate([[0.0], np.cumsum(c)]).tolist()
+    loads = [0.0] * len(placement.groups)
+    for s in range(m):
+        loads[group_of[s]] += w[s] * (prefix[cuts[s + 1]] - prefix[cuts[s]])
+
+    def key(ld: list[float]) -> tuple[float, int]:
+        top = max(ld)
+        return top, sum(1 for x in ld if x >= top * (1 - 1e-12))
+
+    current = key(loads)
+    for _ in range(4 * len(c) + 100):  # each accepted move lowers the key; the cap bounds the work
+        improved = False
+        for t in range(1, m):  # cut t separates stages t-1 and t
+            for step in (-1, 1):
+                x = cuts[t] + step
+                if not cuts[t - 1] < x < cuts[t + 1]:
+                    continue
+                layer = c[x] if step > 0 else c[cuts[t] - 1]
+                moved = layer if step > 0 else -layer  # cost that enters stage t-1 (leaves stage t)
+                trial = list(loads)
+                trial[group_of[t - 1]] += w[t - 1] * moved
+                trial[group_of[t]] -= w[t] * moved
+                k = key(trial)
+                if k < current:
+                    cuts[t], loads, current, improved = x, trial, k, True
+        if not improved:
+            break
+    return [cuts[s + 1] - cuts[s] for s in range(m)]
 
 
 # ---- linear: bisection over segment sums, greedy check -----------------------
@@ -175,20 +320,44 @@ def _split_to(sizes: list[int], m: int) -> list[int]:
     return sizes
 
 
+def _greedy_probe(c: list[float], limit: float) -> tuple[int, float, float]:
+    """Greedy at ``limit``: (segments, largest segment sum, least sum that made a cut: the next limit to try).
+
+    Every limit below the third value gives the same segments (no comparison turns), so when there are too
+    many segments the optimum is at least that value.
+    """
+    acc, count, segments, most, nxt = 0.0, 0, 1, 0.0, math.inf
+    for x in c:
+        if x > limit:
+            return len(c) + 1, math.inf, x
+        if count and acc + x > limit:
+            nxt = min(nxt, acc + x)
+            most = max(most, acc)
+            acc, count, segments = 0.0, 0, segments + 1
+        acc += x
+        count += 1
+    return segments, max(most, acc), nxt
+
+
 def _linear(c: list[float], m: int) -> list[int]:
-    prefix = np.concatenate([[0.0], np.cumsum(c)])
-    # The optimum is one of the segment sums; bisect over them (sorted, unique).
-    sums = np.unique((prefix[None, :] - prefix[:, None])[np.triu_indices(len(c) + 1, 1)])
-    lo_i = bisect.bisect_left(sums.tolist(), max(c))
-    hi_i = len(sums) - 1
-    while lo_i < hi_i:
-        mid = (lo_i + hi_i) // 2
-        seg = _greedy_segments(c, float(sums[mid]))
-        if seg is not None and len(seg) <= m:
-            hi_i = mid
+    """Exact: the least limit at which the greedy needs <= m segments, by bisection with jumps (O(n) per probe).
+
+    The optimum is a segment sum; an infeasible probe lifts the lower end to the next sum the greedy would
+    compare, a feasible one lowers the upper end to the largest segment it made.
+    """
+    lo, hi = max(c), _greedy_probe(c, math.inf)[1]
+    for step in range(400):  # bisection halves the gap; a third of the probes try the lower end itself
+        if lo >= hi * (1 - _REL_TOL):
+            break
+        mid = lo if step % 3 == 2 else (lo + hi) / 2
+        count, most, nxt = _greedy_probe(c, mid)
+        if count <= m:
+            hi = min(hi, most)
         else:
-            lo_i = mid + 1
-    seg = _greedy_segments(c, float(sums[hi_i]))
+            lo = max(lo, nxt)
+    if lo <= hi and _greedy_probe(c, lo)[0] <= m:
+        hi = lo
+    seg = _greedy_segments(c, hi)
     assert seg is not None and len(seg) <= m
     return _split_to(seg, m)
 

@@ -34,9 +34,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..schedules import CommModel, CostModel, build_schedule, schedule_fits, simulate
+from ..schedules.limits import MAX_RANK_MICROBATCHES
 from ..schedules.memory_model import ChunkBytes, policy_costs
 from .layers import LayerTable
 from .memory import PLAN_MEMORY_POLICIES, activation_peaks, chunk_bytes
@@ -46,6 +48,9 @@ __all__ = ["Cluster", "Candidate", "PlanError", "PlanResult", "plan", "enumerate
 
 MEMORY_POLICIES = ("auto", *PLAN_MEMORY_POLICIES)  # "auto": search all of PLAN_MEMORY_POLICIES
 _GB = 1e9
+#: Largest global batch (samples per step) and device count the planner serves.
+MAX_GLOBAL_BATCH = 1 << 24
+MAX_DEVICES = 1 << 16
 
 
 class PlanError(ValueError):
@@ -154,7 +159,9 @@ class PlanResult:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of ``n`` in increasing order (O(sqrt n))."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def ring_allreduce_s(members: int, nbytes: float, bandwidth: float, latency: float) -> float:
@@ -180,10 +187,13 @@ def enumerate_candidates(
     global_batch: int,
     schedules: tuple[str, ...] = PLAN_SCHEDULES,
     pp_degrees: tuple[int, ...] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[list[Candidate], dict[tuple[str, int], StagePlan]]:
     """Every structurally valid configuration (not yet evaluated) and the stage plans they use.
 
-    ``pp_degrees``: only these pipeline degrees (default: every divisor of the device count).
+    ``pp_degrees``: only these pipeline degrees (default: every divisor of the device count).  Layouts of
+    more than ``MAX_RANK_MICROBATCHES`` ranks x micro-batches are left out (the simulator's limit).
+    ``progress``: called with a line before each partition is computed.
     """
     n_layers = len(table.layers)
     plans: dict[tuple[str, int], StagePlan] = {}
@@ -200,9 +210,11 @@ def enumerate_candidates(
                 continue
             for mbs in _divisors(per_pipe):
                 n = per_pipe // mbs
-                if not schedule_fits(name, pp, n):
-                    continue
+                if pp * n > MAX_RANK_MICROBATCHES or not schedule_fits(name, pp, n):
+                    continue  # beyond the simulator's limit: a larger micro-batch serves the same batch
                 if (name, pp) not in plans:
+                    if progress is not None:
+                        progress(f"partitioning {n_layers} layers for {name} pp={pp}")
                     plans[(name, pp)] = stage_plan(table, name, pp)
                 out.append(Candidate(name, pp, dp, n, mbs, partition=plans[(name, pp)].partition.sizes))
     return out, plans
@@ -301,6 +313,12 @@ def _profile_microbatches(schedule: str, pp: int, microbatches: int) -> int:
 def _check_inputs(table: LayerTable, cluster: Cluster, global_batch: int, state_multiplier: float) -> None:
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global batch must be an integer >= 1, got {global_batch!r}")
+    if global_batch > MAX_GLOBAL_BATCH:
+        raise ValueError(
+            f"global batch {global_batch} is beyond what the planner serves (at most {MAX_GLOBAL_BATCH:,} samples)"
+        )
+    if cluster.devices > MAX_DEVICES:
+        raise ValueError(f"{cluster.devices} devices are beyond what the planner serves (at most {MAX_DEVICES:,})")
     if not (math.isfinite(state_multiplier) and state_multiplier >= 1):
         raise ValueError(f"state multiplier must be a finite number >= 1, got {state_multiplier!r}")
     per_sample = 1.0 / table.microbatch_size
@@ -325,12 +343,14 @@ def plan(
     memory_policy: str = "auto",
     top: int = 10,
     pp_degrees: tuple[int, ...] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """The fastest feasible plan and the ``top`` runners-up (PlanError when none fits).
 
     ``memory_policy``: one of PLAN_MEMORY_POLICIES for every stage, or ``"auto"`` to search them all
     (a tie in step time goes to the earlier policy: keep, then recompute, then offload).
     ``pp_degrees`` restricts the pipeline degrees searched (default: all divisors of the device count).
+    ``progress``: called with a line at each stage of the search (partitions, simulations).
     """
     t0 = time.perf_counter()
     if memory_policy not in MEMORY_POLICIES:
@@ -344,7 +364,7 @@ def plan(
     _check_inputs(table, cluster, global_batch, state_multiplier)
     if pp_degrees is not None and not any(cluster.devices % p == 0 for p in pp_degrees):
         raise ValueError(f"no PP degree in {list(pp_degrees)} divides {cluster.devices} devices")
-    layouts, plans = enumerate_candidates(table, cluster, global_batch, schedules, pp_degrees)
+    layouts, plans = enumerate_candidates(table, cluster, global_batch, schedules, pp_degrees, progress)
     if not layouts:
         raise PlanError(_no_layout_message(table, cluster, global_batch))
     cands = [dataclasses.replace(c, memory_policy=p) for c in layouts for p in policies]
@@ -371,6 +391,8 @@ def plan(
             if layout not in keep_fits or c.memory_policy == "keep":
                 rejected.append(c)  # "faster but over budget" lists a layout once, as keep
             continue
+        if progress is not None and len(ev.sims) % 25 == 0:
+            progress(f"simulated {len(ev.sims)} of up to {len(cands)} candidates")
         ev.simulate(c)
         feasible.append(c)
         feasible.sort(key=_rank_key)
@@ -381,6 +403,13 @@ def plan(
     shown = feasible[:top] + faster_rejected[:top]
     from .explain import explain
 
+    explanation = explain(best, feasible[1:top], faster_rejected, cluster.memory_bytes, table.unit)
+    part = plans[(best.schedule, best.pp)].partition
+    if not part.exact:
+        explanation.append(
+            f"partition: the slowest rank's load {part.max_load:.6g} is within {part.gap:.3%} of the optimum "
+            f"(a bounded search: {len(table.layers)} layers are beyond the exact one)"
+        )
     return PlanResult(
         best=best,
         candidates=shown,
@@ -388,7 +417,7 @@ def plan(
         considered=len(cands),
         simulated=len(ev.sims),
         elapsed_s=time.perf_counter() - t0,
-        explanation=explain(best, feasible[1:top], faster_rejected, cluster.memory_bytes, table.unit),
+        explanation=explanation,
     )
 
 

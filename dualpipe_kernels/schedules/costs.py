@@ -168,6 +168,18 @@ class CommModel:
             raise ValueError(f"activation_bytes must be >= 0 and finite, got {self.activation_bytes}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        for bw in (self.bandwidth, self.inter_bandwidth):
+            if bw is None or not self.activation_bytes:
+                continue
+            try:
+                finite = _finite(self.activation_bytes / bw)
+            except OverflowError:
+                finite = False
+            if not finite:
+                raise ValueError(
+                    f"a transfer of {self.activation_bytes:g} bytes at {bw:g} bytes/s takes no finite time; "
+                    "use a larger bandwidth or fewer bytes"
+                )
 
     def same_node(self, src: int, dst: int) -> bool:
         rpn = self.ranks_per_node

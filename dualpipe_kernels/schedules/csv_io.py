@@ -34,6 +34,7 @@ The file holds no topology, so :func:`load_csv` rebuilds it:
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import os
 import re
@@ -113,7 +114,49 @@ def schedule_to_rows(schedule: Schedule, include_comms: bool = False) -> list[li
     reason = torch_incompatibility(schedule)
     if reason is not None:
         warnings.warn(f"torch's _PipelineScheduleRuntime cannot run this CSV: {reason}", TorchCSVWarning, stacklevel=3)
-    return _reduce_grad_rows(schedule)
+    return _reduce_grad_rows(_recvs_in_send_order(schedule))
+
+
+def _recvs_in_send_order(schedule: Schedule) -> Schedule:
+    """The lowered ``schedule`` with each rank's RECVs from a peer in the order that peer SENDs them.
+
+    torch's runtime posts every transfer untagged, so between two ranks a receive takes whichever message
+    comes next: a RECV order that differs from the peer's SEND order (ZBV's second rank expects the
+    first's B0 before its F2) silently hands a tensor of the same shape to the wrong micro-batch.  Where
+    the orders differ, a RECV moves earlier, to just before the first RECV from the same peer that would
+    otherwise overtake it.  Posting a receive earlier adds no wait (torch waits for it at the compute that
+    needs it; the validator's blocking RECV waits for a SEND its peer makes before the one it waited for),
+    so the schedule stays valid and deadlock-free.
+    """
+    from .explain import comm_pairs
+
+    # Per receiving rank and peer: the RECV indices in the order the peer sends them.
+    queues: dict[tuple[int, int], list[int]] = {}
+    for pair in sorted(comm_pairs(schedule), key=lambda p: (p.send_rank, p.send_index)):
+        queues.setdefault((pair.recv_rank, pair.send_rank), []).append(pair.recv_index)
+    src_of = {(p.recv_rank, p.recv_index): p.send_rank for p in comm_pairs(schedule)}
+    new_actions: list[list[Action]] = []
+    for r, acts in enumerate(schedule.actions):
+        heads = {src: 0 for (dst, src) in queues if dst == r}
+        placed: set[int] = set()
+        out: list[Action] = []
+        for i, a in enumerate(acts):
+            if (r, i) not in src_of:
+                out.append(a)
+                continue
+            if i in placed:
+                continue
+            src = src_of[(r, i)]
+            queue = queues[(r, src)]
+            while i not in placed:  # every RECV the peer sends before this one, then this one
+                j = queue[heads[src]]
+                heads[src] += 1
+                placed.add(j)
+                out.append(acts[j])
+        new_actions.append(out)
+    if all(list(a) == b for a, b in zip(schedule.actions, new_actions, strict=True)):
+        return schedule
+    return dataclasses.replace(schedule, actions=new_actions)
 
 
 def to_csv(schedule: Schedule, path_or_file: PathOrFile, include_comms: bool = False) -> None:

@@ -12,10 +12,19 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .deps import ROLE_COMPUTE, ROLE_RECV, ROLE_SEND, Program, ProgramError, Topology
-from .ir import COMM_TYPES, T_B, T_F, T_I, T_PAIR, T_W, Action, Schedule
+from .ir import COMM_TYPES, T_B, T_F, T_I, T_PAIR, T_W, Action, ActionType, Schedule
 from .schedule_error import ScheduleError, fail
 
-__all__ = ["CommPair", "comm_pairs", "pairs_of", "program_of", "check_layout", "explain", "deadlock"]
+__all__ = [
+    "CommPair",
+    "comm_pairs",
+    "pairs_of",
+    "program_of",
+    "check_layout",
+    "check_entries",
+    "explain",
+    "deadlock",
+]
 
 
 def check_layout(schedule: Schedule) -> Topology:
@@ -148,11 +157,57 @@ class CommPair(NamedTuple):
 def program_of(schedule: Schedule) -> Program:
     """The dependency program of ``schedule``; a ScheduleError (worded by the static checks) if it has none."""
     topo = check_layout(schedule)
+    error: ProgramError | None = None
+    other: Exception | None = None
     try:
         return Program(schedule)
     except ProgramError as e:
-        _check_static(schedule, topo)  # names the problem in the validator's words when it can
-        raise fail(schedule, e.rank, e.step, e.problem) from None
+        error = e
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
+        other = e
+    # Checked only on failure (no cost otherwise): an entry that is no well-formed Action, blamed where it is.
+    check_entries(schedule)
+    if error is None:
+        assert other is not None
+        raise other  # not an entry's fault: the original error
+    _check_static(schedule, topo)  # names the problem in the validator's words when it can
+    raise fail(schedule, error.rank, error.step, error.problem) from None
+
+
+def entry_problem(entry: object) -> str | None:
+    """What is wrong with one entry of an action list as an :class:`Action` (None: well formed).
+
+    The type must be an :class:`ActionType`, ``stage`` and ``microbatch`` integers >= 0 (not bool), ``peer``
+    None or an integer, and an OVERLAP_F_B's ``sub_actions`` two well-formed actions.
+    """
+    if not isinstance(entry, Action):
+        return f"the entry is a {type(entry).__name__} ({entry!r:.60}), not an Action"
+    if not isinstance(entry.type, ActionType):
+        return f"the action's type must be an ActionType (e.g. ActionType.F), got {entry.type!r}"
+    for name in ("stage", "microbatch"):
+        v = getattr(entry, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            return f"the action's {name} must be an integer >= 0, got {v!r}"
+    if entry.peer is not None and (isinstance(entry.peer, bool) or not isinstance(entry.peer, int)):
+        return f"the action's peer must be None or an integer, got {entry.peer!r}"
+    if entry.type is T_PAIR:
+        subs = entry.sub_actions
+        if not isinstance(subs, tuple) or len(subs) != 2:
+            return f"OVERLAP_F_B needs two sub-actions, got {subs!r:.60}"
+        for k, sub in enumerate(subs):
+            problem = entry_problem(sub)
+            if problem is not None:
+                return f"sub-action {k} of OVERLAP_F_B: {problem}"
+    return None
+
+
+def check_entries(schedule: Schedule) -> None:
+    """ScheduleError at the first entry of any rank's list that is not a well-formed Action (rank, step, field)."""
+    for r, acts in enumerate(schedule.actions):
+        for i, entry in enumerate(acts):
+            problem = entry_problem(entry)
+            if problem is not None:
+                raise fail(schedule, r, i, problem)
 
 
 def comm_pairs(schedule: Schedule) -> list[CommPair]:

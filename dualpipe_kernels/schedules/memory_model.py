@@ -95,6 +95,14 @@ def _check_policy(policy: str) -> None:
         raise ValueError(f"memory policy {policy!r} is unknown; choose one of {', '.join(MEMORY_POLICIES)}")
 
 
+def _check_lookahead(lookahead: Mapping[int, int] | int) -> None:
+    """ValueError unless every reload lookahead is an integer >= 0 (a reload cannot start after its use)."""
+    values = [lookahead] if isinstance(lookahead, int) else list(lookahead.values())
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"reload lookahead must be an integer >= 0 compute actions, got {v!r}")
+
+
 def _computes(actions: Sequence[Action]) -> list[Action]:
     return [a for a in actions if a.is_compute]
 
@@ -104,6 +112,7 @@ def reload_points(
 ) -> tuple[dict[int, list[Key]], set[Key]]:
     """``(reload_at, resident)`` for one rank's list: ``reload_at[p]`` the keys whose reload starts
     before the ``p``-th compute action (counting computes only), ``resident`` the keys never offloaded."""
+    _check_lookahead(lookahead)
     fwd: dict[Key, int] = {}
     bwd: dict[Key, int] = {}
     for p, a in enumerate(_computes(actions)):
@@ -220,6 +229,11 @@ def policy_costs(
     may also carry the runtime's work around the action, which a replay does not repeat).
     """
     _check_policy(policy)
+    _check_lookahead(lookahead)
+    if not host_bandwidth > 0:  # NaN fails too
+        raise ValueError(f"host bandwidth must be > 0 bytes/s, got {host_bandwidth}")
+    if not (compress_s_per_byte >= 0 and math.isfinite(compress_s_per_byte)):
+        raise ValueError(f"compress cost must be a finite number >= 0 seconds per byte, got {compress_s_per_byte}")
     sc = costs.resolve(schedule)
     n = schedule.num_stages
     extra_f: list[Num] = [0] * n

@@ -198,7 +198,7 @@ def plot_timeline(
     _finish(ax, ranks, xmax, title, has_comm)
     boxes.draw(linewidth=0.6, fontsize=7)
     if path is not None:
-        fig.savefig(path)
+        _save(fig, path)
     return fig
 
 
@@ -256,7 +256,7 @@ def plot_overlay(
     fills.draw(linewidth=0.6, fontsize=7)
     lines.draw(linewidth=1.3, fontsize=7)
     if path is not None:
-        fig.savefig(path)
+        _save(fig, path)
     return fig
 
 
@@ -293,7 +293,7 @@ def plot_comparison(
     for boxes in all_boxes:
         boxes.draw(linewidth=0.6, fontsize=7)
     if path is not None:
-        fig.savefig(path)
+        _save(fig, path)
     return fig
 
 
@@ -330,3 +330,13 @@ if __name__ == "__main__":
 
     for p in write_docs_pictures(sys.argv[1] if len(sys.argv) > 1 else "docs"):
         print(p)
+
+
+def _save(fig: Figure, path: str | os.PathLike[str]) -> None:
+    """Save ``fig`` at exactly ``path``: its suffix names the format, PNG when it names none.
+
+    (matplotlib would otherwise append ``.png`` to a name without a suffix, writing another file.)
+    """
+    suffix = os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+    fmt = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"
+    fig.savefig(path, format=fmt)

@@ -24,7 +24,7 @@ from dualpipe_kernels.runtime import build_stage_modules, spawn
 from dualpipe_kernels.schedules import build_schedule, load_csv, lower_comms, to_csv, validate
 
 LAYERS, ROWS, N = 4, 16, 4  # layers of toy_models.DIM features
-NAMES = ("dualpipev", "zb1p")
+NAMES = ("dualpipev", "zb1p", "zbv")  # zbv: its RECV order differs from the SEND order between its ranks
 
 
 def _layer(i: int) -> nn.Module:
@@ -95,3 +95,24 @@ def test_torch_runtime_runs_our_compute_comms_csv(csv_dir: tuple[Path, list[dict
         [str(a) for a in r] for r in sched.actions
     ]
     validate(loaded)
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev", "zb1p", "1f1b", "interleaved1f1b", "gpipe"])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_compute_comms_rows_receive_in_the_order_the_peer_sends(name: str, ranks: int) -> None:
+    """torch posts transfers untagged: between two ranks the k-th RECV must be the peer's k-th SEND to it."""
+    from dualpipe_kernels.schedules.csv_io import schedule_from_rows, schedule_to_rows
+
+    sched = lower_comms(build_schedule(name, ranks, 4 * ranks))
+    rows = schedule_to_rows(sched, include_comms=True)
+    loaded = schedule_from_rows(rows, name=name)
+    validate(loaded)  # still complete and deadlock-free
+    sent: dict[tuple[int, int], list[str]] = {}
+    got: dict[tuple[int, int], list[str]] = {}
+    for r, acts in enumerate(loaded.actions):
+        for a in acts:
+            if a.type.value.startswith("SEND"):
+                sent.setdefault((r, a.peer), []).append(f"{a.type.value[-1]}{a.microbatch}")
+            elif a.type.value.startswith("RECV"):
+                got.setdefault((a.peer, r), []).append(f"{a.type.value[-1]}{a.microbatch}")
+    assert sent == got

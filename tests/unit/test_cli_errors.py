@@ -131,3 +131,83 @@ def test_bench_unwritable_out_fails_before_running(tmp_path):
     assert "--out" in p.stderr and "cannot write" in p.stderr
     assert p.stdout == ""
     assert elapsed < 30, f"took {elapsed:.1f} s: the suite ran before the check"
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--memory-policy", "offload", "--reload-lookahead", "-3"], "--reload-lookahead"),
+        (["--memory-policy", "compress:bf16", "--compress-cost", "-0.0005"], "--compress-cost"),
+        (["--activation-bytes", "1e308", "--comm-bandwidth", "1e-10"], "no finite time"),
+        (["--memory-policy", "offload", "--host-bandwidth", "0"], "--host-bandwidth"),
+        (["--memory-policy", "offload", "--kept-bytes", "-1"], "--kept-bytes"),
+        (["--f", "1e308", "--b", "1e308", "--w", "1", "--fb", "1e308"], "overflow"),
+    ],
+)
+def test_numbers_that_would_give_wrong_results_are_refused(capsys, extra, words):
+    err = one_line_error(capsys, [*BASE, *extra])
+    assert words in err, err
+
+
+def test_a_schedule_beyond_the_simulator_is_refused_at_once(capsys):
+    t0 = time.perf_counter()
+    err = one_line_error(capsys, ["simulate", "--schedule", "1f1b", "--ranks", "100000", "--microbatches", "200000"])
+    assert time.perf_counter() - t0 < 2 and "at most 200,000" in err, err
+
+
+def test_png_goes_to_exactly_the_named_path(capsys, tmp_path):
+    out = tmp_path / "out"
+    assert main([*BASE, "--png", str(out)]) == 0
+    capsys.readouterr()
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "out.png").exists()
+
+
+def _layers_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "layers.json"
+    path.write_text(text)
+    return str(path)
+
+
+PLAN = ["--devices", "2", "--memory-gb", "80", "--global-batch", "8"]
+
+
+def _row(name: str, f_s: str = "1") -> str:
+    fields = {"b_s": 2, "w_s": 1, "activation_bytes": 1, "param_bytes": 1, "boundary_bytes": 1}
+    return json.dumps({"name": name, **fields})[:-1] + f', "f_s": {f_s}}}'
+
+
+def test_plan_refuses_a_400_digit_cost_and_deep_nesting(capsys, tmp_path):
+    table = '{"layers": [' + _row("x", "1" + "0" * 400) + "]}"
+    err = one_line_error(capsys, ["plan", "--layers", _layers_file(tmp_path, table), *PLAN])
+    assert "f_s" in err and "401 digits" in err
+    deep = '{"layers": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    err = one_line_error(capsys, ["plan", "--layers", _layers_file(tmp_path, deep), *PLAN])
+    assert "nests too deeply" in err
+
+
+def test_plan_checks_out_before_work_and_refuses_huge_batches(capsys, tmp_path):
+    layers = _layers_file(tmp_path, '{"layers": [' + ",".join(_row(f"b{i}") for i in range(300)) + "]}")
+    t0 = time.perf_counter()
+    err = one_line_error(capsys, ["plan", "--layers", layers, *PLAN, "--out", "/no/such/dir/x.json"])
+    assert time.perf_counter() - t0 < 2 and "--out /no/such/dir/x.json" in err
+    err = one_line_error(capsys, ["plan", "--layers", layers, *PLAN[:4], "--global-batch", "1000000000000"])
+    assert "at most 16,777,216" in err
+
+
+def test_demo_refuses_a_non_finite_learning_rate(capsys):
+    for lr in ("inf", "nan"):
+        err = one_line_error(capsys, ["demo", "--lr", lr])
+        assert "--lr must be a finite number > 0" in err, err
+
+
+def test_bench_transport_refuses_zero_engine_sizes():
+    import argparse
+
+    from dualpipe_kernels.benchmarks.transport import TransportConfig, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for argv, option in ((["--slot-bytes", "0"], "--slot-bytes"), (["--num-slots", "0"], "--num-slots")):
+        with pytest.raises(ValueError, match=option):
+            TransportConfig.from_args(p.parse_args(argv))
+    assert TransportConfig.from_args(p.parse_args(["--slot-bytes", "4096"])).slot_bytes == 4096

@@ -230,3 +230,40 @@ def test_dependencies() -> None:
     assert dependencies(s, parse_action("0W2")) == [parse_action("0I2")]
     pair = parse_action("(2F2;1B0)OVERLAP_F_B")
     assert dependencies(s, pair) == [parse_action("1F2"), parse_action("1F0"), parse_action("2B0")]
+
+
+def _with_entry(s: Schedule, rank: int, step: int, entry: object) -> Schedule:
+    actions = [list(a) for a in s.actions]
+    actions[rank][step] = entry  # type: ignore[call-overload]
+    return dataclasses.replace(s, actions=actions)
+
+
+F = ActionType.F
+
+
+@pytest.mark.parametrize("lowered", [False, True])
+@pytest.mark.parametrize(
+    "entry,field",
+    [
+        ("0F0", "not an Action"),
+        (None, "not an Action"),
+        (3, "not an Action"),
+        (Action(F, "0", 0), "stage"),  # type: ignore[arg-type]
+        (Action(F, 0, "0"), "microbatch"),  # type: ignore[arg-type]
+        (Action(F, 0, 0.0), "microbatch"),  # type: ignore[arg-type]
+        (Action(F, -1, 0), "stage"),
+        (Action("F", 0, 0), "ActionType"),  # type: ignore[arg-type]
+        (Action(ActionType.OVERLAP_F_B, 0, 0, (None, None)), "sub-action 0"),  # type: ignore[arg-type]
+    ],
+)
+@pytest.mark.parametrize("where", [(0, 0), (1, 3)])
+def test_a_malformed_entry_is_blamed_at_its_rank_and_step(lowered, entry, field, where) -> None:
+    s = build_schedule("1f1b", 2, 4)
+    if lowered:
+        s = lower_comms(s)
+    rank, step = where
+    with pytest.raises(ScheduleError) as e:
+        validate(_with_entry(s, rank, step, entry))
+    assert (e.value.rank, e.value.step) == (rank, step), str(e.value)
+    first = str(e.value).splitlines()[0]
+    assert f"rank {rank}, step {step}" in first and field in first, first
