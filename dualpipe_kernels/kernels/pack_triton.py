@@ -294,18 +294,19 @@ def _unpack_tile(row, buf, blk, code, ROWS: tl.constexpr, CONTIG: tl.constexpr, 
 @triton.jit
 def _slow_block(row, buf, blk, ROWS: tl.constexpr, SUB: tl.constexpr, POW2: tl.constexpr, PACK: tl.constexpr,
                 CODE: tl.constexpr, CONTIG: tl.constexpr, HW: tl.constexpr):  # fmt: skip
-    """One block on the masked path (``SUB`` and ``CODE`` as in :func:`_fast_block`)."""
-    for h in tl.static_range(SUB):
+    """One block on the masked path (``CODE`` as in :func:`_fast_block`): ``2 * SUB`` tiles of ``ROWS // 2`` rows in
+    a loop that is not unrolled (masks and strided offsets take registers: one small tile's at a time)."""
+    for h in range(0, 2 * SUB):
         if PACK:
             if CODE >= 0:
-                _pack_tile(row, buf, blk * SUB + h, CODE, ROWS, POW2, CONTIG, HW)
+                _pack_tile(row, buf, blk * (2 * SUB) + h, CODE, ROWS // 2, POW2, CONTIG, HW)
             else:
-                _pack_tile(row, buf, blk * SUB + h, tl.load(row + 4), ROWS, POW2, CONTIG, HW)
+                _pack_tile(row, buf, blk * (2 * SUB) + h, tl.load(row + 4), ROWS // 2, POW2, CONTIG, HW)
         else:
             if CODE >= 0:
-                _unpack_tile(row, buf, blk * SUB + h, CODE, ROWS, CONTIG, HW)
+                _unpack_tile(row, buf, blk * (2 * SUB) + h, CODE, ROWS // 2, CONTIG, HW)
             else:
-                _unpack_tile(row, buf, blk * SUB + h, tl.load(row + 4), ROWS, CONTIG, HW)
+                _unpack_tile(row, buf, blk * (2 * SUB) + h, tl.load(row + 4), ROWS // 2, CONTIG, HW)
 
 
 # ---------------------------------------------------------------- kernels
@@ -580,4 +581,5 @@ def unpack_into(buffer: torch.Tensor, layout: PackLayout, outs: Sequence[torch.T
     _launch(_unpack_kernel, dsts, layout, buffer)
     for o, d in zip(outs, dsts, strict=True):
         if d is not o and d.data_ptr() != o.data_ptr():  # a > 4-dim strided view went through a contiguous copy
-            _bit_view(o).copy_(d)
+            with torch.no_grad():
+                _bit_view(o).copy_(d)
