@@ -174,9 +174,10 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
     variants = getattr(args, "variants", None) or []
-    dnames = [d.strip() for d in (args.dtypes or ",".join(QUICK_DTYPES if quick else DTYPES)).split(",") if d.strip()]
+    given = getattr(args, "dtypes", None)
+    dnames = [d.strip() for d in (given or ",".join(QUICK_DTYPES if quick else DTYPES)).split(",") if d.strip()]
     if not dnames or any(d not in DTYPES for d in dnames):
-        raise ValueError(f"--dtypes must be among {','.join(DTYPES)}, got {args.dtypes}")
+        raise ValueError(f"--dtypes must be among {','.join(DTYPES)}, got {given}")
     return {
         "dtypes": dnames,
         "formats": fmts,
