@@ -63,8 +63,8 @@ LIMIT_BUILD=120
 # gpu: 48 s in run 5; each launch kind now compiles its own kernel variant (about 1 s each, ~20 in these tests),
 # and the device_build test compiles nine (its own timeout, 90 s, stays below this cap)
 LIMIT_GPU=150
-# bench: kernels 100 + memory_gpu 70 (twice if the engine fails) + cuda_ipc 25 s; variants 120 s more when on
-LIMIT_BENCH=280
+# bench: kernels 100 + sass 60 + memory_gpu 70 (twice if the engine fails) + cuda_ipc 25 s; variants 120 s more
+LIMIT_BENCH=340
 LIMIT_RUNTIME=60
 LIMIT_TRANSPORT=185
 LIMIT_COMPAT=55
@@ -191,8 +191,12 @@ bench() {
   local rc=0
   # 26 s in run 1 with one generic kernel; each launch kind now compiles its own variant (about 20 more
   # compiles, ~1 s each, fewer where the gpu step's tests already filled Triton's cache)
+  # fp32 and bf16 inputs (three sizes: about the time five sizes of fp32 took); then the offline sm_90 rows
+  # (registers, SASS per element) under this machine's Triton
   timeout 100 "$PY" -m dualpipe_kernels bench kernels --json --no-plots --out "$WORK/bench" --samples 5 \
-    >"$WORK/bench/kernels.stdout.json" || rc=1
+    --dtypes fp32,bf16 --sizes 1048576,67108864,268435456 >"$WORK/bench/kernels.stdout.json" || rc=1
+  timeout 60 "$PY" -m dualpipe_kernels bench kernels --sass --other-triton none --json --no-plots \
+    --out "$WORK/bench/sass" >"$WORK/bench/kernels_sass.stdout.json" || rc=1
   # over the CUDA IPC engine (the transport this measures); over the torch transport only if that fails
   local t
   for t in native torch; do

@@ -1,7 +1,7 @@
 """kernels: pack/unpack bandwidth per format, size and tensor count, vs a plain copy and vs unfused torch.
 
-For every format (``packed`` lossless, ``bf16``, ``fp8``), total size (fp32 bytes
-of the inputs) and number of tensors (the size split evenly), three things are
+For every format (``packed`` lossless, ``bf16``, ``fp8``), input dtype (fp32, bf16,
+fp16: ``--dtypes``), total size (bytes of the inputs) and number of tensors (the size split evenly), three things are
 timed in the same run on the same device:
 
 * ours: :func:`dualpipe_kernels.kernels.pack` into a preallocated buffer (and
@@ -26,6 +26,7 @@ on tensors at new addresses also stages the table through pinned memory and copi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -42,6 +43,9 @@ from dualpipe_kernels.kernels.pack_torch import dequantize_fp8, quantize_fp8
 NAME = "kernels"
 KIB, MIB = 1024, 1024 * 1024
 FORMATS = {"packed": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+#: input dtypes (``--dtypes``): fp32 and the activations' bf16 / fp16
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+QUICK_DTYPES = ("fp32", "bf16")
 DEFAULT_SIZES = (64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB)
 #: a GPU-less run stops at 64 MiB by default (the fallback on two shared cores takes seconds per call above it)
 CPU_MAX_SIZE = 64 * MIB
@@ -56,6 +60,24 @@ __all__ = ["NAME", "add_arguments", "run", "to_markdown", "write_plots"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma list among {','.join(FORMATS)}")
+    p.add_argument(
+        "--dtypes",
+        default=None,
+        help=f"input dtypes, comma list among {','.join(DTYPES)} (default all; quick: fp32,bf16)",
+    )
+    p.add_argument(
+        "--sass",
+        action="store_true",
+        help="no timing: compile every launch variant for sm_90 (no GPU needed) with the installed Triton and with "
+        "the GPU machine's (a side directory, see --other-triton), and report registers per thread, programs per "
+        "SM and SASS instructions per element of the fast path",
+    )
+    p.add_argument(
+        "--other-triton",
+        default="auto",
+        help="with --sass: a directory holding another Triton to compile with too; 'auto' (default): "
+        "$DUALPIPE_TRITON_DIR or ~/.cache/dualpipe-kernels/triton-3.6.0, pip-installed there when missing; 'none'",
+    )
     p.add_argument(
         "--sizes", type=int_list, default=None, help="total input bytes, comma list (default 64 KiB .. 256 MiB)"
     )
@@ -152,7 +174,12 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
     variants = getattr(args, "variants", None) or []
+    given = getattr(args, "dtypes", None)
+    dnames = [d.strip() for d in (given or ",".join(QUICK_DTYPES if quick else DTYPES)).split(",") if d.strip()]
+    if not dnames or any(d not in DTYPES for d in dnames):
+        raise ValueError(f"--dtypes must be among {','.join(DTYPES)}, got {given}")
     return {
+        "dtypes": dnames,
         "formats": fmts,
         "device": device,
         "sizes": sizes,
@@ -236,18 +263,20 @@ def _torch_unpack(packed: Any, ts: list[torch.Tensor], dtype: torch.dtype | None
 
 
 # ---------------------------------------------------------------- one configuration
-def _inputs(total: int, count: int, device: torch.device) -> list[torch.Tensor]:
-    """``count`` fp32 tensors of ``total`` bytes in all (the last takes the remainder)."""
-    n = max(count, total // 4)
+def _inputs(total: int, count: int, device: torch.device, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """``count`` tensors of ``dtype`` of ``total`` bytes in all (the last takes the remainder)."""
+    n = max(count, total // dtype.itemsize)
     sizes = [n // count] * (count - 1) + [n - n // count * (count - 1)]
     g = torch.Generator(device=device).manual_seed(count)
-    return [torch.randn(s, generator=g, device=device) for s in sizes]
+    return [torch.randn(s, generator=g, device=device).to(dtype) for s in sizes]
 
 
-def _rows_for(fmt: str, total: int, count: int, cfg: dict[str, Any], timer: Any, copy: Any) -> list[dict[str, Any]]:
+def _rows_for(
+    fmt: str, total: int, count: int, cfg: dict[str, Any], timer: Any, copy: Any, dname: str = "fp32"
+) -> list[dict[str, Any]]:
     device, samples, dtype = cfg["device"], cfg["samples"], FORMATS[fmt]
-    ts = _inputs(total, count, device)
-    in_bytes = sum(t.numel() * 4 for t in ts)
+    ts = _inputs(total, count, device, DTYPES[dname])
+    in_bytes = sum(t.numel() * t.element_size() for t in ts)
     layout, moved, our_calls = _ours(ts, dtype)
     packed_torch = _torch_pack(ts, dtype)
     torch_calls = {"pack": lambda: _torch_pack(ts, dtype), "unpack": lambda: _torch_unpack(packed_torch, ts, dtype)}
@@ -263,6 +292,7 @@ def _rows_for(fmt: str, total: int, count: int, cfg: dict[str, Any], timer: Any,
             {
                 "kernel": kernel,
                 "format": fmt,
+                "dtype": dname,
                 "num_tensors": count,
                 "bytes": in_bytes,
                 "wire_bytes": layout.nbytes,
@@ -298,15 +328,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cpu":
         torch.set_num_threads(1)  # one core, as the ratios against the copy assume; the machine is shared
     timer = _sampler(device)
-    combos = [(s, c, f) for s in cfg["sizes"] for c in cfg["counts"] for f in cfg["formats"]]
+    if getattr(args, "sass", False):
+        return _sass(cfg, str(getattr(args, "other_triton", "auto")))
+    combos = [(s, c, f, d) for s in cfg["sizes"] for c in cfg["counts"] for f in cfg["formats"] for d in cfg["dtypes"]]
     bar = Progress(len(combos), "bench kernels")
     rows: list[dict[str, Any]] = []
     copies: dict[int, float] = {}
-    for size, count, fmt in combos:
+    for size, count, fmt, dname in combos:
         if size not in copies:
             copies[size] = _copy_gbps(size, cfg, timer)
-        rows += _rows_for(fmt, size, count, cfg, timer, copies[size])
-        bar.update(f"{fmt} x{count} {size} B")
+        rows += _rows_for(fmt, size, count, cfg, timer, copies[size], dname)
+        bar.update(f"{fmt} {dname} x{count} {size} B")
     bar.close()
     variants: list[dict[str, Any]] = []
     if cfg.get("variants"):
@@ -324,17 +356,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "variants": variants,
         "device": cfg["device_name"],
         "backend": cfg["backend"],
-        "config": {k: v for k, v in cfg.items() if k in ("formats", "sizes", "counts", "samples")},
+        "config": {k: v for k, v in cfg.items() if k in ("formats", "dtypes", "sizes", "counts", "samples")},
         "note": "GB/s = bytes read + written per second; copy = dst.copy_(src) of the input size; "
         "torch = torch.cat + cast (unpack: split + cast), unfused",
     }
 
 
+def _sass(cfg: dict[str, Any], other: str) -> dict[str, Any]:
+    """``--sass``: the offline sm_90 analysis (:mod:`dualpipe_kernels.kernels.offline`) under the installed Triton
+    and, when it can be had, the GPU machine's."""
+    from dualpipe_kernels.kernels import offline
+
+    fmts = tuple(cfg["formats"])
+    rows = offline.analyse(fmts, workers=min(8, os.cpu_count() or 1))
+    tritons = [rows[0]["triton_version"]] if rows else []
+    path = None if other == "none" else (offline.triton_dir() if other == "auto" else other)
+    if other not in ("auto", "none") and not os.path.isdir(other):
+        raise ValueError(f"--other-triton {other}: not a directory")
+    if path is None and other == "auto":
+        sys.stderr.write(f"bench kernels --sass: Triton {offline.GPU_TRITON} could not be installed; skipped\n")
+    if path is not None and offline.GPU_TRITON not in tritons:
+        more = offline.analyse_with(path, fmts)
+        rows += more
+        tritons += [more[0]["triton_version"]] if more else []
+    return {"rows": rows, "mode": "sass", "triton_versions": tritons, "target": "sm_90 (cuda 90), 4 warps",
+            "note": "registers per thread and programs of 4 warps per SM of each launch variant; "
+            "sass_per_element: SASS instructions of the fast path's loop per element a thread converts "
+            "(contiguous variants)"}  # fmt: skip
+
+
 def to_markdown(result: dict[str, Any]) -> str:
-    cols = ["kernel", "format", "num_tensors", "bytes", "wire_bytes", "ours_gbps", "copy_gbps", "torch_gbps",
+    if result.get("mode") == "sass":
+        cols = ["kernel", "format", "variant", "contiguous", "triton_version", "registers", "programs_per_sm",
+                "sass_per_element"]  # fmt: skip
+        return "\n".join([f"Offline build for {result.get('target')}, Triton {', '.join(result['triton_versions'])}.",
+                          "", markdown_table(result["rows"], cols), "", str(result.get("note", ""))])  # fmt: skip
+    cols = ["kernel", "format", "dtype", "num_tensors", "bytes", "wire_bytes", "ours_gbps", "copy_gbps", "torch_gbps",
             "ours_vs_copy", "ours_vs_torch", "ours_spread", "ours_us", "ours_host_us"]  # fmt: skip
-    heads = ["kernel", "format", "tensors", "input bytes", "wire bytes", "ours GB/s", "copy GB/s (ceiling)",
-             "torch cat+cast GB/s", "ours / copy", "ours / torch", "spread", "us / call", "host us / call"]  # fmt: skip
+    heads = ["kernel", "format", "input dtype", "tensors", "input bytes", "wire bytes", "ours GB/s",
+             "copy GB/s (ceiling)", "torch cat+cast GB/s", "ours / copy", "ours / torch", "spread", "us / call",
+             "host us / call"]  # fmt: skip
     head = f"Device: {result.get('device')}; backend: {result.get('backend')}."
     if result.get("device") == "cpu":
         head += " No GPU: these are the torch fallback's figures on one CPU thread, not the Triton kernel's."
@@ -356,8 +417,8 @@ def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result.get("rows", [])
-    if not rows:
+    rows = [r for r in result.get("rows", []) if r.get("dtype", "fp32") == "fp32"]  # the plot: fp32 inputs
+    if not rows or result.get("mode") == "sass":
         return []
     most = max(r["num_tensors"] for r in rows)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
@@ -374,7 +435,7 @@ def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:
             ax.plot(*zip(*copies, strict=True), color="black", linestyle="--", label="copy (ceiling)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("input bytes (fp32)")
+        ax.set_xlabel("input bytes (fp32 inputs)")
         ax.set_title(f"{kernel}, {most} tensors, {result.get('backend')}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("GB/s (read + written)")

@@ -70,12 +70,16 @@ def _check_backend_name(backend: str) -> None:
 
 
 def _check_tensors(tensors: Sequence[torch.Tensor]) -> torch.device:
-    if isinstance(tensors, torch.Tensor) or not all(isinstance(t, torch.Tensor) for t in tensors):
+    if isinstance(tensors, torch.Tensor):
         raise TypeError("pack: expects a list or tuple of tensors")
     if not tensors:
         raise ValueError("pack: needs at least one tensor")
+    if not isinstance(tensors[0], torch.Tensor):
+        raise TypeError("pack: expects a list or tuple of tensors")
     device = tensors[0].device
-    for i, t in enumerate(tensors):
+    for i, t in enumerate(tensors):  # one pass (the host path per call counts)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("pack: expects a list or tuple of tensors")
         if t.device != device:
             raise ValueError(f"pack: tensor {i} is on {t.device}, tensor 0 on {device}; all must share one device")
     return device
@@ -104,20 +108,21 @@ def _check_outs(outs: Sequence[torch.Tensor], layout: PackLayout, device: torch.
 
 
 # ---------------------------------------------------------------- implementations
-@torch.no_grad()
 def _pack_impl(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor, backend: str) -> None:
+    # (a Triton launch records nothing for autograd: only the torch ops need no_grad, which costs microseconds)
     if resolve_backend(buffer.device, backend) == "triton":
         triton_module().pack_into(tensors, layout, buffer)  # type: ignore[union-attr]
     else:
-        pack_torch.pack_into(tensors, layout, buffer)
+        with torch.no_grad():
+            pack_torch.pack_into(tensors, layout, buffer)
 
 
-@torch.no_grad()
 def _unpack_impl(buffer: torch.Tensor, layout: PackLayout, outs: Sequence[torch.Tensor], backend: str) -> None:
     if resolve_backend(buffer.device, backend) == "triton":
         triton_module().unpack_into(buffer, layout, outs)  # type: ignore[union-attr]
     else:
-        pack_torch.unpack_into(buffer, layout, outs)
+        with torch.no_grad():
+            pack_torch.unpack_into(buffer, layout, outs)
 
 
 def _empty_outs(layout: PackLayout, device: torch.device) -> list[torch.Tensor]:

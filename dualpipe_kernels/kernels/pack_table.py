@@ -23,12 +23,16 @@ FP8_F32, FP8_F16, FP8_BF16 = 6, 7, 8
 #: table columns (the kernels read them as ``row + i``):
 #:  0 address, 1 numel, 2 data byte offset, 3 scale byte offset, 4 code, 5 contiguous flag,
 #:  6..8 sizes of dims 1..3, 9..12 strides of dims 0..3 (elements; dims collapsed, padded in front),
-#:  13 first program, 14 elements stored incl. padding, 15 scales stored incl. padding,
+#:  13 first fast-path program, 14 elements stored incl. padding, 15 scales stored incl. padding,
 #:  16 fast-path flag (contiguous and 16 bytes apart from the buffer), 17 address - buffer address,
-#:  18 blocks of the tensor
-_WIDTH = 19
-#: columns that change from call to call (addresses); the others are cached per layout and strides
+#:  18 blocks of the tensor, 19 first masked-path program, 20 whole blocks taken by the fast path
+_WIDTH = 21
+#: columns that change from call to call (addresses and what follows from them); the others are cached per
+#: layout and strides
 _ADDR, _FAST, _DELTA = 0, 16, 17
+_FIRST_FAST, _FIRST_SLOW, _NFAST, _NBLK = 13, 19, 20, 18
+#: bytes per element of the tensor's side, by conversion code
+CODE_ITEMSIZE = (1, 2, 4, 8, 4, 2, 4, 2, 2)
 _MAX_DIMS = 4
 _COPY_CODE = {1: COPY1, 2: COPY2, 4: COPY4, 8: COPY8}
 _BF16_CODE = {torch.float32: BF16_F32, torch.float16: BF16_F16}
@@ -59,9 +63,9 @@ def _code(kind: int, dtype: torch.dtype) -> int:
 
 
 def _static_table(tensors: Sequence[torch.Tensor], layout: PackLayout, block: int) -> np.ndarray:
-    """The table's per-layout columns (one row per tensor; address columns left 0) and, in the first-program
-    column, each tensor's first *block* (turned into programs by :func:`_programs`)."""
-    rows, first = [], 0
+    """The table's per-layout columns (one row per tensor; the per-call columns left 0; ``block`` elements per
+    block)."""
+    rows = []
     for t, e in zip(tensors, layout.entries, strict=True):
         dims = _collapse(t.shape, t.stride())
         contig = int(len(dims) == 0 or (len(dims) == 1 and dims[0][1] == 1))
@@ -72,14 +76,18 @@ def _static_table(tensors: Sequence[torch.Tensor], layout: PackLayout, block: in
         nscale = _align(4 * e.num_scales) // 4
         nblk = -(-nstore // block)
         rows.append([0, e.numel, e.offset, max(e.scale_offset, 0), _code(e.kind, e.dtype), contig,
-                     *sizes[1:], *strides, first, nstore, nscale, 0, 0, nblk])  # fmt: skip
-        first += nblk
+                     *sizes[1:], *strides, 0, nstore, nscale, 0, 0, nblk, 0, 0])  # fmt: skip
     return np.array(rows, dtype=np.int64).reshape(len(rows), _WIDTH)
 
 
-def _programs(static: np.ndarray, iters: int) -> tuple[np.ndarray, int]:
-    """(``static`` with each tensor's first program for ``iters`` blocks per program, number of programs)."""
-    per = -(-static[:, 18] // iters)
-    out = static.copy()
-    out[:, 13] = np.cumsum(per) - per
-    return out, int(per.sum())
+def _schedule(table: np.ndarray, nfast: np.ndarray, iters: int) -> tuple[int, int]:
+    """Fill ``table``'s program columns in place for ``nfast`` whole blocks per tensor on the fast path (the
+    rest of each tensor's blocks on the masked path), ``iters`` blocks per program: the fast programs come
+    first, tensor after tensor, then the masked ones.  Returns (fast programs, all programs)."""
+    fast = -(-nfast // iters)
+    slow = -(-(table[:, _NBLK] - nfast) // iters)
+    nf = int(fast.sum())
+    table[:, _NFAST] = nfast
+    table[:, _FIRST_FAST] = np.cumsum(fast) - fast
+    table[:, _FIRST_SLOW] = nf + np.cumsum(slow) - slow
+    return nf, nf + int(slow.sum())

@@ -1,19 +1,24 @@
 """The torch fallback of pack/unpack: a few torch ops per call, bit-identical to the Triton kernels.
 
 Used on CPU and wherever Triton is missing.  Every conversion is torch's own:
-bf16 is ``tensor.to(torch.bfloat16)`` (round to nearest even), fp8 is
-``(x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)`` with ``scale = block absmax / 448``
-in fp32, and unpacking casts back with ``copy_``.  The clamp only matters when the
-scale is an fp32 subnormal (block absmax below 448 * 2^-126): the quotient can then
-exceed 448; such blocks stay finite but lose the 2^-4 * absmax error bound.
+bf16 is ``tensor.to(torch.bfloat16)`` (round to nearest even); fp8 takes each block's
+absmax over its finite elements, stores ``scale = absmax / 448`` and casts
+``x * (448 / absmax)`` (fp32; the multiplier clamped to the largest finite fp32, so
+an all-zero block stays zeros) with torch's fp32 -> float8_e4m3fn cast, which rounds
+to nearest even as the GPU's ``cvt.rn.satfinite`` does (the product stays within
+448 * (1 + 2^-23), which rounds to 448).  A NaN element is stored as the NaN code
+0x7F and an inf saturates to +-448 (it decodes as +- the block's finite absmax); the
+rest of its block is quantised as if they were absent.  With
+``pow2_scales`` the scale is rounded up to a power of two and the multiplier is
+``1 / scale``.  Unpacking casts back with ``copy_``.  A block whose absmax is below
+about 2^-119 has a clamped multiplier: it stays finite but loses the
+2^-4 * absmax error bound.
 
 Packing writes the buffer with ``torch.cat`` (region bytes and zero padding); small fp8
 tensors of a call are quantised together, each padded to whole blocks.  An fp8 tensor
 of at least :data:`DIRECT_MIN` elements is quantised straight into its buffer region
 instead (and dequantised straight into its output): one absmax pass for the
-scales, one division, one cast into the buffer, no padding copy, and the clamp only
-when a block's scale is subnormal (with a normal scale the quotient is at most
-448 * (1 + 2^-23), which e4m3 rounds to 448 whether clamped or not).
+scales, one multiply, one cast into the buffer, no padding copy.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ __all__ = ["pack_into", "unpack_into", "fp8_scales", "quantize_fp8", "dequantize
 _MANTISSA = 0x7FFFFF
 #: fp8 tensors of at least this many elements are (de)quantised in place, one by one
 DIRECT_MIN = 1 << 14
-_FP32_MIN_NORMAL = 2.0**-126
+_FP32_MAX = torch.finfo(torch.float32).max
+#: what a NaN element is stored as, and an inf (+-448, with its sign)
+_NAN_CODE, _MAX_CODE = 0x7F, 0x7E
 #: scales below this may be multiplied by 2^8 without overflow (the dequantisation's fp16 route)
 _FP16_ROUTE_MAX_SCALE = 2.0**119
 
@@ -40,8 +47,17 @@ def _region(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype) 
 
 
 def fp8_scales(blocks: torch.Tensor, pow2: bool) -> torch.Tensor:
-    """One fp32 scale per row of ``blocks`` ([num_blocks, 128] fp32): absmax / 448, optionally rounded up to 2^k."""
-    return _scale_of_absmax(blocks.abs().amax(dim=1), pow2)
+    """One fp32 scale per row of ``blocks`` ([num_blocks, 128]): finite absmax / 448, optionally rounded up to 2^k."""
+    return _scale_of_absmax(_finite_absmax(blocks)[0], pow2)
+
+
+def _finite_absmax(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 absmax of each row over its finite elements, the mask of non-finite elements or None if none)."""
+    absmax = blocks.abs().amax(dim=1).to(torch.float32)  # exact in any float dtype; NaN and inf propagate
+    if bool(torch.isfinite(absmax).all()):
+        return absmax, None
+    bad = ~torch.isfinite(blocks)
+    return blocks.abs().masked_fill(bad, 0).amax(dim=1).to(torch.float32), bad
 
 
 def _scale_of_absmax(absmax: torch.Tensor, pow2: bool) -> torch.Tensor:
@@ -53,19 +69,27 @@ def _scale_of_absmax(absmax: torch.Tensor, pow2: bool) -> torch.Tensor:
     return scale
 
 
+def _multiplier(absmax: torch.Tensor, scale: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """448 / absmax (pow2: 1 / scale), in fp32, clamped to the largest finite fp32 (1 / 0 is inf)."""
+    # (a true division: ``c / tensor`` would be reciprocal-then-multiply, rounded twice)
+    mult = torch.full_like(scale, 1.0).div_(scale) if pow2 else torch.full_like(absmax, FP8_MAX).div_(absmax)
+    return mult.clamp_(max=_FP32_MAX)
+
+
 def _quantize_blocks(blocks: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, pow2: bool) -> None:
     """Quantise ``blocks`` ([n, 128], fp32/fp16/bf16) into ``codes`` ([n, 128] e4m3) and ``scales`` ([n] fp32).
 
-    The same bits as :func:`quantize_fp8`: the absmax is exact in any float dtype, and bf16/fp16
-    blocks are divided in fp32 by type promotion.
+    bf16/fp16 blocks are multiplied in fp32 by type promotion (exact conversions).
     """
-    scale = _scale_of_absmax(blocks.abs().amax(dim=1).to(torch.float32), pow2)
+    absmax, bad = _finite_absmax(blocks)
+    scale = _scale_of_absmax(absmax, pow2)
     scales.copy_(scale)
-    divisor = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = blocks / divisor[:, None]
-    if bool(((scale != 0) & (scale < _FP32_MIN_NORMAL)).any()):
-        q.clamp_(-FP8_MAX, FP8_MAX)
-    codes.copy_(q)
+    codes.copy_(blocks * _multiplier(absmax, scale, pow2)[:, None])
+    if bad is not None:  # torch casts inf to NaN: the kernels' rule is NaN -> 0x7F, +-inf -> +-448
+        raw = codes.view(torch.uint8)
+        raw.masked_fill_(torch.isnan(blocks), _NAN_CODE)
+        raw.masked_fill_(blocks == float("inf"), _MAX_CODE)
+        raw.masked_fill_(blocks == float("-inf"), _MAX_CODE | 0x80)
 
 
 def _quantize_into(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, pow2: bool) -> None:
@@ -143,9 +167,9 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 def quantize_fp8(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes of ``x`` flattened, [numel]; fp32 scales, [ceil(numel / 128)])."""
     blocks = _blocks(x)
-    scale = fp8_scales(blocks, pow2)
-    divisor = torch.where(scale == 0, torch.ones_like(scale), scale)  # an all-zero block stays zeros
-    q = (blocks / divisor[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = torch.empty_like(blocks, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(blocks.shape[0], dtype=torch.float32, device=blocks.device)
+    _quantize_blocks(blocks, q, scale, pow2)
     return q.view(-1)[: x.numel()], scale
 
 

@@ -52,12 +52,16 @@ from dualpipe_kernels.kernels.pack_table import (
     _DELTA,
     _FAST,
     _MAX_DIMS,
+    _NBLK,
     _WIDTH,
+    CODE_ITEMSIZE,
+    COPY4,
+    _code,
     _collapse,
-    _programs,
+    _schedule,
     _static_table,
 )
-from dualpipe_kernels.kernels.triton_casts import bf16_bits, bf16_value, e4m3_value, quantize_e4m3
+from dualpipe_kernels.kernels.triton_casts import bf16_cast, bf16_value, fp8_value, quantize_e4m3
 
 __all__ = ["INTERPRETED", "pack_into", "unpack_into", "rows_per_block", "registers_per_thread", "fit_per_sm"]
 
@@ -87,12 +91,13 @@ _MIN_LOG_N = 5
 
 # ---------------------------------------------------------------- device helpers
 @triton.jit
-def _find_tensor(table, pid, n, LOG_N: tl.constexpr, W: tl.constexpr):
-    """The last tensor whose first block is <= pid (tensors without blocks are skipped by construction)."""
+def _find_tensor(table, pid, n, COL: tl.constexpr, LOG_N: tl.constexpr, W: tl.constexpr):
+    """The last tensor whose first program (column ``COL``) is <= pid (tensors without programs there are
+    skipped by construction)."""
     lo = pid * 0
     for k in tl.static_range(LOG_N):
         cand = lo + (1 << (LOG_N - 1 - k))
-        first = tl.load(table + cand * W + 13, mask=cand < n, other=pid + 1)
+        first = tl.load(table + cand * W + COL, mask=cand < n, other=pid + 1)
         lo = tl.where(first <= pid, cand, lo)
     return lo
 
@@ -116,7 +121,6 @@ def _strided(local, row):
     return off
 
 
-# ---------------------------------------------------------------- kernels
 @triton.jit
 def _ld(ptr, mask, FAST: tl.constexpr):
     if FAST:
@@ -132,34 +136,6 @@ def _st(ptr, value, mask, FAST: tl.constexpr):
         tl.store(ptr, value)
     else:
         tl.store(ptr, value, mask=mask)
-
-
-@triton.jit
-def _tile(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr, CONTIG: tl.constexpr):
-    """(tensor base as a byte pointer, row-major indices of this block, their element offsets, mask,
-    the tensor's region in the buffer as a byte pointer).  ``CONTIG``: every tensor of the launch is
-    contiguous (the strided index arithmetic is not compiled)."""
-    rows = tl.arange(0, ROWS)
-    local = blk * (ROWS * 128) + rows[:, None] * 128 + tl.arange(0, 128)[None, :]
-    if FAST:
-        # contiguous, a whole block, 16 bytes apart from the buffer: addressed from the buffer pointer
-        # with a `// 16 * 16` offset, the compiler knows the alignment and vectorises
-        base = buf + tl.load(row + 17) // 16 * 16
-        off = local
-    else:
-        base = tl.load(row + 0).to(tl.pointer_type(tl.uint8))
-        if CONTIG:
-            off = local
-        else:
-            off = _strided(local, row)
-    return base, local, off, local < tl.load(row + 1).to(local.dtype), buf + tl.load(row + 2) // 16 * 16
-
-
-@triton.jit
-def _scales(row, buf, blk, ROWS: tl.constexpr):
-    """(indices of this block's rows among the tensor's fp8 scales, the scale region as an fp32 pointer)."""
-    scale_idx = blk * ROWS + tl.arange(0, ROWS)
-    return scale_idx, (buf + tl.load(row + 3) // 16 * 16).to(tl.pointer_type(tl.float32), bitcast=True)
 
 
 @triton.jit
@@ -181,123 +157,239 @@ def _copy_bits(src, src_off, dst, dst_off, mask, smask, code, FAST: tl.constexpr
 
 
 @triton.jit
-def _pack_block(row, buf, blk, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.constexpr, CODE: tl.constexpr,
-                CONTIG: tl.constexpr):  # fmt: skip
-    """Pack one block; ``CODE`` >= 0: every tensor of the launch converts so (only that path is compiled),
-    -1: each tensor's code is read from the table (every path compiled)."""
-    if CODE >= 0:
-        _pack_tile(row, buf, blk, CODE, ROWS, POW2, FAST, CONTIG)
+def _load_float(base, off, mask, code, FAST: tl.constexpr):
+    """fp32 values of a tile of the tensor (fp32, fp16 or bf16 by conversion ``code``)."""
+    if code == 4 or code == 6:
+        x = _ld(base.to(tl.pointer_type(tl.float32), bitcast=True) + off, mask, FAST)
+    elif code == 5 or code == 7:
+        x = _ld(base.to(tl.pointer_type(tl.float16), bitcast=True) + off, mask, FAST).to(tl.float32)
     else:
-        _pack_tile(row, buf, blk, tl.load(row + 4), ROWS, POW2, FAST, CONTIG)
+        x = bf16_value(_ld(base.to(tl.pointer_type(tl.uint16), bitcast=True) + off, mask, FAST))
+    return x
 
 
 @triton.jit
-def _pack_tile(row, buf, blk, code, ROWS: tl.constexpr, POW2: tl.constexpr, FAST: tl.constexpr,
-               CONTIG: tl.constexpr):  # fmt: skip
-    base, local, src, mask, dst = _tile(row, buf, blk, ROWS, FAST, CONTIG)
+def _store_float(base, off, x, mask, code, FAST: tl.constexpr, HW: tl.constexpr):
+    """Store fp32 ``x`` into a tile of the tensor in its dtype (fp32, fp16 or bf16 by ``code``)."""
+    if code == 4 or code == 6:
+        _st(base.to(tl.pointer_type(tl.float32), bitcast=True) + off, x, mask, FAST)
+    elif code == 5 or code == 7:
+        _st(base.to(tl.pointer_type(tl.float16), bitcast=True) + off, x.to(tl.float16), mask, FAST)
+    else:
+        _st(base.to(tl.pointer_type(tl.uint16), bitcast=True) + off, bf16_cast(x, HW), mask, FAST)
+
+
+@triton.jit
+def _block_index(blk, ROWS: tl.constexpr):
+    """Row-major element indices of block ``blk``: [ROWS, 128]."""
+    return blk * (ROWS * 128) + tl.arange(0, ROWS)[:, None] * 128 + tl.arange(0, 128)[None, :]
+
+
+# ---------------------------------------------------------------- the fast path: whole, aligned blocks
+@triton.jit
+def _pack_fast(src, dst, scl, blk, code, ROWS: tl.constexpr, POW2: tl.constexpr, HW: tl.constexpr):
+    """Pack whole block ``blk`` of a contiguous tensor at byte pointer ``src`` into its region ``dst`` (scales at
+    fp32 pointer ``scl``): no masks, both 16-byte aligned, so accesses are 16 bytes a thread."""
+    local = _block_index(blk, ROWS)
+    if code < 4:
+        _copy_bits(src, local, dst, local, local, local, code, True)
+    else:
+        x = _load_float(src, local, local, code, True)
+        if code == 4 or code == 5:
+            tl.store(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, bf16_cast(x, HW))
+        else:
+            q, scale = quantize_e4m3(x, POW2, HW)
+            tl.store(dst + local, q)
+            tl.store(scl + blk * ROWS + tl.arange(0, ROWS), scale)
+
+
+@triton.jit
+def _unpack_fast(src, dst, scl, blk, code, ROWS: tl.constexpr, HW: tl.constexpr):
+    """Unpack whole block ``blk`` of region ``src`` into the contiguous tensor at ``dst`` (as :func:`_pack_fast`)."""
+    local = _block_index(blk, ROWS)
+    if code < 4:
+        _copy_bits(src, local, dst, local, local, local, code, True)
+    else:
+        if code == 4 or code == 5:
+            x = bf16_value(tl.load(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local))
+        else:
+            scale = tl.load(scl + blk * ROWS + tl.arange(0, ROWS))
+            x = fp8_value(tl.load(src + local), HW) * scale[:, None]
+        _store_float(dst, local, x, local, code, True, HW)
+
+
+@triton.jit
+def _fast_block(tensor, region, scl, blk, code, ROWS: tl.constexpr, SUB: tl.constexpr, POW2: tl.constexpr,
+                PACK: tl.constexpr, CODE: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """One whole block (``SUB`` tiles of ``ROWS`` rows) on the fast path; ``CODE`` >= 0: the launch's one
+    conversion (only it is compiled), -1: ``code`` (read from the table)."""
+    for h in tl.static_range(SUB):
+        if PACK:
+            if CODE >= 0:
+                _pack_fast(tensor, region, scl, blk * SUB + h, CODE, ROWS, POW2, HW)
+            else:
+                _pack_fast(tensor, region, scl, blk * SUB + h, code, ROWS, POW2, HW)
+        else:
+            if CODE >= 0:
+                _unpack_fast(region, tensor, scl, blk * SUB + h, CODE, ROWS, HW)
+            else:
+                _unpack_fast(region, tensor, scl, blk * SUB + h, code, ROWS, HW)
+
+
+# ---------------------------------------------------------------- the masked path: tails, strided, misaligned
+@triton.jit
+def _tile(row, buf, blk, ROWS: tl.constexpr, CONTIG: tl.constexpr):
+    """(tensor base as a byte pointer, row-major indices of this block, their element offsets, mask,
+    the tensor's region in the buffer as a byte pointer).  ``CONTIG``: every tensor of the launch is
+    contiguous (the strided index arithmetic is not compiled)."""
+    local = _block_index(blk, ROWS)
+    base = tl.load(row + 0).to(tl.pointer_type(tl.uint8))
+    if CONTIG:
+        off = local
+    else:
+        off = _strided(local, row)
+    return base, local, off, local < tl.load(row + 1).to(local.dtype), buf + tl.load(row + 2) // 16 * 16
+
+
+@triton.jit
+def _scales(row, buf, blk, ROWS: tl.constexpr):
+    """(indices of this block's rows among the tensor's fp8 scales, the scale region as an fp32 pointer)."""
+    scale_idx = blk * ROWS + tl.arange(0, ROWS)
+    return scale_idx, (buf + tl.load(row + 3) // 16 * 16).to(tl.pointer_type(tl.float32), bitcast=True)
+
+
+@triton.jit
+def _pack_tile(row, buf, blk, code, ROWS: tl.constexpr, POW2: tl.constexpr, CONTIG: tl.constexpr, HW: tl.constexpr):
+    base, local, src, mask, dst = _tile(row, buf, blk, ROWS, CONTIG)
     # stores run on to the region's aligned end, so the padding gets zeros (masked loads there give 0)
     smask = local < tl.load(row + 14).to(local.dtype)
     if code < 4:
-        _copy_bits(base, src, dst, local, mask, smask, code, FAST)
+        _copy_bits(base, src, dst, local, mask, smask, code, False)
     else:
-        if code == 4 or code == 6:
-            x = _ld(base.to(tl.pointer_type(tl.float32), bitcast=True) + src, mask, FAST)
-        elif code == 5 or code == 7:
-            x = _ld(base.to(tl.pointer_type(tl.float16), bitcast=True) + src, mask, FAST).to(tl.float32)
-        else:
-            x = bf16_value(_ld(base.to(tl.pointer_type(tl.uint16), bitcast=True) + src, mask, FAST))
+        x = _load_float(base, src, mask, code, False)
         if code == 4 or code == 5:
-            _st(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, bf16_bits(x), smask, FAST)
+            tl.store(dst.to(tl.pointer_type(tl.uint16), bitcast=True) + local, bf16_cast(x, HW), mask=smask)
         else:
             scale_idx, scale_dst = _scales(row, buf, blk, ROWS)
-            q, scale = quantize_e4m3(x, POW2)
-            _st(dst + local, q, smask, FAST)
-            _st(scale_dst + scale_idx, scale, scale_idx < tl.load(row + 15).to(scale_idx.dtype), FAST)
+            q, scale = quantize_e4m3(x, POW2, HW)
+            tl.store(dst + local, q, mask=smask)
+            tl.store(scale_dst + scale_idx, scale, mask=scale_idx < tl.load(row + 15).to(scale_idx.dtype))
 
 
 @triton.jit
-def _unpack_block(row, buf, blk, ROWS: tl.constexpr, FAST: tl.constexpr, CODE: tl.constexpr, CONTIG: tl.constexpr):
-    """Unpack one block (``CODE`` as in :func:`_pack_block`)."""
-    if CODE >= 0:
-        _unpack_tile(row, buf, blk, CODE, ROWS, FAST, CONTIG)
-    else:
-        _unpack_tile(row, buf, blk, tl.load(row + 4), ROWS, FAST, CONTIG)
-
-
-@triton.jit
-def _unpack_tile(row, buf, blk, code, ROWS: tl.constexpr, FAST: tl.constexpr, CONTIG: tl.constexpr):
-    base, local, dst, mask, src = _tile(row, buf, blk, ROWS, FAST, CONTIG)
+def _unpack_tile(row, buf, blk, code, ROWS: tl.constexpr, CONTIG: tl.constexpr, HW: tl.constexpr):
+    base, local, dst, mask, src = _tile(row, buf, blk, ROWS, CONTIG)
     if code < 4:
-        _copy_bits(src, local, base, dst, mask, mask, code, FAST)
+        _copy_bits(src, local, base, dst, mask, mask, code, False)
     else:
         if code == 4 or code == 5:
-            x = bf16_value(_ld(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask, FAST))
+            x = bf16_value(tl.load(src.to(tl.pointer_type(tl.uint16), bitcast=True) + local, mask=mask, other=0))
         else:
             scale_idx, scales = _scales(row, buf, blk, ROWS)
-            scale = _ld(scales + scale_idx, scale_idx * 128 < tl.load(row + 1).to(scale_idx.dtype), FAST)
-            x = e4m3_value(_ld(src + local, mask, FAST)) * scale[:, None]
-        if code == 4 or code == 6:
-            _st(base.to(tl.pointer_type(tl.float32), bitcast=True) + dst, x, mask, FAST)
-        elif code == 5 or code == 7:
-            _st(base.to(tl.pointer_type(tl.float16), bitcast=True) + dst, x.to(tl.float16), mask, FAST)
-        else:
-            _st(base.to(tl.pointer_type(tl.uint16), bitcast=True) + dst, bf16_bits(x), mask, FAST)
+            scale = tl.load(scales + scale_idx, mask=scale_idx * 128 < tl.load(row + 1).to(scale_idx.dtype), other=0)
+            x = fp8_value(tl.load(src + local, mask=mask, other=0), HW) * scale[:, None]
+        _store_float(base, dst, x, mask, code, False, HW)
 
 
 @triton.jit
-def _fast(row, blk, ROWS: tl.constexpr):
-    """Whether this block takes the unmasked aligned path (host flag, and the block lies wholly inside)."""
-    return (tl.load(row + 16) != 0) & ((blk + 1) * (ROWS * 128) <= tl.load(row + 1))
-
-
-@triton.jit
-def _blocks(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr,
-            PACK: tl.constexpr, CODE: tl.constexpr, CONTIG: tl.constexpr, I32: tl.constexpr):  # fmt: skip
-    """One program: find its tensor, then pack (``PACK``) or unpack its run of up to ``iters`` blocks."""
-    pid = tl.program_id(0).to(tl.int64)
-    row = table + _find_tensor(table, pid, n, LOG_N, W) * W
-    first = (pid - tl.load(row + 13)) * iters
-    nblk = tl.load(row + 18)
-    for it in range(0, iters):
-        blk = first + it
-        if I32:  # block indices, element indices and offsets in int32 (the host checked they fit)
-            blk = blk.to(tl.int32)
-        if blk < nblk:
-            fast = _fast(row, blk, ROWS)
-            if PACK:
-                if fast:
-                    _pack_block(row, buf, blk, ROWS, POW2, True, CODE, CONTIG)
-                else:
-                    _pack_block(row, buf, blk, ROWS, POW2, False, CODE, CONTIG)
+def _slow_block(row, buf, blk, ROWS: tl.constexpr, SUB: tl.constexpr, POW2: tl.constexpr, PACK: tl.constexpr,
+                CODE: tl.constexpr, CONTIG: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """One block on the masked path (``CODE`` as in :func:`_fast_block`): ``2 * SUB`` tiles of ``ROWS // 2`` rows in
+    a loop that is not unrolled (masks and strided offsets take registers: one small tile's at a time)."""
+    for h in range(0, 2 * SUB):
+        if PACK:
+            if CODE >= 0:
+                _pack_tile(row, buf, blk * (2 * SUB) + h, CODE, ROWS // 2, POW2, CONTIG, HW)
             else:
-                if fast:
-                    _unpack_block(row, buf, blk, ROWS, True, CODE, CONTIG)
-                else:
-                    _unpack_block(row, buf, blk, ROWS, False, CODE, CONTIG)
+                _pack_tile(row, buf, blk * (2 * SUB) + h, tl.load(row + 4), ROWS // 2, POW2, CONTIG, HW)
+        else:
+            if CODE >= 0:
+                _unpack_tile(row, buf, blk * (2 * SUB) + h, CODE, ROWS // 2, CONTIG, HW)
+            else:
+                _unpack_tile(row, buf, blk * (2 * SUB) + h, tl.load(row + 4), ROWS // 2, CONTIG, HW)
 
 
+# ---------------------------------------------------------------- kernels
 @triton.jit
-def _pack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr, POW2: tl.constexpr,
-                 CODE: tl.constexpr, CONTIG: tl.constexpr, I32: tl.constexpr):  # fmt: skip
-    _blocks(table, buf, n, iters, LOG_N, ROWS, W, POW2, True, CODE, CONTIG, I32)
+def _blocks(table, buf, n, iters, fast_programs, LOG_N: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr,
+            W: tl.constexpr,
+            POW2: tl.constexpr, PACK: tl.constexpr, CODE: tl.constexpr, CONTIG: tl.constexpr, I32: tl.constexpr,
+            HW: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
+    """One program.  The first ``fast_programs`` take runs of up to ``iters`` whole blocks of a contiguous
+    tensor 16 bytes apart from the buffer (the row's fields read once, before the loop; no masks); the rest
+    take runs of the other blocks (a tensor's last, partial block, strided or misaligned tensors), masked.
+    ``TAIL`` False leaves the masked path out (the offline analysis of the fast path alone)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < fast_programs:
+        row = table + _find_tensor(table, pid, n, 13, LOG_N, W) * W
+        first = (pid - tl.load(row + 13)) * iters
+        nfast = tl.load(row + 20)
+        # contiguous and 16 bytes apart from the buffer: addressed from the buffer pointer with `// 16 * 16`
+        # offsets, so the compiler knows the alignment and vectorises
+        tensor = buf + tl.load(row + 17) // 16 * 16
+        region = buf + tl.load(row + 2) // 16 * 16
+        scl = (buf + tl.load(row + 3) // 16 * 16).to(tl.pointer_type(tl.float32), bitcast=True)
+        code = tl.load(row + 4)
+        for it in range(0, iters):
+            blk = first + it
+            if I32:  # block indices, element indices and offsets in int32 (the host checked they fit)
+                blk = blk.to(tl.int32)
+            if blk < nfast:
+                _fast_block(tensor, region, scl, blk, code, ROWS, SUB, POW2, PACK, CODE, HW)
+    elif TAIL:
+        row = table + _find_tensor(table, pid, n, 19, LOG_N, W) * W
+        first = tl.load(row + 20) + (pid - tl.load(row + 19)) * iters
+        nblk = tl.load(row + 18)
+        for it in range(0, iters):
+            blk = first + it
+            if I32:
+                blk = blk.to(tl.int32)
+            if blk < nblk:
+                _slow_block(row, buf, blk, ROWS, SUB, POW2, PACK, CODE, CONTIG, HW)
 
 
-@triton.jit
-def _unpack_kernel(table, buf, n, iters, LOG_N: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
-                   CODE: tl.constexpr, CONTIG: tl.constexpr, I32: tl.constexpr):  # fmt: skip
-    _blocks(table, buf, n, iters, LOG_N, ROWS, W, False, False, CODE, CONTIG, I32)
+@triton.jit(do_not_specialize=["n", "iters", "fast_programs"])
+def _pack_kernel(table, buf, n, iters, fast_programs, LOG_N: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr,
+                 W: tl.constexpr, POW2: tl.constexpr, CODE: tl.constexpr, CONTIG: tl.constexpr, I32: tl.constexpr,
+                 HW: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
+    _blocks(table, buf, n, iters, fast_programs, LOG_N, ROWS, SUB, W, POW2, True, CODE, CONTIG, I32, HW, TAIL)
+
+
+@triton.jit(do_not_specialize=["n", "iters", "fast_programs"])
+def _unpack_kernel(table, buf, n, iters, fast_programs, LOG_N: tl.constexpr, ROWS: tl.constexpr,
+                   SUB: tl.constexpr, W: tl.constexpr, CODE: tl.constexpr, CONTIG: tl.constexpr, I32: tl.constexpr,
+                   HW: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
+    _blocks(table, buf, n, iters, fast_programs, LOG_N, ROWS, SUB, W, False, False, CODE, CONTIG, I32, HW, TAIL)
 
 
 # ---------------------------------------------------------------- host side
-#: rows per block for every launch, instead of the choice below (bench kernels --variants tunes with it)
+#: bytes of the tensor's side per block (the same for fp32, bf16 and fp16 tensors in a launch of one
+#: conversion: 16 rows of 128 fp32, 32 of bf16): a GPU's, and the interpreter's (fewer Python steps)
+BLOCK_BYTES_GPU, BLOCK_BYTES_CPU = 8192, 16384
+TILE_ROWS_GPU = 16
+#: rows of 128 fp32 per block for every launch, instead of the bytes above (``bench kernels --variants``
+#: tunes with it; a launch of another element size keeps the same bytes per block)
 rows_override: int | None = None
 
 
-def rows_per_block(device: torch.device) -> int:
-    """Rows of 128 elements per block: large tiles on a GPU, and in the interpreter (fewer Python steps)."""
+def block_bytes(device: torch.device) -> int:
+    """Bytes of the tensor's side per block of a launch on ``device``."""
     if rows_override is not None:
-        return rows_override
-    return 16 if device.type == "cuda" else 32
+        return rows_override * 128 * 4
+    return BLOCK_BYTES_GPU if device.type == "cuda" else BLOCK_BYTES_CPU
+
+
+def tile_rows(device: torch.device) -> int:
+    """Rows of 128 elements a kernel converts at once: a block of more (2-byte or 1-byte elements) is taken as
+    several tiles in turn, so a thread holds at most 16 fp32 values of a tile on a GPU (registers)."""
+    return TILE_ROWS_GPU if device.type == "cuda" else 64
+
+
+def rows_per_block(device: torch.device, code: int = COPY4) -> int:
+    """Rows of 128 elements per block of a launch of conversion ``code`` (-1: mixed, as for fp32): the block's
+    bytes over the element size, at least 4 (so a tensor's padding scales lie in its last block)."""
+    itemsize = 4 if code < 0 else CODE_ITEMSIZE[code]
+    return max(4, block_bytes(device) // (128 * itemsize))
 
 
 def _variant(static: np.ndarray, block: int) -> tuple[int, bool, bool]:
@@ -321,17 +413,23 @@ def _variant(static: np.ndarray, block: int) -> tuple[int, bool, bool]:
 
 
 class _Plan:
-    """A layout's table for one set of strides, rows and device: everything but the addresses."""
+    """A layout's table for one set of strides and device: everything but the addresses and what follows from
+    them (which blocks take the fast path, the programs)."""
 
-    __slots__ = ("layout", "table", "programs", "iters", "contig", "code", "all_contig", "i32")
+    __slots__ = ("layout", "table", "blocks", "iters", "rows", "tile", "contig", "whole", "code", "all_contig", "i32")
 
-    def __init__(self, layout: PackLayout, table: np.ndarray, programs: int, iters: int, block: int) -> None:
-        self.layout, self.table, self.programs, self.iters = layout, table, programs, iters
+    def __init__(self, layout: PackLayout, table: np.ndarray, iters: int, rows: int, tile: int) -> None:
+        block = rows * FP8_BLOCK
+        self.layout, self.table, self.iters, self.rows, self.tile = layout, table, iters, rows, tile
+        self.blocks = int(table[:, _NBLK].sum())
         self.contig = table[:, 5] != 0
+        #: whole blocks of each contiguous tensor (what the fast path takes when the tensor is 16 bytes apart
+        #: from the buffer)
+        self.whole = np.where(self.contig, table[:, 1] // block, 0)
         self.code, self.all_contig, self.i32 = _variant(table, block)
 
 
-#: (id(layout), strides, rows, device, the launch-shape settings) -> _Plan; the plan holds its layout, so an id is
+#: (id(layout), strides, device, the launch-shape settings) -> _Plan; the plan holds its layout, so an id is
 #: never reused while cached
 _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 256
@@ -351,41 +449,53 @@ def _iters(device: torch.device, blocks: int) -> int:
     return max(1, min(MAX_ITERS, blocks // (sms * PROGRAMS_PER_SM)))
 
 
-def _plan(tensors: Sequence[torch.Tensor], layout: PackLayout, rows: int, device: torch.device) -> _Plan:
-    key = (id(layout), tuple(t.stride() for t in tensors), rows, device, iters_override, PROGRAMS_PER_SM, specialize)
+def _launch_code(layout: PackLayout) -> int:
+    """The one conversion code of the layout's non-empty tensors, or -1 (mixed, or not specialising)."""
+    codes = {_code(e.kind, e.dtype) for e in layout.entries if e.numel}
+    return codes.pop() if specialize and len(codes) == 1 else -1
+
+
+def _plan(tensors: Sequence[torch.Tensor], layout: PackLayout, device: torch.device) -> _Plan:
+    key = (id(layout), tuple(t.stride() for t in tensors), device, iters_override, PROGRAMS_PER_SM, specialize,
+           rows_override)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None or plan.layout is not layout:
+        rows = rows_per_block(device, _launch_code(layout))
         static = _static_table(tensors, layout, rows * FP8_BLOCK)
-        iters = _iters(device, int(static[:, 18].sum()))
-        table, programs = _programs(static, iters)
+        iters = _iters(device, int(static[:, _NBLK].sum()))
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        plan = _PLANS[key] = _Plan(layout, table, programs, iters, rows * FP8_BLOCK)
+        plan = _PLANS[key] = _Plan(layout, static, iters, rows, min(rows, tile_rows(device)))
     return plan
 
 
-def _table(plan: _Plan, tensors: Sequence[torch.Tensor], buf_addr: int, addrs: np.ndarray | None = None) -> np.ndarray:
-    """The plan's table with this call's addresses (column 0), offsets from the buffer and fast-path flags."""
+def _table(
+    plan: _Plan, tensors: Sequence[torch.Tensor], buf_addr: int, addrs: np.ndarray | None = None
+) -> tuple[np.ndarray, int, int]:
+    """(the plan's table with this call's addresses (column 0), offsets from the buffer, fast-path flags and
+    programs; fast programs; all programs)."""
     if addrs is None:
         addrs = _addresses(tensors)
     table = plan.table.copy()
     delta = addrs - buf_addr
     table[:, _ADDR] = addrs
     table[:, _DELTA] = delta
-    table[:, _FAST] = plan.contig & (delta % ALIGN == 0)
-    return table
+    fast = plan.contig & (delta % ALIGN == 0)
+    table[:, _FAST] = fast
+    nfast, programs = _schedule(table, np.where(fast, plan.whole, 0), plan.iters)
+    return table, nfast, programs
 
 
 def _addresses(tensors: Sequence[torch.Tensor]) -> np.ndarray:
     return np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
 
 
-#: (plan id, buffer address, the tensors' addresses, stream) -> (plan, the table on the device): the same
-#: tensors packed again (a benchmark's loop; a training step whose allocator hands back the same blocks)
-#: reuse the table already on the device instead of staging it through pinned memory and copying it
+#: (plan id, buffer address, the tensors' addresses, stream) -> (plan, the table on the device, fast programs,
+#: programs): the same tensors packed again (a benchmark's loop; a training step whose allocator hands back the
+#: same blocks) reuse the table already on the device instead of staging it through pinned memory and copying it
 #: again.  A table is a function of its key's contents alone; an entry holds its plan, so the plan's id
 #: is not reused while the entry lives, and a stream sees only tables it copied itself (ordered before it).
-_TABLES: dict[tuple, tuple[_Plan, torch.Tensor]] = {}
+_TABLES: dict[tuple, tuple[_Plan, torch.Tensor, int, int]] = {}
 _MAX_TABLES = 64
 #: tables built (host work and a host-to-device copy each on a GPU); a hit in _TABLES builds none
 table_builds = 0
@@ -400,9 +510,9 @@ def _stream_key(device: torch.device) -> int:
     return int(raw(idx)) if raw is not None else int(torch.cuda.current_stream(idx).cuda_stream)
 
 
-def _device_table(plan: _Plan, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
-    """This call's table where the kernel reads it (on the buffer's device), from :data:`_TABLES` when the
-    same addresses were launched on this stream before."""
+def _device_table(plan: _Plan, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(this call's table where the kernel reads it (on the buffer's device), fast programs, programs), from
+    :data:`_TABLES` when the same addresses were launched on this stream before."""
     global table_builds
     addrs = _addresses(tensors)
     # Under CUDA graph capture the copy below runs only at replay and the table lives in the graph's pool:
@@ -411,8 +521,8 @@ def _device_table(plan: _Plan, tensors: Sequence[torch.Tensor], buffer: torch.Te
     key = (id(plan), buffer.data_ptr(), addrs.tobytes(), _stream_key(buffer.device))
     hit = None if capturing else _TABLES.get(key)
     if hit is not None and hit[0] is plan:
-        return hit[1]
-    table = _table(plan, tensors, buffer.data_ptr(), addrs)
+        return hit[1], hit[2], hit[3]
+    table, nfast, programs = _table(plan, tensors, buffer.data_ptr(), addrs)
     table_builds += 1
     if buffer.device.type == "cuda":
         # through pinned memory: an asynchronous copy (torch's host allocator keeps the block until it is done)
@@ -424,24 +534,25 @@ def _device_table(plan: _Plan, tensors: Sequence[torch.Tensor], buffer: torch.Te
     if not capturing:
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.clear()
-        _TABLES[key] = (plan, meta)
-    return meta
+        _TABLES[key] = (plan, meta, nfast, programs)
+    return meta, nfast, programs
 
 
 def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor, **kw) -> None:
     device = buffer.device
-    rows = rows_per_block(device)
-    plan = _plan(tensors, layout, rows, device)
-    if plan.programs == 0:
+    plan = _plan(tensors, layout, device)
+    if plan.blocks == 0:
         return
-    meta = _device_table(plan, tensors, buffer)
+    meta, nfast, programs = _device_table(plan, tensors, buffer)
     n = len(plan.table)
     log_n = 0 if n == 1 else max(_MIN_LOG_N, math.ceil(math.log2(n)))
     # Triton launches on the current device; the buffer's may be another (switching costs microseconds)
     other = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if other else contextlib.nullcontext():
-        kernel[(plan.programs,)](meta, buffer, n, plan.iters, LOG_N=log_n, ROWS=rows, W=_WIDTH,
-                                 CODE=plan.code, CONTIG=plan.all_contig, I32=plan.i32, **kw)  # fmt: skip
+        kernel[(programs,)](meta, buffer, n, plan.iters, nfast, LOG_N=log_n, ROWS=plan.tile, SUB=plan.rows // plan.tile,
+                            W=_WIDTH,
+                            CODE=plan.code, CONTIG=plan.all_contig, I32=plan.i32, HW=not INTERPRETED, TAIL=True,
+                            **kw)  # fmt: skip
 
 
 def _bit_view(t: torch.Tensor) -> torch.Tensor:
@@ -470,4 +581,5 @@ def unpack_into(buffer: torch.Tensor, layout: PackLayout, outs: Sequence[torch.T
     _launch(_unpack_kernel, dsts, layout, buffer)
     for o, d in zip(outs, dsts, strict=True):
         if d is not o and d.data_ptr() != o.data_ptr():  # a > 4-dim strided view went through a contiguous copy
-            _bit_view(o).copy_(d)
+            with torch.no_grad():
+                _bit_view(o).copy_(d)

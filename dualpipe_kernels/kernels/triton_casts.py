@@ -1,12 +1,23 @@
-"""The pack kernels' conversions, as Triton device functions: explicit rounding on fp32 bit patterns.
+"""The pack kernels' conversions, as Triton device functions.
 
-Results do not depend on the backend's casts (the interpreter truncates
-fp32 -> bf16 and misrounds fp32 -> e4m3 across a power of two): bf16 is
-round-to-nearest-even of the top 16 bits; e4m3 is round-to-nearest-even of 3
-mantissa bits, with subnormals rounded by adding 2^14 in fp32 (whose ulp, 2^-9,
-is the e4m3 subnormal step).  Divisions use ``div_rn`` (IEEE), as torch does.
-NaN payloads are not matched.  Used by :mod:`.pack_triton`; they run compiled
-and under ``TRITON_INTERPRET=1`` alike.
+fp8 (e4m3fn, one fp32 scale per row of 128 elements): the row's absmax is taken
+over its *finite* elements; the stored scale is ``absmax / 448`` and the elements
+are multiplied (not divided) by ``448 / absmax`` in fp32, then cast to e4m3 with
+round-to-nearest-even, saturating at +-448.  A NaN element becomes the NaN code
+0x7F and an inf saturates to +-448 (decoding as +- the row's finite absmax); the
+rest of the row is quantised as if they were absent.  With ``pow2`` the scale
+is rounded up to a power of two and the multiplier is ``1 / scale``.  A
+multiplier that overflows fp32 (absmax below about 2^-119, or 0) is clamped to
+the largest finite fp32, so an all-zero row stays zeros.
+
+``HW`` (compiled for a GPU): the casts are the hardware's (``cvt.rn.satfinite``
+for fp32 -> e4m3, ``cvt.rn`` for fp32 -> bf16, exact e4m3 -> fp32); otherwise (``TRITON_INTERPRET=1``,
+whose casts truncate or lose carries) the rounding is done explicitly on the
+fp32 bit patterns: round-to-nearest-even of 3 mantissa bits, subnormals
+rounded by adding 2^14 in fp32 (whose ulp, 2^-9, is the e4m3 subnormal step).
+Both give what torch's own fp32 -> float8_e4m3fn cast gives for every finite
+product (which stays within +-448 * (1 + 2^-23)), and round bf16 to nearest even.
+NaN payloads are not matched (a NaN fp8 element is always the code 0x7F).
 """
 
 from __future__ import annotations
@@ -14,7 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bf16_bits", "bf16_value", "e4m3_bits", "e4m3_value", "quantize_e4m3"]
+__all__ = ["bf16_bits", "bf16_cast", "bf16_value", "e4m3_bits", "e4m3_value", "fp8_codes", "fp8_value", "quantize_e4m3"]
+
+#: the largest finite fp32 (a multiplier's clamp)
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -34,7 +48,7 @@ def bf16_value(bits):
 
 @triton.jit
 def e4m3_bits(q):
-    """Round-to-nearest-even float8 e4m3fn code (uint8) of fp32 ``q``, saturated to +-448."""
+    """Round-to-nearest-even float8 e4m3fn code (uint8) of fp32 ``q``, saturated to +-448 (explicit rounding)."""
     nan = q != q
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     u = q.to(tl.uint32, bitcast=True)
@@ -51,7 +65,7 @@ def e4m3_bits(q):
 
 @triton.jit
 def e4m3_value(code):
-    """fp32 value of float8 e4m3fn codes (uint8), exact (0x7F / 0xFF are NaN)."""
+    """fp32 value of float8 e4m3fn codes (uint8), exact (0x7F / 0xFF are NaN; explicit decoding)."""
     b = code.to(tl.uint32)
     e = (b >> 3) & 15
     m = b & 7
@@ -63,12 +77,52 @@ def e4m3_value(code):
 
 
 @triton.jit
-def quantize_e4m3(x, POW2: tl.constexpr):
-    """(e4m3 codes of the [ROWS, 128] fp32 tile ``x``, one fp32 scale per row = row absmax / 448)."""
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
+def fp8_codes(q, HW: tl.constexpr):
+    """e4m3fn codes (uint8) of fp32 ``q`` with |q| <= 448 (1 + 2^-23), rounded to nearest even."""
+    if HW:
+        codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        codes = e4m3_bits(q)
+    return codes
+
+
+@triton.jit
+def fp8_value(code, HW: tl.constexpr):
+    """fp32 values of e4m3fn codes (uint8), exact."""
+    if HW:
+        val = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        val = e4m3_value(code)
+    return val
+
+
+@triton.jit
+def bf16_cast(x, HW: tl.constexpr):
+    """Round-to-nearest-even bfloat16 bits (uint16) of fp32 ``x`` (the hardware's cast when ``HW``)."""
+    if HW:
+        bits = x.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+    else:
+        bits = bf16_bits(x)
+    return bits
+
+
+@triton.jit
+def quantize_e4m3(x, POW2: tl.constexpr, HW: tl.constexpr):
+    """(e4m3 codes of the [ROWS, 128] fp32 tile ``x``, one fp32 scale per row = finite absmax / 448).
+
+    A NaN element's product is NaN (code 0x7F), an inf's is inf, which saturates to +-448; the
+    absmax leaves both out, so the row's other elements are quantised as if they were absent."""
+    a = tl.abs(x)
+    amax = tl.max(tl.where(a < float("inf"), a, 0.0), axis=1)  # false for NaN and +-inf
+    scale = tl.math.div_rn(amax, 448.0)
     if POW2:
         bits = scale.to(tl.uint32, bitcast=True)
         up = (bits & 0xFF800000) + 0x800000
         scale = tl.where((bits & 0x7FFFFF) != 0, up, bits).to(tl.float32, bitcast=True)
-    divisor = tl.where(scale == 0.0, 1.0, scale)
-    return e4m3_bits(tl.math.div_rn(x, divisor[:, None])), scale
+        num, den = tl.full(scale.shape, 1.0, tl.float32), scale
+    else:
+        num, den = tl.full(amax.shape, 448.0, tl.float32), amax
+    # an all-zero row: the largest finite fp32, as the overflowing quotient below (its elements are +-0 either way)
+    mult = tl.where(den > 0.0, tl.math.div_rn(num, tl.where(den > 0.0, den, 1.0)), _FP32_MAX)
+    mult = tl.minimum(mult, _FP32_MAX)  # a quotient past fp32 (absmax below about 2^-119)
+    return fp8_codes(x * mult[:, None], HW), scale
