@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "kernels.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "kernels.md"
 
 
 def test_kernels_doc_example_runs() -> None:
