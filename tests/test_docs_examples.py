@@ -95,3 +95,18 @@ def test_docs_example_runs(where: str, ranks: int, code: str, tmp_path: Path) ->
                 p.kill()
                 p.wait(timeout=30)
     assert not failures, f"docs/{where} failed:\n" + "\n".join(failures)
+
+
+def test_every_relative_link_of_the_docs_points_at_a_file() -> None:
+    """README.md and docs/*.md: every relative link (``[text](path)``, anchors dropped) names a file or folder
+    of the repository, and no page points at an internal design note outside it."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = page.read_text()
+        assert "DESIGN.md" not in text and "../shared" not in text, page.name
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not (page.parent / target.split("#", 1)[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
