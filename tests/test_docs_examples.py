@@ -28,8 +28,9 @@ def _examples() -> list[tuple[str, int, str]]:
     """(id, ranks, code) of every marked block, in file and page order."""
     out = []
     for page in sorted(DOCS.glob("*.md")):
-        for k, m in enumerate(MARKER.finditer(page.read_text())):
-            line = page.read_text()[: m.start()].count("\n") + 1
+        text = page.read_text()
+        for m in MARKER.finditer(text):
+            line = text[: m.start()].count("\n") + 1
             out.append((f"{page.name}:{line}", int(m.group(1) or 1), m.group(2)))
     return out
 
