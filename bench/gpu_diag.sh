@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Short GPU recheck of the CUDA IPC engine (README, "GPU check"): after the H200's runs 4-6 fixed the
+# Short GPU recheck of the CUDA IPC engine (docs/history.md, "GPU runs"): after the H200's runs 4-6 fixed the
 # std::random_device crash, the destroyed-stream abort and the demo's wire device, run 6 crashed in the
 # engine's first formatted message (an ostringstream; csrc/common/msg.h replaced them, unverified on a GPU).
 # Each step with its own timeout, writing into $OUT as it goes (a cut run keeps what it has):

@@ -1,7 +1,7 @@
-// The CUDA IPC engine's zero-copy exports over a fake device (issue 17 items
-// 9 and 10): a sent allocation stays alive while the receiver maps it, one
-// IPC handle per allocation, no stale handle after the address comes back,
-// an unmap waiting for copies never holds the engine. Runs under TSan and ASan.
+// The CUDA IPC engine's zero-copy exports over a fake device: a sent
+// allocation stays alive while the receiver maps it, one IPC handle per
+// allocation, no stale handle after the address comes back, an unmap waiting
+// for copies never holds the engine. Runs under TSan and ASan.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -41,7 +41,7 @@ TEST(FakeDevice, DetectsAFreeWhileMappedAndAStaleHandle) {
   dev.free(again);
 }
 
-// Item 9: the caller drops its tensor as soon as the send completes; the
+// A sent allocation stays alive: the caller drops its tensor as soon as the send completes; the
 // allocator would free the segment at once. The receiver still maps it (its
 // mapping cache), so the sender must keep the allocation alive until the
 // receiver says it unmapped it. Before the export table this freed the
@@ -100,7 +100,7 @@ TEST(IpcEngine, WithOneMappingAllocationsTakeTurnsAndNoneIsFreedMapped) {
   EXPECT_TRUE(no_violations(*p.dev));
 }
 
-// Item 10: one cudaIpcGetMemHandle per allocation, however many sends (and
+// One handle per allocation: one cudaIpcGetMemHandle per allocation, however many sends (and
 // views at whatever offsets) go out of it.
 TEST(IpcEngine, TheHandleIsMadeOncePerAllocation) {
   Pair p;
@@ -148,7 +148,7 @@ TEST(IpcEngine, AFreedAndReallocatedAddressNeverReusesAStaleHandle) {
   EXPECT_TRUE(closed_cleanly(p));
 }
 
-// Item 10: unmapping waits for the copies that read the mapping through an
+// Unmapping waits for the copies that read the mapping through an
 // event, never with a host wait under the engine lock. Here the receiver's
 // copies do not finish (its receive stream is held): the unmap stays pending,
 // and meanwhile both engines still accept and move other transfers.

@@ -15,7 +15,7 @@ Steps of the policies take turns, so a change in the machine's state reaches
 every policy alike.  ``bit_exact``: every weight gradient equals keep's
 (compress is lossy and is only compared by its loss).
 
-Issue 11's GPU target: offload costs <= 5% step time for >= 50% less
+The GPU target: offload costs <= 5% step time for >= 50% less
 activation memory (``step_over_keep`` <= 1.05 with ``share_of_keep`` <= 0.5).
 """
 

@@ -1,6 +1,6 @@
 """The overlap metric: how much of a step's communication hid behind its compute.
 
-Three terms, measured in the same run on the same processes (DESIGN.md):
+Three terms, measured in the same run on the same processes (docs/architecture.md):
 
 * ``T_step``: the step with real activation sizes;
 * ``T_compute``: the same step, same pipeline, with every boundary transfer

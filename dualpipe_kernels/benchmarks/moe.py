@@ -48,7 +48,7 @@ NAME = "moe"
 
 __all__ = ["NAME", "MoeConfig", "add_arguments", "run", "to_markdown", "write_plots", "reference_skip", "TARGETS"]
 
-#: Must-show targets at the size whose all_to_all is closest to a chunk's forward compute (issue 15).
+#: Must-show targets at the size whose all_to_all is closest to a chunk's forward compute.
 TARGETS = {"pair_over_f_plus_b": 0.65, "ours_over_torch": 0.8, "ours_over_hook_off": 0.8, "ours_vs_simulated": 0.05}
 
 _FULL_SIZES = (0, 1 << 22, 1 << 23, 1 << 24, 1 << 25, 3 << 24, 1 << 26, 3 << 25, 1 << 27)

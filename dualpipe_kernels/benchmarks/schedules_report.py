@@ -8,7 +8,7 @@ from typing import Any
 
 __all__ = ["to_markdown", "write_plots", "METRIC_SENTENCE"]
 
-#: The overlap metric in one sentence (README and every table that prints it).
+#: The overlap metric in one sentence (the docs and every table that prints it).
 METRIC_SENTENCE = (
     "comm hidden = 1 - (T_step - T_compute) / T_comm, where T_step is the step with real activations, "
     "T_compute the same pipeline in the same run with every transfer cut to a few bytes, and T_comm the "

@@ -9,8 +9,10 @@ is parsed or run; one that cannot be imported is still listed, and running it
 gives a one-line error naming the import failure.
 
 Common options (every suite and ``all``): ``--json`` (print the result object on
-stdout; progress goes to stderr), ``--out DIR`` (default ``bench/results``),
-``--quick`` (small sizes, for tests and smoke runs), ``--no-plots``.
+stdout; progress goes to stderr), ``--out DIR`` (default: a fresh folder
+``./dualpipe-bench-<suite>-<date>-<time>/`` that the run names on stderr, so a
+run never writes over earlier results, the repository's ``bench/results``
+included), ``--quick`` (small sizes, for tests and smoke runs), ``--no-plots``.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dualpipe_kernels.benchmarks.common import DEFAULT_OUT_DIR, plot_bandwidth, write_results
+from dualpipe_kernels.benchmarks.common import plot_bandwidth, write_results
 from dualpipe_kernels.commands.outputs import check_output_dir
 
 #: Registered suites, in the order ``bench all`` runs them, with their ``bench --help`` line (kept here so
@@ -65,7 +68,12 @@ def _unavailable(mod: ModuleType) -> str | None:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
-    p.add_argument("--out", default=DEFAULT_OUT_DIR, metavar="DIR", help=f"results folder (default {DEFAULT_OUT_DIR})")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="results folder (default: a new folder ./dualpipe-bench-SUITE-DATE-TIME/, named on stderr)",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (tests, smoke runs)")
     p.add_argument("--no-plots", dest="no_plots", action="store_true", help="skip the PNG plots")
 
@@ -125,6 +133,22 @@ def add_parser(subparsers: Any) -> None:
     sa.set_defaults(func=run, suite_error=None)
 
 
+def fresh_out_dir(suite: str, parent: str = "") -> str:
+    """Create and return a new folder ``dualpipe-bench-<suite>-<YYYYmmdd-HHMMSS>[-N]`` in ``parent`` (default:
+    the working directory), never one that exists: a second run in the same second gets ``-2``, and so on."""
+    base = os.path.join(parent, f"dualpipe-bench-{suite}-{time.strftime('%Y%m%d-%H%M%S')}")
+    path, n = base, 1
+    while True:
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            n += 1
+            path = f"{base}-{n}"
+        except OSError as exc:
+            raise ValueError(f"--out (default) {path}: cannot create it: {exc.strerror or exc}") from None
+
+
 def _suite_args(mod: ModuleType, common: argparse.Namespace) -> argparse.Namespace:
     """The suite's own defaults, with the common options of ``bench all`` laid over them."""
     p = argparse.ArgumentParser(add_help=False, conflict_handler="resolve")
@@ -167,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     if args.suite != "all" and args.suite_error:
         sys.stderr.write(f"dualpipe-kernels bench: error: suite {args.suite!r} is unavailable: {args.suite_error}\n")
         return 1
-    check_output_dir(args.out, "--out")  # before any suite runs: results are never lost to a bad folder
+    mod: ModuleType | None = None
     if args.suite != "all":
         mod, _ = _import_suite(args.suite)
         assert mod is not None
@@ -175,6 +199,11 @@ def run(args: argparse.Namespace) -> int:
         if skip:
             sys.stderr.write(f"dualpipe-kernels bench {args.suite}: skipped: {skip}\n")
             return 0
+    if args.out is None:
+        args.out = fresh_out_dir(args.suite)
+        sys.stderr.write(f"dualpipe-kernels bench {args.suite}: results go to {args.out}/ (--out DIR to choose)\n")
+    check_output_dir(args.out, "--out")  # before any suite runs: results are never lost to a bad folder
+    if mod is not None:
         from dualpipe_kernels.runtime.launch import RanksFailed
 
         try:

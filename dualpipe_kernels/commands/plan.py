@@ -1,6 +1,6 @@
 """``dualpipe-kernels plan``: choose schedule, PP x DP and micro-batches for a model on a cluster.
 
-Contract (DESIGN.md)::
+Contract (docs/architecture.md)::
 
     dualpipe-kernels plan --layers costs.json --devices 16 --devices-per-node 8 --memory-gb 80
         --global-batch 1024 [--json]
@@ -56,7 +56,7 @@ def add_parser(subparsers: Any) -> None:
         description="Search schedules, PP/DP degrees and micro-batching with the simulator; print the best plans.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--layers", help="per-layer cost table (JSON, see DESIGN.md)")
+    src.add_argument("--layers", help="per-layer cost table (JSON, see docs/architecture.md)")
     src.add_argument("--profile", action="store_true", help="profile the demo GPT (or --model) first")
     p.add_argument("--model", default=None, help="module:factory for --profile (returns layers or (layers, sample))")
     p.add_argument("--repeats", type=_positive_int, default=5, help="profiling repeats (median)")

@@ -1,6 +1,6 @@
 """``dualpipe-kernels simulate``: build a schedule, simulate it, print and export.
 
-Contract (DESIGN.md)::
+Contract (docs/architecture.md)::
 
     dualpipe-kernels simulate --schedule NAME --ranks R --microbatches N [--stages-per-rank V]
         [--f F --b B --w W --fb FB] [--comm-latency S --comm-bandwidth BYTES_PER_S --activation-bytes N]

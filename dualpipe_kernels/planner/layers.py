@@ -1,6 +1,6 @@
 """Per-layer costs: the planner's input, and the ``--layers FILE`` JSON format.
 
-File format (DESIGN.md)::
+File format (docs/architecture.md)::
 
     {"layers": [{"name", "f_s", "b_s", "w_s", "activation_bytes", "param_bytes", "boundary_bytes"}, ...],
      "microbatch_size": 1, "unit": "s"}

@@ -209,8 +209,8 @@ def early_sends(actions: Sequence[Action]) -> dict[int, int]:
 class ActionLoop:
     """Runs one rank's lowered list (``actions``) with receives posted ``recv_lookahead`` computes ahead.
 
-    Everything that depends only on the list is worked out once here (the fast
-    path of issue 16): the receives to post before each action, each
+    Everything that depends only on the list is worked out once here (so the
+    per-action work of a step stays small): the receives to post before each action, each
     action's kind as a small int, the timeline labels.
     """
 

@@ -5,7 +5,7 @@ combined with a communication model given in seconds and bytes/s).  Pass ints,
 dyadic floats or ``fractions.Fraction`` for exact arithmetic: the simulator only
 adds, subtracts and takes maxima, so exact inputs give exact results.
 
-Notation (DESIGN.md): F = forward of one stage chunk, B = full backward,
+Notation (docs/architecture.md): F = forward of one stage chunk, B = full backward,
 W = weight-gradient part, I = B - W (input-gradient part), F&B = an overlapped
 forward+backward pair run as one unit.
 """

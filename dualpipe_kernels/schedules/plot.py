@@ -298,7 +298,7 @@ def plot_comparison(
 
 
 def write_docs_pictures(out_dir: str | os.PathLike[str]) -> list[str]:
-    """Regenerate the README's pictures in ``out_dir``; returns the paths written.
+    """Regenerate the pictures of docs/schedules.md in ``out_dir``; returns the paths written.
 
     Costs F=1, B=2, W=1 (so F = B - W = W), F&B=2.5 (the pair hides half an F), no comm:
     the regime where the reference table's bubbles hold exactly.

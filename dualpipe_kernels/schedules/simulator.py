@@ -37,7 +37,7 @@ parameters in units of one stage chunk, one micro-batch):
 * ``busy_per_rank``: time spent computing; ``idle_per_rank = makespan - busy``
   (waiting for data, blocked in a blocking send, or done early).
 * ``bubble_per_rank`` = ``idle_per_rank``; ``bubble`` = its maximum over ranks
-  (DESIGN.md's reference table); ``bubble_ratio = bubble / makespan``, the share
+  (docs/architecture.md's reference table); ``bubble_ratio = bubble / makespan``, the share
   of the step the most idle rank spends not computing; ``idle_ratio`` = total
   idle / (ranks x makespan), the share of all device time lost.
 * ``peak_activations_per_rank``: most chunk activations alive at once on a
@@ -393,7 +393,7 @@ def _run_direct(prog: Program, sc: StageCosts, comm: CommModel, replay: Callable
 
 
 def reference_bubble(name: str, ranks: int, costs: CostModel) -> Num | None:
-    """The reference table's bubble (DESIGN.md) for uniform costs, or None.
+    """The reference table's bubble (docs/architecture.md) for uniform costs, or None.
 
     None when the schedule has no row in the table or the costs are per stage.
     The formulas are exact for zero communication cost and F = B - W (ZB1P:

@@ -41,7 +41,7 @@ def cuda_ipc_auto() -> bool:
 
     The engine has not yet passed its whole suite on a GPU: on the H200 (2026-11-30) its data paths and the
     demo ran bit-exact after three fixes, but an error path (a mismatched message) still crashed the process
-    in run 6, before the fix now in csrc/common/msg.h could run there (README, "GPU check").  A crash
+    in run 6, before the fix now in csrc/common/msg.h could run there (docs/history.md, "GPU runs").  A crash
     cannot fall back, so until a GPU run passes, ``"auto"`` on CUDA uses the torch transport;
     ``transport="native"`` or this variable asks for the engine.
     """

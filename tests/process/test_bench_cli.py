@@ -43,7 +43,7 @@ def _run_json(args: list[str]) -> tuple[subprocess.CompletedProcess[str], Any]:
 
 
 def _check_overlap_fields(row: dict) -> None:
-    """The overlap contract (DESIGN.md): exposed_comm_s reported; the share within [0, 1] or null (noise flagged)."""
+    """The overlap contract (docs/architecture.md): exposed_comm_s reported; the share in [0, 1] or null (noise)."""
     assert "exposed_comm_s" in row and "hidden_comm_share" in row
     share, raw = row["hidden_comm_share"], row.get("hidden_comm_share_raw")
     assert share is None or 0.0 <= share <= 1.0, share
@@ -188,7 +188,7 @@ def test_bench_transport_rows_carry_the_cross_core_ceiling(tmp_path: Path) -> No
     assert [r["size_bytes"] for r in res["rows"]] == [4096, 65536]
     for r in res["rows"]:
         for k in ("size_bytes", "native_gbps", "gloo_gbps", "memcpy_gbps", "native_latency_us", "gloo_latency_us"):
-            assert k in r, k  # DESIGN.md contract
+            assert k in r, k  # docs/architecture.md contract
         assert r["cross_core_copy_gbps"] > 0
         assert r["native_over_ceiling"] == pytest.approx(r["native_gbps"] / r["cross_core_copy_gbps"])
         for k in ("native_gbps", "gloo_gbps", "cross_core_copy_gbps", "memcpy_gbps"):

@@ -274,7 +274,7 @@ def sc_zero_copy_mismatch(t: CudaIpcTransport, setup: str) -> None:
 
 
 def sc_exports(t: CudaIpcTransport, setup: str) -> None:
-    """Zero-copy exports (issue 17 items 9, 10): one IPC handle per segment however often it is sent, and a
+    """Zero-copy exports: one IPC handle per segment however often it is sent, and a
     sent segment stays allocated on the sender while the receiver may map it: dropping the tensor and
     ``empty_cache()`` (which cudaFrees unused segments, as the allocator's OOM retry does) must not free it."""
     n = 24 << 20  # its own caching-allocator segment

@@ -1,4 +1,4 @@
-"""The CUDA IPC engine's fixes for the first GPU run (issue 17 items 5, 6, 7, 12; issue 9's sweep).
+"""The CUDA IPC engine's fixes for the first GPU run, and its sweep of stale segments.
 
 CPU tests (run everywhere): a zombie peer counts as dead; the stale sweep removes
 segments of both engines (and the names older CUDA builds used); the engine's

@@ -63,7 +63,7 @@ def test_demo_json_contract_and_bit_exact_first_step() -> None:
     assert abs(res["losses"][0] - math.log(256)) < 0.2
     assert all(t > 0 for t in res["step_times_s"])
     assert all(b >= 0 for b in res["bubble_measured"]) and res["bubble_simulated"] >= 0
-    # Overlap (DESIGN.md): measured in the same run; a share within [0, 1] or null (noise), never outside.
+    # Overlap (docs/architecture.md): measured in the same run; a share within [0, 1] or null (noise), never outside.
     assert len(res["hidden_comm_share"]) == len(res["exposed_comm_s"]) == 2
     assert res["t_comm_s"] > 0 and res["t_compute_s"] > 0 and res["link"]["bandwidth_bps"] > 0
     for k in range(2):

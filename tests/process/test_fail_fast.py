@@ -1,4 +1,4 @@
-"""Mistakes fail at Pipeline construction, on every rank, fast and naming the problem (issue 10, items 1-3, 9).
+"""Mistakes fail at Pipeline construction, on every rank, fast and naming the problem.
 
 * A schedule the validator rejects (B before F, a deleted backward, a deadlock)
   never runs: ``Pipeline`` raises ScheduleError on every rank in under 1 s

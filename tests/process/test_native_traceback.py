@@ -1,6 +1,6 @@
 """DUALPIPE_KERNELS_NATIVE_TRACEBACK=1: native stacks for a crash (then faulthandler's) and on SIGUSR2.
 
-How the H200's crashes were found (README, "GPU check"): a fault inside the extension names its frames, and
+How the H200's crashes were found (docs/history.md, "GPU runs"): a fault inside the extension names its frames, and
 a stuck process can be asked for every thread's stack without dying.
 """
 

@@ -1,4 +1,4 @@
-"""The runtime obeys the rules a GPU transport imposes (issue 17, defects 1 and 8), checked on CPU.
+"""The runtime obeys the rules a GPU transport imposes, checked on CPU.
 
 One spawned 2-rank group runs several schedules, two steps each (the second
 takes the speculative-receive path), through the real ``Pipeline`` with:

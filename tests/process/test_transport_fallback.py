@@ -1,4 +1,4 @@
-"""transport="auto" on GPUs falls back to the torch transport when any CUDA IPC step fails (issue 17, defect 4).
+"""transport="auto" on GPUs falls back to the torch transport when any CUDA IPC step fails.
 
 The agreement runs without a GPU: ranks are threads sharing one HashStore
 (``negotiate``), or spawned gloo ranks whose CUDA IPC pieces are replaced by

@@ -1,4 +1,4 @@
-"""CLI numbers that are not numbers, and output paths that cannot be written (issue 10, items 6 and 7).
+"""CLI numbers that are not numbers, and output paths that cannot be written.
 
 Every case: exit status 2, one line on stderr naming the problem, nothing on
 stdout, no traceback; an unwritable output is found before any work starts.

@@ -1,4 +1,4 @@
-"""`dualpipe-kernels simulate`: the DESIGN.md contract, exports, and one-line errors with exit status 2."""
+"""`dualpipe-kernels simulate`: the docs/architecture.md contract, exports, and one-line errors with exit status 2."""
 
 from __future__ import annotations
 

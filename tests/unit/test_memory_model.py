@@ -29,7 +29,7 @@ def test_keep_peak_is_peak_activations_times_chunk_bytes(name):
     got = peak_saved_bytes(sched, "keep", ChunkBytes(1000))
     want = [1000 * p for p in res.peak_activations_per_rank]
     if name in ("zb1p", "zbv"):
-        # After an I the runtime's graph (and what it saved) lives until the W; the DESIGN count frees at the I.
+        # After an I the runtime's graph (and what it saved) lives until the W; the reference table frees at the I.
         assert all(g >= w for g, w in zip(got, want, strict=True))
     else:
         assert got == want

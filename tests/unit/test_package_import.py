@@ -1,4 +1,4 @@
-"""``from dualpipe_kernels import _C`` works without importing torch first (issue 10, item 9)."""
+"""``from dualpipe_kernels import _C`` works without importing torch first."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`dualpipe-kernels plan`: the DESIGN.md JSON contract, --profile, and one-line errors with exit status 2."""
+"""`dualpipe-kernels plan`: the JSON contract (docs/architecture.md), --profile, one-line errors with exit status 2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DESIGN.md's reference table, reproduced by simulation as exact equalities.
+"""docs/architecture.md's reference table, reproduced by simulation as exact equalities.
 
 Regime of the table (stated once, used by every test here): uniform stages,
 zero communication cost, F = B - W (so I = F), B <= F&B <= F + B.  Costs are

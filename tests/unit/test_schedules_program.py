@@ -3,8 +3,7 @@
 A fake action kind, added by one rule (deps.RULES) and one runtime handler
 (runtime.loop.HANDLERS), is honoured by the validator, both simulator engines,
 the lowering pass and the runtime.  Also: simulate() rejects impossible
-schedules with ValueError (issue 10 item 5) and builds its result in
-O(actions) (item 8).
+schedules with ValueError and builds its result in O(actions).
 """
 
 from __future__ import annotations
@@ -141,7 +140,7 @@ def test_pair_forward_send_comes_right_after_the_pair() -> None:
     assert checked > 0
 
 
-# ---- issue 10, item 5: simulate() rejects impossible schedules with ValueError ------------------
+# ---- simulate() rejects impossible schedules with ValueError ------------------------------------
 
 
 def _mutated(kind: str) -> Schedule:
@@ -186,7 +185,7 @@ def test_validated_fast_path_is_enforced() -> None:
         simulate(bad, program=Program(bad))  # nor does one that validate() did not pass
 
 
-# ---- issue 10, item 8: O(actions) end to end ---------------------------------------------------------
+# ---- O(actions) end to end -------------------------------------------------------------------------
 
 
 def _simulate_json_s(ranks: int) -> float:

@@ -7,7 +7,7 @@ message, all that this layout implies: the codec and the layout tuple, the
 cached metadata, the inline plan; and the receiver decodes the metadata
 header, rebuilds the layout from it and compares it with the remembered one.
 With stages of a few microseconds of compute that bookkeeping is most of a
-message's cost (issue 16: the per-action overhead of the runtime).
+message's cost (the runtime's own overhead per action).
 
 So each end keeps, per message key, what the last such message was
 (:class:`~dualpipe_kernels.runtime.boundary.header.LayoutMemory`'s
