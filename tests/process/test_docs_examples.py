@@ -18,7 +18,7 @@ import pytest
 
 from dualpipe_kernels.runtime import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 MARKER = re.compile(r"<!-- test:run(?: ranks=(\d+))? -->\s*\n```python\n(.*?)^```", re.S | re.M)
 TIMEOUT_S = 120
