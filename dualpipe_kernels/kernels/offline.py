@@ -148,7 +148,7 @@ def analyse(formats: tuple[str, ...] = ("packed", "bf16", "fp8"), workers: int =
     jobs = [(f, n, c, p2, pack, contig) for f, n, c, p2 in VARIANTS if f in formats
             for pack in (True, False) if pack or not p2 for contig in (True, False)]  # fmt: skip
     with ThreadPoolExecutor(max_workers=workers) as ex:  # ptxas and cuobjdump run as processes
-        return list(ex.map(lambda j: _one(*j, tool), jobs))
+        return list(ex.map(lambda j: _one(j[0], j[1], j[2], j[3], j[4], j[5], tool), jobs))
 
 
 #: the Triton of the GPU machine (the pip wheel that ``bench/device_check.sh`` installs there)
