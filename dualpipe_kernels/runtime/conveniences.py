@@ -99,6 +99,12 @@ class PipelineConveniences:
         return inner if isinstance(inner, Transport) else self._transport
 
     @property
+    def inline_limit_bytes(self) -> int:
+        """The data bytes up to which a message with a remembered layout travels as one transfer (the same on
+        every rank: ``WireOptions.inline_limit_bytes``, or the transport's choice)."""
+        return int(self._layouts.inline_max_bytes)
+
+    @property
     def transport_name(self) -> str:
         """The transport actually in use (``"native"``, ``"torch"``, ``"cuda_ipc"``...), never ``"auto"``."""
         return str(self._base_transport().name)
