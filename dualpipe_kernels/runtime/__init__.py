@@ -8,6 +8,13 @@ DCP checkpoints under the full model's parameter names.  ``run_reference``: the
 single-process reference the executor is checked against.  ``spawn`` /
 ``spawn_outcomes``: start local worker processes, one per rank.
 ``pipeline_expert_groups``: the process groups of a pipeline x expert-parallel layout.
+
+Layers (bottom first; a module imports only modules below it, held by
+tests/unit/test_import_graph.py): foundations (checks, construction, groups,
+launch, microbatch, timeline, memory_plan, memory_store, zero_bubble), the
+boundary wing (boundary/), options, the subsystems (fingerprint, stages,
+memory, reference, mirror, checkpoint, compute, data_parallel), the step (loop,
+result), the pipeline (conveniences, executor), and this package's face.
 """
 
 from dualpipe_kernels.runtime.checkpoint import load_pipeline, load_stage_state_dict, save_pipeline, stage_state_dict

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from dualpipe_kernels.runtime.boundary.codec import BoundaryFormat, boundary_format
 from dualpipe_kernels.runtime.checks import check_timeout
-from dualpipe_kernels.runtime.memory_plan import MemoryPolicy
+from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, parse_memory_policy
 from dualpipe_kernels.transport import TRANSPORT_NAMES, Transport
 
 __all__ = [
@@ -250,9 +250,9 @@ class MemoryOptions:
     def for_stages(self, stages: Sequence[int]) -> dict[int, MemoryPolicy]:
         """``{stage: policy}`` for ``stages`` (a rank's own): the mapping's entries, ``keep`` where it has none."""
         if isinstance(self.policy, MemoryPolicy):
-            return {s: self.policy for s in stages}
+            return parse_memory_policy(self.policy, stages)
         assert isinstance(self.policy, Mapping)
-        return {s: MemoryPolicy.parse(self.policy.get(s, "keep")) for s in stages}
+        return parse_memory_policy({s: p for s, p in self.policy.items() if s in stages}, stages)
 
     def check_stages(self, num_stages: int) -> None:
         """ValueError when a per-stage mapping names a stage the schedule does not have."""
