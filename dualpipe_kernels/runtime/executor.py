@@ -160,7 +160,8 @@ class Pipeline(PipelineConveniences, nn.Module):
         memory_policy: MemoryPolicySpec | None = None,
         record_timeline: bool | None = None,
     ) -> None:
-        """Check the options, lower the schedule, agree across ranks, set up the transport, build the subsystems."""
+        """Check the arguments and options, lower the schedule, agree across ranks, set up the transport, build the
+        subsystems (collective: every rank of the group builds its Pipeline)."""
         options = PipelineOptions.fold(
             {"layout": layout, "wire": wire, "gradients": gradients, "memory": memory, "diagnostics": diagnostics},
             {
