@@ -9,13 +9,13 @@ turns (A B, then B A, ...), so both see the same load.  Printed: per setting the
 median step (the slowest rank's) with its quartiles and the busiest rank's CPU
 per step, then the median over rounds of the paired difference A - B.
 
-Settings are JSON objects: ``NativeTransport`` keyword arguments, plus
-``inline_limit`` (the pipeline's inline data limit, bytes: 32768 is the limit
-without ``Transport.message_inline_bytes``) and, under ``loop``, attributes of
-the pipeline's ``ActionLoop`` to set (an unknown one is an error).  Example
-(the large-message change)::
+Settings are JSON objects: ``NativeTransport`` keyword arguments, plus, under
+``wire``, ``WireOptions`` fields of the pipeline (``inline_limit_bytes``: the
+inline data limit, 32768 is the limit without ``Transport.message_inline_bytes``;
+``recv_lookahead``, ``early_small_receives``...; an unknown one is an error).
+Example (the large-message change)::
 
-    python bench/ab_pipelines.py --a '{"inline_limit": 32768}' --b '{}' --rounds 24
+    python bench/ab_pipelines.py --a '{"wire": {"inline_limit_bytes": 32768}}' --b '{}' --rounds 24
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> tuple[dict[str, list[
     import torch.distributed as dist
 
     from dualpipe_kernels.benchmarks.sleep_stages import SleepStage, sleep_batch, sleep_criterion
-    from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.runtime import Pipeline, WireOptions
     from dualpipe_kernels.schedules.generators import build_schedule
     from dualpipe_kernels.transport.native import NativeTransport
 
@@ -43,18 +43,18 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> tuple[dict[str, list[
     transports = []
     for name in ("A", "B"):
         kw = dict(cfg[name])
-        limit, loop = kw.pop("inline_limit", None), kw.pop("loop", {})
+        wire = kw.pop("wire", {})
         tr = NativeTransport(**kw)
         transports.append(tr)
-        pipe = Pipeline(sched, modules, transport=tr)
-        if limit is not None:
-            pipe._layouts.inline_max_bytes = int(limit)
-        for attr, value in loop.items():
-            if not hasattr(pipe._loop, attr):
-                raise ValueError(f"setting {name}: the action loop has no attribute {attr!r}")
-            setattr(pipe._loop, attr, value)
-        pipes[name] = pipe
-    applied = {n: {"inline_limit": p._layouts.inline_max_bytes} for n, p in pipes.items()}
+        try:
+            options = WireOptions(tr, **wire)
+        except TypeError as exc:  # an unknown field
+            raise ValueError(f"setting {name}: {exc}") from exc
+        pipes[name] = Pipeline(sched, modules, wire=options)
+    applied = {
+        n: {"inline_limit_bytes": p.inline_limit_bytes, "early_small_receives": p.early_small_receives}
+        for n, p in pipes.items()
+    }
     x = sleep_batch(cfg["microbatches"], cfg["activation_bytes"])
     labels = torch.zeros(x.shape[0])
     times: dict[str, list[float]] = {"A": [], "B": []}

@@ -33,11 +33,12 @@ and ``step(*inputs, num_chunks=0, criterion=None, labels=[], return_outputs=Fals
 Differences: CPU and CUDA both work (the reference requires CUDA); P2P shapes
 and dtype are exchanged at run time, so ``set_p2p_tensor_shapes`` /
 ``set_p2p_tensor_dtype`` are accepted and only validated; bad input raises
-ValueError (the reference asserts).  Keyword-only extras: ``transport``
-("auto", the default: the native engine for same-host peers when built |
-"torch" | "native" | a Transport), ``timeout_s`` (every wait) and
-``boundary_format`` ("none", the default | "packed" | "bf16" | "fp8", or one
-per direction as ``(activations, gradients)``; see ``Pipeline``).
+ValueError (the reference asserts).  Keyword-only extras: ``wire``, a
+``runtime.WireOptions``, or its shorthands ``transport`` ("auto", the default:
+the native engine for same-host peers when built | "torch" | "native" | a
+Transport), ``timeout_s`` (every wait) and ``boundary_format`` ("none", the
+default | "packed" | "bf16" | "fp8", or one per direction as
+``(activations, gradients)``; see ``Pipeline`` and docs/runtime_options.md).
 
 ``WeightGradStore``: the reference keeps the zero-bubble weight-gradient queue
 in class attributes that user autograd functions call directly
@@ -53,11 +54,14 @@ exactly as the reference does when zero-bubble is off.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from dualpipe_kernels.runtime.options import WireOptions
 
 __all__ = [
     "DualPipe",
@@ -236,18 +240,20 @@ class _DualPipeBase(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         rank_mapping: Sequence[int] | None = None,
         *,
-        transport: Any = "auto",
-        timeout_s: float = 120.0,
-        boundary_format: Any = "none",
+        wire: WireOptions | None = None,
+        transport: Any = None,
+        timeout_s: float | None = None,
+        boundary_format: Any = None,
     ) -> None:
         super().__init__()
-        from dualpipe_kernels.runtime.checks import check_timeout
+        from dualpipe_kernels.runtime.options import PipelineOptions
 
-        timeout_s = check_timeout(timeout_s)
-        from dualpipe_kernels.runtime.boundary.codec import boundary_format as parse_format
-
+        # ``wire``: a WireOptions; ``transport`` / ``timeout_s`` / ``boundary_format``: its shorthands (as Pipeline's)
+        shorthands = {"transport": transport, "timeout_s": timeout_s, "boundary_format": boundary_format}
+        self._wire = PipelineOptions.fold({"wire": wire}, shorthands).wire  # checked (ValueError naming the field)
+        timeout_s = self._wire.timeout_s
         #: how stage-boundary messages travel (validated here, used by every pipeline built)
-        self.boundary_format = parse_format(boundary_format)
+        self.boundary_format = self._wire.format
         modules = list(modules)
         if len(modules) != 2 or not all(isinstance(m, nn.Module) for m in modules):
             raise ValueError(
@@ -272,7 +278,7 @@ class _DualPipeBase(nn.Module):
         self.rank = rank_mapping[dist.get_rank(self.group)]
         self.is_first_rank = self.rank == 0
         self.is_last_rank = self.rank == self.num_ranks - 1
-        self.transport = transport
+        self.transport = self._wire.transport
         self.timeout_s = timeout_s
         # The runtime Pipeline is an nn.Module holding the same stage modules: keep it out of
         # this module's children so state_dict()/parameters() look exactly like the reference's.
@@ -287,7 +293,7 @@ class _DualPipeBase(nn.Module):
     def _pipeline(self, num_chunks: int) -> Any:
         if self._pipe is not None and self._pipe_chunks == num_chunks:
             return self._pipe
-        from dualpipe_kernels.runtime import Pipeline
+        from dualpipe_kernels.runtime import GradientOptions, LayoutOptions, Pipeline
         from dualpipe_kernels.schedules.generators import build_schedule
 
         schedule = build_schedule(self._SCHEDULE, self.num_ranks, num_chunks)  # ValueError names the constraint
@@ -301,14 +307,11 @@ class _DualPipeBase(nn.Module):
         pipe = Pipeline(
             schedule,
             {s0: self.module[0], s1: self.module[1]},
-            group=self.group,
-            rank_mapping=self.rank_mapping,
-            transport=self.transport,
-            batch_dim=self.batch_dim,
-            timeout_s=self.timeout_s,
-            sync_mirror_grads=False,
-            boundary_format=self.boundary_format,
-            scale_grads=False,  # the reference sums the micro-batch losses' gradients
+            self.group,
+            layout=LayoutOptions(rank_mapping=self.rank_mapping, batch_dim=self.batch_dim),
+            wire=self._wire,
+            # the reference sums the micro-batch losses' gradients, and syncs no mirror copies
+            gradients=GradientOptions(sync_mirror_grads=False, scale_grads=False),
         )
         object.__setattr__(self, "_pipe", pipe)
         self._pipe_chunks = num_chunks

@@ -19,7 +19,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["OverlapMetric", "overlap_metric", "share_text", "ROUNDING"]
+__all__ = ["OverlapMetric", "overlap_metric", "share_text", "ROUNDING", "METRIC_SENTENCE"]
+
+#: The overlap metric in one sentence (the docs and every table that prints it).
+METRIC_SENTENCE = (
+    "comm hidden = 1 - (T_step - T_compute) / T_comm, where T_step is the step with real activations, "
+    "T_compute the same pipeline in the same run with every transfer cut to a few bytes, and T_comm the "
+    "step's transfers alone on the measured link; a raw value outside [0, 1] is shown as noise, not as a share."
+)
 
 #: A raw share this close outside [0, 1] is floating-point rounding, not noise: it is clipped into range.
 ROUNDING = 1e-9

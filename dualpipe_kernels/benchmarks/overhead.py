@@ -66,6 +66,12 @@ WIDTH = 8  # features of every chunk's Linear and of every micro-batch row
 __all__ = ["NAME", "OverheadConfig", "add_arguments", "run", "to_markdown"]
 
 
+def _schedule_of(case: tuple[str, str, str]) -> str:
+    """The schedule label of ``case``'s row: a torch class's own label, else our schedule's name."""
+    impl, _, name = case
+    return TORCH_PEERS[name][0] if impl == "torch" else name
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedules", default=None, help=f"comma list (default {','.join(FULL_SCHEDULES)}; quick fewer)")
     p.add_argument(
@@ -419,7 +425,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     launches = []
     for k in range(cfg.launches):  # the first launch also profiles
         per_rank = spawn(_worker, cfg.ranks, cfg, k == 0, timeout_s=900, pg_timeout_s=300, threads=1)
-        rows = [case_row(cfg, case, per_rank) for case in cfg.cases()]
+        rows = [case_row(case, _schedule_of(case), cfg.ranks, cfg.microbatches, per_rank) for case in cfg.cases()]
         add_ratios(rows)
         launches.append(rows)
         if k == 0:

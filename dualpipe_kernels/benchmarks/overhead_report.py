@@ -3,36 +3,34 @@ the combination of launches, and the Markdown report (the measuring is in overhe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from dualpipe_kernels.benchmarks.overhead import OverheadConfig
+from typing import Any
 
 __all__ = ["case_row", "add_ratios", "add_floor", "combine_launches", "to_markdown"]
 
 
-def _actions(cfg: OverheadConfig, schedule: str) -> int:
+def _actions(ranks: int, microbatches: int, schedule: str) -> int:
     """Compute actions of the busiest rank of our ``schedule``."""
     from dualpipe_kernels.schedules.generators import build_schedule
 
-    return max(len(a) for a in build_schedule(schedule, cfg.ranks, cfg.microbatches).actions)
+    return max(len(a) for a in build_schedule(schedule, ranks, microbatches).actions)
 
 
-def case_row(cfg: OverheadConfig, case: tuple[str, str, str], per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def case_row(
+    case: tuple[str, str, str], schedule: str, ranks: int, microbatches: int, per_rank: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The row of ``case`` (impl, transport, schedule or torch class) run as ``schedule`` (ours: the torch
+    class's counterpart) on ``ranks`` x ``microbatches``, from every rank's results ``per_rank``."""
     import statistics
 
     from dualpipe_kernels.schedules.generators import SCHEDULE_NAMES
 
     impl, transport, name = case
-    from dualpipe_kernels.benchmarks.overhead import TORCH_PEERS
-
-    schedule = TORCH_PEERS[name][0] if impl == "torch" else name
     row: dict[str, Any] = {
         "impl": impl,
         "transport": transport,
         "schedule": schedule,
-        "ranks": cfg.ranks,
-        "microbatches": cfg.microbatches,
+        "ranks": ranks,
+        "microbatches": microbatches,
     }
     if impl == "torch":
         row["torch_class"] = name
@@ -46,7 +44,7 @@ def case_row(cfg: OverheadConfig, case: tuple[str, str, str], per_rank: list[dic
     if theirs:
         row["torch_compute_actions"] = max(theirs)
     if schedule in SCHEDULE_NAMES:
-        actions = _actions(cfg, schedule)
+        actions = _actions(ranks, microbatches, schedule)
     elif theirs:
         actions = max(theirs)
     else:

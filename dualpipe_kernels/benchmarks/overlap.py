@@ -122,8 +122,7 @@ def _worker(rank: int, world: int, cfg: OverlapConfig) -> dict[str, Any]:
 def _row(
     cfg: OverlapConfig, case: tuple[str, int, str], per_rank: list[Any], sim_free: float, chunks: Any
 ) -> dict[str, Any]:
-    from dualpipe_kernels.benchmarks.schedules import simulate_sleep
-    from dualpipe_kernels.benchmarks.sleep_runs import overlap_terms
+    from dualpipe_kernels.benchmarks.sleep_runs import overlap_terms, simulate_sleep
     from dualpipe_kernels.schedules.costs import CommModel
 
     tr, size, fmt = case
@@ -157,7 +156,7 @@ def _row(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualpipe_kernels.benchmarks.common import Progress
-    from dualpipe_kernels.benchmarks.schedules import nominal_chunks, simulate_sleep
+    from dualpipe_kernels.benchmarks.sleep_runs import nominal_chunks, simulate_sleep
     from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
     from dualpipe_kernels.runtime.launch import spawn
 
@@ -180,8 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def to_markdown(result: dict[str, Any]) -> str:
     from dualpipe_kernels.benchmarks.common import markdown_table
-    from dualpipe_kernels.benchmarks.metrics import share_text
-    from dualpipe_kernels.benchmarks.schedules_report import METRIC_SENTENCE
+    from dualpipe_kernels.benchmarks.metrics import METRIC_SENTENCE, share_text
 
     c = result.get("config", {})
     head = (

@@ -30,8 +30,8 @@ Side by side (``peers``): the same chunks and costs through
 torch.distributed.pipelining's ScheduleDualPipeV and Schedule1F1B; a peer's
 ``ratio`` is our step time / theirs (below 1: we are faster).
 
-The short-chunk row (1/2/1 ms chunks, where the runtime's own cost shows) is
-:mod:`.schedules_short`.
+The short-chunk row (1/2/1 ms chunks, where the runtime's own cost shows):
+:func:`short_chunk_rows`, with the fields of :mod:`.schedules_short`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any
 
 from dualpipe_kernels.benchmarks.common import int_list
 from dualpipe_kernels.benchmarks.schedules_report import to_markdown, write_plots
-from dualpipe_kernels.benchmarks.sleep_runs import SleepRun
+from dualpipe_kernels.benchmarks.sleep_runs import SleepRun, nominal_chunks, simulate_sleep
 
 NAME = "schedules"
 SCHEDULES = ("dualpipev", "dualpipe", "1f1b", "zb1p")
@@ -63,10 +63,8 @@ __all__ = [
     "run",
     "to_markdown",
     "write_plots",
-    "simulate_sleep",
-    "nominal_chunks",
     "calibrate_chunks",
-    "chunk_costs_from_config",
+    "short_chunk_rows",
 ]
 
 
@@ -171,30 +169,7 @@ class SchedulesConfig:
         return {"schedules": list(self.schedules), "ranks": list(self.ranks), "peers": self.peers, **run}
 
 
-# ---------------------------------------------------------------- simulation
-def simulate_sleep(name: str, ranks: int, microbatches: int, chunks: dict[int, Any], comm: Any = None) -> Any:
-    """SimResult of ``name`` on the common model (F&B = F + B: no overlap hook).
-
-    ``chunks``: ``{k: ChunkCosts}``, the cost of a stage of ``k`` chunks
-    (:func:`calibrate_chunks` measured, or :func:`nominal_chunks`); the stage of
-    this schedule has ``chunks_per_stage`` chunks.  ``comm``: a ``CommModel``
-    (default free communication).
-    """
-    from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
-    from dualpipe_kernels.schedules.generators import build_schedule
-    from dualpipe_kernels.schedules.simulator import simulate
-
-    sched = build_schedule(name, ranks, microbatches)
-    return simulate(sched, chunks[chunks_per_stage(sched)].cost_model(), comm)
-
-
-def nominal_chunks(f_s: float, b_s: float, w_s: float, overshoot_s: float = 0.0) -> dict[int, Any]:
-    """``{k: ChunkCosts}`` of the requested sleeps of one chunk plus what each ``time.sleep`` adds, k = 1, 2."""
-    from dualpipe_kernels.benchmarks.sleep_stages import ChunkCosts
-
-    return {k: ChunkCosts.nominal(k * f_s, k * b_s, k * w_s, overshoot_s) for k in (1, 2)}
-
-
+# ---------------------------------------------------------------- calibration
 def calibrate_chunks(cfg: SchedulesConfig) -> dict[int, Any]:
     """``{k: ChunkCosts}`` timed alone, for every stage size (chunks per stage) the configured schedules use."""
     from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
@@ -211,14 +186,6 @@ def calibrate_chunks(cfg: SchedulesConfig) -> dict[int, Any]:
         k: measure_chunk_costs(k * cfg.run.f_s, k * cfg.run.b_s, k * cfg.run.w_s, cfg.run.activation_bytes, repeats)
         for k in ks
     }
-
-
-def chunk_costs_from_config(c: dict[str, Any]) -> dict[int, Any] | None:
-    """The ``{k: ChunkCosts}`` a result's ``config["chunk_costs_s"]`` holds (None when absent)."""
-    from dualpipe_kernels.benchmarks.sleep_stages import ChunkCosts
-
-    raw = c.get("chunk_costs_s")
-    return {int(k): ChunkCosts(**v) for k, v in raw.items()} if raw else None
 
 
 # ---------------------------------------------------------------- rank worker
@@ -357,10 +324,41 @@ def _peer_rows(cfg: SchedulesConfig, ranks: int, per_rank: list[dict[str, Any]],
     return out
 
 
+# ---------------------------------------------------------------- the short-chunk row
+def short_chunk_rows(cfg: SchedulesConfig) -> list[dict[str, Any]]:
+    """The short-chunk rows (:mod:`.schedules_short`): one per rank count of ``cfg`` (the settings of
+    :meth:`SchedulesConfig.short_chunks`)."""
+    from dualpipe_kernels.benchmarks.schedules_short import bare_fields, floor_fields
+    from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
+    from dualpipe_kernels.runtime.launch import spawn
+
+    rows = []
+    for ranks in cfg.ranks:
+        launches = []
+        for _ in range(cfg.short_launches):
+            over = sleep_overshoot(cfg.run.f_s, repeats=20)
+            chunks = calibrate_chunks(cfg)
+            per_rank = spawn(_worker, ranks, cfg, timeout_s=600, pg_timeout_s=300)
+            row = _schedule_row(cfg, "dualpipev", ranks, per_rank, chunks, over)
+            row.pop("step_times_s", None)
+            ms = [r["ours"].get("dualpipev") for r in per_rank]
+            floor = floor_fields(ms, cfg.run.microbatches, ranks, chunks, row.get("ratio"))
+            floor.update(bare_fields(ms, row.get("measured_s"), row.get("simulated_s")))
+            launches.append({**row, **floor})
+        measured = sorted((r for r in launches if r.get("ratio") is not None), key=lambda r: r["ratio"])
+        ratios = [r["ratio"] for r in launches if r.get("ratio") is not None]  # in launch order
+        # the launch of median ratio (the lower middle one of an even count)
+        row = measured[(len(measured) - 1) // 2] if measured else launches[0]
+        rows.append({**row, "f_s": cfg.run.f_s, "b_s": cfg.run.b_s, "w_s": cfg.run.w_s, "launches": len(launches),
+                     "ratios": ratios, "ratio_min": min(ratios, default=None),
+                     "ratio_max": max(ratios, default=None)})  # fmt: skip
+    return rows
+
+
 # ---------------------------------------------------------------- suite entry points
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualpipe_kernels.benchmarks.common import Progress
-    from dualpipe_kernels.benchmarks.schedules_short import short_chunk_rows, short_targets
+    from dualpipe_kernels.benchmarks.schedules_short import short_targets
     from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
     from dualpipe_kernels.runtime.launch import spawn
 

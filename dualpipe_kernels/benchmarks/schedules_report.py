@@ -6,14 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["to_markdown", "write_plots", "METRIC_SENTENCE"]
+from dualpipe_kernels.benchmarks.metrics import METRIC_SENTENCE
 
-#: The overlap metric in one sentence (the docs and every table that prints it).
-METRIC_SENTENCE = (
-    "comm hidden = 1 - (T_step - T_compute) / T_comm, where T_step is the step with real activations, "
-    "T_compute the same pipeline in the same run with every transfer cut to a few bytes, and T_comm the "
-    "step's transfers alone on the measured link; a raw value outside [0, 1] is shown as noise, not as a share."
-)
+__all__ = ["to_markdown", "write_plots", "METRIC_SENTENCE"]
 
 
 def _costs_text(c: dict[str, Any]) -> str:
@@ -164,7 +159,7 @@ def _bubble_plot(rows: list[dict[str, Any]], path: Path) -> Path:
 def _timeline_plots(result: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
-    from dualpipe_kernels.benchmarks.schedules import chunk_costs_from_config, nominal_chunks, simulate_sleep
+    from dualpipe_kernels.benchmarks.sleep_runs import chunk_costs_from_config, nominal_chunks, simulate_sleep
     from dualpipe_kernels.runtime.timeline import schedule_entries
     from dualpipe_kernels.schedules.plot import plot_overlay
     from dualpipe_kernels.schedules.trace import write_chrome_trace

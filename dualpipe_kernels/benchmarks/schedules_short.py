@@ -1,7 +1,8 @@
-"""The short-chunk row of ``bench schedules``: DualPipeV on 1/2/1 ms chunks, where the runtime's
-own cost per action shows.
+"""What the short-chunk row of ``bench schedules`` adds to a schedule row: DualPipeV on 1/2/1 ms
+chunks, where the runtime's own cost per action shows.  The suite (:func:`.schedules.short_chunk_rows`)
+runs the row; this module reads its extra fields (it imports nothing of the suite).
 
-The row is the suite's schedule row (:func:`.schedules._schedule_row`), measured
+The row is the suite's schedule row, measured
 ``cfg.short_launches`` times, each launch with fresh rank processes and its own
 calibration just before (a launch's ratio moved by up to 20% between launches
 minutes apart on the 2-core machine, calibration and measurement together): the
@@ -17,44 +18,14 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dualpipe_kernels.benchmarks.schedules import SchedulesConfig, _schedule_row, _worker, calibrate_chunks
-
-__all__ = ["SHORT_TARGET_RATIO", "short_chunk_rows", "floor_fields", "bare_fields", "short_targets"]
+__all__ = ["SHORT_TARGET_RATIO", "floor_fields", "bare_fields", "short_targets"]
 
 #: measured / simulated target of the short-chunk row, DualPipeV 4 ranks x 16 (at most 10% over the simulator)
 SHORT_TARGET_RATIO = 1.10
 
 
-def short_chunk_rows(cfg: SchedulesConfig) -> list[dict[str, Any]]:
-    """One row per rank count of ``cfg`` (the settings of :meth:`SchedulesConfig.short_chunks`)."""
-    from dualpipe_kernels.benchmarks.sleep_stages import sleep_overshoot
-    from dualpipe_kernels.runtime.launch import spawn
-
-    rows = []
-    for ranks in cfg.ranks:
-        launches = []
-        for _ in range(cfg.short_launches):
-            over = sleep_overshoot(cfg.run.f_s, repeats=20)
-            chunks = calibrate_chunks(cfg)
-            per_rank = spawn(_worker, ranks, cfg, timeout_s=600, pg_timeout_s=300)
-            row = _schedule_row(cfg, "dualpipev", ranks, per_rank, chunks, over)
-            row.pop("step_times_s", None)
-            ms = [r["ours"].get("dualpipev") for r in per_rank]
-            floor = floor_fields(ms, cfg, ranks, chunks, row.get("ratio"))
-            floor.update(bare_fields(ms, row.get("measured_s"), row.get("simulated_s")))
-            launches.append({**row, **floor})
-        measured = sorted((r for r in launches if r.get("ratio") is not None), key=lambda r: r["ratio"])
-        ratios = [r["ratio"] for r in launches if r.get("ratio") is not None]  # in launch order
-        # the launch of median ratio (the lower middle one of an even count)
-        row = measured[(len(measured) - 1) // 2] if measured else launches[0]
-        rows.append({**row, "f_s": cfg.run.f_s, "b_s": cfg.run.b_s, "w_s": cfg.run.w_s, "launches": len(launches),
-                     "ratios": ratios, "ratio_min": min(ratios, default=None),
-                     "ratio_max": max(ratios, default=None)})  # fmt: skip
-    return rows
-
-
 def floor_fields(
-    per_rank: list[Any], cfg: SchedulesConfig, ranks: int, chunks: dict[int, Any], ratio: float | None
+    per_rank: list[Any], microbatches: int, ranks: int, chunks: dict[int, Any], ratio: float | None
 ) -> dict[str, Any]:
     """The compute floor of one launch (:mod:`.compute_floor`) and what it says of the launch's ``ratio``.
 
@@ -72,7 +43,7 @@ def floor_fields(
     keys = ("floor_alone_s", "floor_together_s", "floor_inflation", "alone_drift", "ratio_runtime")
     if not per_rank or any(m is None or not m.floor_alone or not m.floor_together for m in per_rank):
         return dict.fromkeys(keys)
-    sched = build_schedule("dualpipev", ranks, cfg.run.microbatches)
+    sched = build_schedule("dualpipev", ranks, microbatches)
     c = chunks[chunks_per_stage(sched)]
     cost = {T_F: c.f, T_B: c.i + c.w, T_I: c.i, T_W: c.w}  # as the simulator's cost model (B = I + W)
     drift = statistics.median(

@@ -28,6 +28,9 @@ from typing import Any
 
 __all__ = [
     "SleepRun",
+    "simulate_sleep",
+    "nominal_chunks",
+    "chunk_costs_from_config",
     "RankMeasurement",
     "add_sleep_arguments",
     "chunks_per_stage",
@@ -273,3 +276,34 @@ def overlap_terms(per_rank: list[RankMeasurement]) -> dict[str, Any]:
         "transfer_s": link.one_way_s,
         "transfers_per_rank_max": max(len(m.received_bytes) for m in per_rank),
     }
+
+
+# ---------------------------------------------------------------- the simulator on sleep chunks
+def simulate_sleep(name: str, ranks: int, microbatches: int, chunks: dict[int, Any], comm: Any = None) -> Any:
+    """SimResult of ``name`` on the common model (F&B = F + B: no overlap hook).
+
+    ``chunks``: ``{k: ChunkCosts}``, the cost of a stage of ``k`` chunks
+    (:func:`.schedules.calibrate_chunks` measured, or :func:`nominal_chunks`); the stage of
+    this schedule has ``chunks_per_stage`` chunks.  ``comm``: a ``CommModel``
+    (default free communication).
+    """
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.simulator import simulate
+
+    sched = build_schedule(name, ranks, microbatches)
+    return simulate(sched, chunks[chunks_per_stage(sched)].cost_model(), comm)
+
+
+def nominal_chunks(f_s: float, b_s: float, w_s: float, overshoot_s: float = 0.0) -> dict[int, Any]:
+    """``{k: ChunkCosts}`` of the requested sleeps of one chunk plus what each ``time.sleep`` adds, k = 1, 2."""
+    from dualpipe_kernels.benchmarks.sleep_stages import ChunkCosts
+
+    return {k: ChunkCosts.nominal(k * f_s, k * b_s, k * w_s, overshoot_s) for k in (1, 2)}
+
+
+def chunk_costs_from_config(c: dict[str, Any]) -> dict[int, Any] | None:
+    """The ``{k: ChunkCosts}`` a result's ``config["chunk_costs_s"]`` holds (None when absent)."""
+    from dualpipe_kernels.benchmarks.sleep_stages import ChunkCosts
+
+    raw = c.get("chunk_costs_s")
+    return {int(k): ChunkCosts(**v) for k, v in raw.items()} if raw else None

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -63,7 +63,15 @@ from dualpipe_kernels.kernels.pack_table import (
 )
 from dualpipe_kernels.kernels.triton_casts import bf16_cast, bf16_value, fp8_value, quantize_e4m3
 
-__all__ = ["INTERPRETED", "pack_into", "unpack_into", "rows_per_block", "registers_per_thread", "fit_per_sm"]
+__all__ = [
+    "INTERPRETED",
+    "pack_into",
+    "unpack_into",
+    "rows_per_block",
+    "registers_per_thread",
+    "fit_per_sm",
+    "host_only",
+]
 
 #: True when the kernels run in Triton's interpreter (TRITON_INTERPRET=1 at import)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -548,6 +556,8 @@ def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer:
     log_n = 0 if n == 1 else max(_MIN_LOG_N, math.ceil(math.log2(n)))
     # Triton launches on the current device; the buffer's may be another (switching costs microseconds)
     other = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
+    if _host_only:
+        return
     with torch.cuda.device(device) if other else contextlib.nullcontext():
         kernel[(programs,)](meta, buffer, n, plan.iters, nfast, LOG_N=log_n, ROWS=plan.tile, SUB=plan.rows // plan.tile,
                             W=_WIDTH,
@@ -583,3 +593,19 @@ def unpack_into(buffer: torch.Tensor, layout: PackLayout, outs: Sequence[torch.T
         if d is not o and d.data_ptr() != o.data_ptr():  # a > 4-dim strided view went through a contiguous copy
             with torch.no_grad():
                 _bit_view(o).copy_(d)
+
+
+_host_only = False  # set by host_only()
+
+
+@contextlib.contextmanager
+def host_only() -> Iterator[None]:
+    """Inside: :func:`pack_into` / :func:`unpack_into` do all their host work (checks, the launch plan, the
+    table) and launch no kernel, so what a benchmark times is this library's own host path per call
+    (bench/pack_host_us.py).  Process-wide, for benchmarks only: no kernel runs anywhere meanwhile."""
+    global _host_only
+    before, _host_only = _host_only, True
+    try:
+        yield
+    finally:
+        _host_only = before

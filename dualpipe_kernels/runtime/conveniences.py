@@ -8,6 +8,7 @@ construction and the step so each file has one job; it reads the pipeline's attr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -17,11 +18,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dualpipe_kernels.runtime.options import (
+    DiagnosticsOptions,
+    GradientOptions,
+    LayoutOptions,
+    MemoryOptions,
+    WireOptions,
+)
+from dualpipe_kernels.runtime.result import StepResult
+from dualpipe_kernels.runtime.stages import build_stage_modules
 from dualpipe_kernels.schedules.ir import Schedule
 from dualpipe_kernels.transport import Transport
-
-if TYPE_CHECKING:
-    from dualpipe_kernels.runtime.executor import StepResult
 
 __all__ = ["PipelineConveniences"]
 
@@ -54,7 +61,18 @@ class PipelineConveniences:
 
     if TYPE_CHECKING:  # the builders below call ``cls(...)``: Pipeline's constructor (nn.Module's at runtime)
 
-        def __init__(self, *args: Any, **kw: Any) -> None: ...
+        def __init__(
+            self,
+            schedule: Schedule,
+            modules: Mapping[int, nn.Module] | Sequence[nn.Module],
+            group: dist.ProcessGroup | None = None,
+            *,
+            layout: LayoutOptions | None = None,
+            wire: WireOptions | None = None,
+            gradients: GradientOptions | None = None,
+            memory: MemoryOptions | None = None,
+            diagnostics: DiagnosticsOptions | None = None,
+        ) -> None: ...
 
     def _describe(self) -> str:
         """One line: what this pipeline runs and what it chose (transport per peer, policies)."""
@@ -81,6 +99,12 @@ class PipelineConveniences:
         return inner if isinstance(inner, Transport) else self._transport
 
     @property
+    def inline_limit_bytes(self) -> int:
+        """The data bytes up to which a message with a remembered layout travels as one transfer (the same on
+        every rank: ``WireOptions.inline_limit_bytes``, or the transport's choice)."""
+        return int(self._layouts.inline_max_bytes)
+
+    @property
     def transport_name(self) -> str:
         """The transport actually in use (``"native"``, ``"torch"``, ``"cuda_ipc"``...), never ``"auto"``."""
         return str(self._base_transport().name)
@@ -91,26 +115,39 @@ class PipelineConveniences:
         schedule: Schedule,
         model: nn.Sequential,
         partition: Sequence[int] | None = None,
-        **kw: Any,
+        *,
+        group: dist.ProcessGroup | None = None,
+        layout: LayoutOptions | None = None,
+        wire: WireOptions | None = None,
+        gradients: GradientOptions | None = None,
+        memory: MemoryOptions | None = None,
+        diagnostics: DiagnosticsOptions | None = None,
     ) -> _P:
         """A pipeline running this rank's share of the full ``model`` (every rank builds the same model).
 
         ``partition[m]``: number of layers of model stage ``m`` (default: as even
-        as possible, earlier stages one layer more).  ``kw``: ``Pipeline``'s
-        keywords.  The stage modules are :func:`build_stage_modules`'s
-        (``StageLayers`` sharing the model's layers; a second copy of a model
-        stage held by the same rank is a deep copy), so parameter names map back
-        to ``model``'s (``runtime.checkpoint``).  Example::
+        as possible, earlier stages one layer more).  ``group`` and the option
+        groups: as for ``Pipeline`` (runtime/options.py).  The stage modules are
+        :func:`build_stage_modules`'s (``StageLayers`` sharing the model's
+        layers; a second copy of a model stage held by the same rank is a deep
+        copy), so parameter names map back to ``model``'s (``runtime.checkpoint``).
+        Example::
 
             model = nn.Sequential(*layers)  # same seed on every rank
-            pipe = Pipeline.from_sequential(build_schedule("dualpipev", 2, 8), model)
+            pipe = Pipeline.from_sequential(build_schedule("dualpipev", 2, 8), model, wire=WireOptions(timeout_s=60))
         """
-        from dualpipe_kernels.runtime.stages import build_stage_modules
-
-        mods = build_stage_modules(
-            schedule, model, partition=partition, group=kw.get("group"), rank_mapping=kw.get("rank_mapping")
+        mapping = layout.rank_mapping if layout is not None else None
+        mods = build_stage_modules(schedule, model, partition=partition, group=group, rank_mapping=mapping)
+        return cls(
+            schedule,
+            mods,
+            group,
+            layout=layout,
+            wire=wire,
+            gradients=gradients,
+            memory=memory,
+            diagnostics=diagnostics,
         )
-        return cls(schedule, mods, **kw)
 
     def write_trace(self, path: str | os.PathLike[str], result: StepResult) -> str | None:
         """Write the measured step ``result`` of every rank as one chrome-trace JSON (open in ui.perfetto.dev).
@@ -145,23 +182,50 @@ class PipelineConveniences:
         modules: Mapping[int, nn.Module] | Sequence[nn.Module] | nn.Sequential,
         mesh: Any,
         partition: Sequence[int] | None = None,
-        **kw: Any,
+        *,
+        layout: LayoutOptions | None = None,
+        wire: WireOptions | None = None,
+        gradients: GradientOptions | None = None,
+        memory: MemoryOptions | None = None,
+        diagnostics: DiagnosticsOptions | None = None,
     ) -> _P:
         """Build from a 2-D ``torch.distributed.DeviceMesh`` with dimensions named ``"pp"`` and ``"dp"``.
 
         The pipeline group is the mesh's ``"pp"`` group and the data-parallel
-        group its ``"dp"`` group.  ``modules``: this rank's stage modules, or
-        the whole ``nn.Sequential`` (cut as by :meth:`from_sequential`).
+        group its ``"dp"`` group (``gradients`` must leave ``dp_group`` unset).
+        ``modules``: this rank's stage modules, or the whole ``nn.Sequential``
+        (cut as by :meth:`from_sequential`).  The option groups: as for ``Pipeline``.
         """
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         if "pp" not in names or "dp" not in names:
             raise ValueError(f"from_mesh needs a DeviceMesh with dimensions 'pp' and 'dp', got names {names}")
-        if "group" in kw or "dp_group" in kw:
-            raise ValueError("from_mesh takes the groups from the mesh; do not pass group or dp_group")
-        kw["group"], kw["dp_group"] = mesh.get_group("pp"), mesh.get_group("dp")
+        gradients = gradients if gradients is not None else GradientOptions()
+        if gradients.dp_group is not None:
+            raise ValueError("from_mesh takes the groups from the mesh; leave GradientOptions.dp_group unset")
+        group = mesh.get_group("pp")
+        gradients = dataclasses.replace(gradients, dp_group=mesh.get_group("dp"))
         if isinstance(modules, nn.Sequential):
-            return cls.from_sequential(schedule, modules, partition, **kw)
-        return cls(schedule, modules, **kw)
+            return cls.from_sequential(
+                schedule,
+                modules,
+                partition,
+                group=group,
+                layout=layout,
+                wire=wire,
+                gradients=gradients,
+                memory=memory,
+                diagnostics=diagnostics,
+            )
+        return cls(
+            schedule,
+            modules,
+            group,
+            layout=layout,
+            wire=wire,
+            gradients=gradients,
+            memory=memory,
+            diagnostics=diagnostics,
+        )
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

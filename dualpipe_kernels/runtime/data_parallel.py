@@ -44,11 +44,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dualpipe_kernels.runtime.mirror import mirrors
+from dualpipe_kernels.runtime.options import DP_OPS
 from dualpipe_kernels.schedules.ir import T_B, T_I, T_W, Action, Schedule
 
 __all__ = ["DP_OPS", "DataParallelReducer", "StepReduction", "last_grad_actions", "mirror_dp_groups", "ReductionSpan"]
 
-DP_OPS = ("sum", "mean")
 _GRAD_KINDS = (T_B, T_I, T_W)
 
 #: ``(stage, start_s, end_s)``: one stage's DP reduction, from posting to completion, relative to the step start

@@ -7,7 +7,9 @@ The work is split into rooms, each with its own state:
 * :mod:`.boundary`: boundary communication (post, complete, reap);
 * :mod:`.mirror`: DualPipe's mirror-gradient sync at the end of a step;
 * :mod:`.data_parallel`: the per-stage data-parallel gradient reduction (PP x DP);
-* :mod:`.construction`: checking the arguments and cutting an ``nn.Sequential`` into stages.
+* :mod:`.construction`: checking the modules and mapping given;
+* :mod:`.options`: the configuration, grouped and checked (``Pipeline(..., wire=WireOptions(...))``);
+* :mod:`.result`: what a step returns (:class:`StepResult`).
 
 :class:`Pipeline` wires them together once at construction; a step builds the
 per-step states, runs the loop and drops them.  What each comm action moves,
@@ -24,19 +26,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dualpipe_kernels.runtime.boundary.codec import BoundaryFormat
-from dualpipe_kernels.runtime.boundary.codec import boundary_format as parse_boundary_format
 from dualpipe_kernels.runtime.boundary.exchange import Boundary, BoundaryState, Wire
 from dualpipe_kernels.runtime.boundary.inline import INLINE_MAX_BYTES, inline_limit
 from dualpipe_kernels.runtime.boundary.transfer import LayoutMemory, TagSpace
-from dualpipe_kernels.runtime.checks import check_stage_devices, check_timeout
+from dualpipe_kernels.runtime.checks import check_stage_devices
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.construction import (
     check_mapping,
@@ -45,14 +44,24 @@ from dualpipe_kernels.runtime.construction import (
     presplit,
 )
 from dualpipe_kernels.runtime.conveniences import PipelineConveniences
-from dualpipe_kernels.runtime.data_parallel import DP_OPS, DataParallelReducer, ReductionSpan, mirror_dp_groups
+from dualpipe_kernels.runtime.data_parallel import DataParallelReducer, mirror_dp_groups
 from dualpipe_kernels.runtime.fingerprint import Fingerprint, agree, fingerprint, resolved_transport
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.memory import ActivationMemory
-from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, parse_memory_policy
 from dualpipe_kernels.runtime.microbatch import split_microbatches
 from dualpipe_kernels.runtime.mirror import MirrorSync, mirrors
-from dualpipe_kernels.runtime.timeline import TimelineEntry, TimelineRecorder
+from dualpipe_kernels.runtime.options import (
+    BoundaryFormatSpec,
+    DiagnosticsOptions,
+    GradientOptions,
+    LayoutOptions,
+    MemoryOptions,
+    MemoryPolicySpec,
+    PipelineOptions,
+    WireOptions,
+)
+from dualpipe_kernels.runtime.result import StepResult
+from dualpipe_kernels.runtime.timeline import TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
 from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import Schedule
@@ -61,31 +70,6 @@ from dualpipe_kernels.transport import Transport, make_transport
 __all__ = ["Pipeline", "StepResult"]
 
 _log = logging.getLogger(__name__)  # under "dualpipe_kernels": what each pipeline chose, at debug level
-
-
-@dataclass
-class StepResult:
-    """What one step returns on this rank.
-
-    ``losses``: micro-batch -> detached scalar loss, for the micro-batches whose
-    loss stage this rank holds.  ``loss``: the mean of those losses as a 0-d
-    float32 tensor (summed in float64), None when this rank has none; with
-    ``step(..., reduce_loss=True)`` the mean over all the step's micro-batches,
-    the same value on every rank of the pipeline group.  ``outputs``: micro-batch -> detached outputs of
-    the loss stage when ``return_outputs`` (else None).  ``timeline``:
-    ``(pipeline rank, action, start_s, end_s)`` relative to the step start when
-    ``record_timeline``.  ``step_time_s``: wall time of the step on this rank.
-    ``dp_reductions``: ``(stage, start_s, end_s)`` of each data-parallel
-    reduction (posted after the stage's last gradient action, waited for at the
-    end), relative to the step start; empty without a ``dp_group``.
-    """
-
-    losses: dict[int, torch.Tensor]
-    outputs: dict[int, tuple[torch.Tensor, ...]] | None
-    timeline: list[TimelineEntry]
-    step_time_s: float
-    dp_reductions: list[ReductionSpan] = field(default_factory=list)
-    loss: torch.Tensor | None = None
 
 
 def _lowered_program(schedule: Schedule) -> Program:
@@ -97,6 +81,8 @@ def _lowered_program(schedule: Schedule) -> Program:
     from dualpipe_kernels.schedules.lowering import lower_program
     from dualpipe_kernels.schedules.validate import validate
 
+    if not isinstance(schedule, Schedule):
+        raise ValueError(f"schedule must be a dualpipe_kernels Schedule, got {type(schedule).__name__}")
     program = validate(schedule)
     return program if schedule.lowered else lower_program(program)
 
@@ -106,58 +92,44 @@ class Pipeline(PipelineConveniences, nn.Module):
 
     ``schedule``: compute-only (lowered here with ``lower_comms``) or lowered.
     ``modules``: ``{stage: module}`` for ``schedule.stages_of_rank(rank)`` (or a
-    sequence in that order).  ``group``: the process group (default group when
-    None); ``rank_mapping[group_rank]`` is the pipeline rank of a group member
-    (identity when None).  ``transport``: ``"auto"`` (default: the native
-    engine for same-host peers when it is built, else torch), ``"torch"``,
-    ``"native"`` or a Transport instance (a given instance is not closed by :meth:`close`).
-    ``timeout_s``: every wait.  ``sync_mirror_grads``: DualPipe only, sum the
-    gradients of the two copies of a model stage at the end of the step.
-    ``record_timeline``: fill ``StepResult.timeline``.  ``recv_lookahead``: how
-    many compute actions ahead receives are posted (default: the transport's
-    ``recv_lookahead``, 9 over gloo, else 2); ``early_small_receives``: post
-    every receive whose message repeats the last step's small inline layout
-    when a step starts (default: the transport's choice, on over gloo).  ``zero_bubble``:
-    ``"split"`` (I/W autograd-graph split, default) or ``"store"`` (the
-    reference's behaviour: I runs the full backward with the WeightGradStore
-    enabled, W only pops the store).  ``device``: where received tensors go
-    (default: the device of the modules' parameters).  ``boundary_format``: how
-    stage-boundary messages travel, ``"none"`` (default: one transfer per tensor),
-    ``"packed"`` (one lossless message), ``"bf16"`` or ``"fp8"``; one name for both
-    directions, or ``(activations, gradients)`` / ``"fp8,bf16"`` / a BoundaryFormat
-    (runtime/boundary/codec.py; every rank must pass the same).
+    sequence in that order).  ``group``: the pipeline's process group (default
+    group when None).
 
-    PP x DP: ``dp_group`` is this rank's data-parallel group (the ranks
-    holding the same pipeline rank of the other replicas; ``group`` is then
-    this replica's pipeline group), or build from a 2-D mesh with
-    :meth:`from_mesh`.  Each stage's gradients are all-reduced over
-    ``dp_group`` as soon as its last gradient action of the step is done and
-    the step returns once all are complete (runtime/data_parallel.py).
-    ``dp_op`` follows ``scale_grads`` by default, so the gradients are those of
-    one process running the whole global batch with the same loss reduction:
-    ``"mean"`` (with ``scale_grads=True``: the global batch's mean-loss
-    gradients) or ``"sum"`` (with ``scale_grads=False``: per-micro-batch losses
-    summed over every replica).  DualPipe's mirror copies: one
-    all_reduce over every copy of every replica replaces the DP sum and the
-    mirror exchange (copies on one rank: mirror sum after the DP sum).
+    Everything else is keyword-only, grouped in frozen dataclasses
+    (runtime/options.py, docs/runtime_options.md): ``layout=LayoutOptions(...)``
+    (``rank_mapping``, ``batch_dim``, ``device``), ``wire=WireOptions(...)``
+    (``transport``, ``boundary_format``, ``timeout_s``, ``recv_lookahead``,
+    ``early_small_receives``, ``inline_limit_bytes``),
+    ``gradients=GradientOptions(...)`` (``zero_bubble``, ``sync_mirror_grads``,
+    ``scale_grads``, ``dp_group``, ``dp_op``), ``memory=MemoryOptions(policy)``
+    and ``diagnostics=DiagnosticsOptions(record_timeline)``.  The flat keywords
+    (``timeout_s=30``, ``memory_policy="offload"``...) are shorthands for one
+    field of a group left at its defaults; None leaves the field alone.
+    ``options``: the resolved :class:`PipelineOptions`.
 
-    ``scale_grads``: seed
-    each micro-batch loss's backward with ``1/N`` (N = the schedule's
-    micro-batches), so a mean criterion gives the full batch's mean-loss
-    gradients, as torch.distributed.pipelining does by default; ``False``
-    accumulates the plain sum over micro-batches (the DualPipe reference's and
-    ``compat``'s semantics).  Only this step's contribution is scaled:
-    gradients already in ``.grad`` (accumulation over steps) are left alone.
+    In short: ``transport`` "auto" picks the native engine for same-host peers
+    when it is built, else torch (a given Transport instance is not closed by
+    :meth:`close`).  ``boundary_format``: how stage-boundary messages travel
+    (``"none"``, ``"packed"``, ``"bf16"``, ``"fp8"``...; runtime/boundary/codec.py).
+    ``scale_grads``: seed each micro-batch loss's backward with ``1/N`` (the full
+    batch's mean-loss gradients for a mean criterion, as
+    torch.distributed.pipelining does); False accumulates the plain sum (the
+    DualPipe reference's and ``compat``'s semantics); gradients already in
+    ``.grad`` are left alone.  PP x DP: ``dp_group`` is this rank's data-parallel
+    group (``group`` then this replica's pipeline group; or :meth:`from_mesh`):
+    each stage's gradients are all-reduced over it as soon as its last gradient
+    action of the step is done (runtime/data_parallel.py); ``dp_op`` follows
+    ``scale_grads``.  DualPipe's mirror copies: one all_reduce over every copy
+    of every replica replaces the DP sum and the mirror exchange.  Memory
+    policies (runtime/memory_plan.py): the ``memory_policy`` attribute is then
+    ``{stage: policy name}``; ``activation_memory.peaks`` the peak
+    device-resident saved bytes of every training step.
 
-    ``memory_policy``: what
-    happens to each stage's saved activations, one for all stages or
-    ``{stage: policy}``: ``"keep"`` (default), ``"recompute"``,
-    ``"compress"`` / ``"compress:fp8"`` (lossy), ``"offload"``, or a
-    :class:`MemoryPolicy` (see ``runtime/memory_plan.py``).  ``memory_policy``
-    (the attribute) is then ``{stage: policy name}``; ``activation_memory.peaks``
-    the peak device-resident saved bytes of every training step.
-
-    The module is an ``nn.Module`` holding the stage modules (``parameters()``,
+    Construction is collective: every rank checks its options, lowers and
+    validates the schedule, agrees with the others on what must be shared
+    (:class:`~dualpipe_kernels.runtime.fingerprint.RanksDisagree` naming the
+    field otherwise), sets up the transport and builds its subsystems.  The
+    module is an ``nn.Module`` holding the stage modules (``parameters()``,
     ``zero_grad()`` work on it); ``stage_modules`` maps stage -> module.
     """
 
@@ -166,36 +138,82 @@ class Pipeline(PipelineConveniences, nn.Module):
         schedule: Schedule,
         modules: Mapping[int, nn.Module] | Sequence[nn.Module],
         group: dist.ProcessGroup | None = None,
+        *,
+        layout: LayoutOptions | None = None,
+        wire: WireOptions | None = None,
+        gradients: GradientOptions | None = None,
+        memory: MemoryOptions | None = None,
+        diagnostics: DiagnosticsOptions | None = None,
         rank_mapping: Sequence[int] | None = None,
-        transport: str | Transport = "auto",
-        batch_dim: int = 0,
-        timeout_s: float = 120.0,
-        sync_mirror_grads: bool = True,
-        record_timeline: bool = False,
-        recv_lookahead: int | None = None,
-        zero_bubble: str = "split",
+        batch_dim: int | None = None,
         device: torch.device | str | None = None,
+        transport: str | Transport | None = None,
+        boundary_format: BoundaryFormatSpec = None,
+        timeout_s: float | None = None,
+        recv_lookahead: int | None = None,
+        early_small_receives: bool | None = None,
+        zero_bubble: str | None = None,
+        sync_mirror_grads: bool | None = None,
+        scale_grads: bool | None = None,
         dp_group: dist.ProcessGroup | None = None,
         dp_op: str | None = None,
-        boundary_format: str | tuple[str, str] | BoundaryFormat | None = "none",
-        scale_grads: bool = True,
-        memory_policy: str | MemoryPolicy | Mapping[int, str | MemoryPolicy] = "keep",
-        early_small_receives: bool | None = None,
+        memory_policy: MemoryPolicySpec | None = None,
+        record_timeline: bool | None = None,
     ) -> None:
-        """Check the arguments, lower the schedule and set up the transport (collective: every rank builds it)."""
-        super().__init__()
-        fmt = parse_boundary_format(boundary_format)
-        if not isinstance(schedule, Schedule):
-            raise ValueError(f"schedule must be a dualpipe_kernels Schedule, got {type(schedule).__name__}")
-        timeout_s = check_timeout(timeout_s)
-        if recv_lookahead is not None and recv_lookahead < 1:
-            raise ValueError(f"recv_lookahead must be >= 1, got {recv_lookahead}")
-        dp_op = dp_op if dp_op is not None else ("mean" if scale_grads else "sum")
-        if dp_op not in DP_OPS:
-            raise ValueError(f"dp_op must be one of {', '.join(DP_OPS)}, got {dp_op!r}")
-        if zero_bubble not in ("split", "store"):
-            raise ValueError(f"zero_bubble must be 'split' or 'store', got {zero_bubble!r}")
+        """Check the arguments and options, lower the schedule, agree across ranks, set up the transport, build the
+        subsystems (collective: every rank of the group builds its Pipeline)."""
+        options = PipelineOptions.fold(
+            {"layout": layout, "wire": wire, "gradients": gradients, "memory": memory, "diagnostics": diagnostics},
+            {
+                "rank_mapping": rank_mapping,
+                "batch_dim": batch_dim,
+                "device": device,
+                "transport": transport,
+                "boundary_format": boundary_format,
+                "timeout_s": timeout_s,
+                "recv_lookahead": recv_lookahead,
+                "early_small_receives": early_small_receives,
+                "zero_bubble": zero_bubble,
+                "sync_mirror_grads": sync_mirror_grads,
+                "scale_grads": scale_grads,
+                "dp_group": dp_group,
+                "dp_op": dp_op,
+                "memory_policy": memory_policy,
+                "record_timeline": record_timeline,
+            },
+        )
+        nn.Module.__init__(self)  # the conveniences mixin has no state of its own
+        self._set_options(options)
         self.program = _lowered_program(schedule)  # validates: a broken schedule fails here, on every rank
+        self._place(self.program.schedule, modules, group)
+        self._agree()
+        self._connect()
+        try:
+            self._build_subsystems()
+        except BaseException:
+            self.close()
+            raise
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("%s", self._describe())
+
+    # ---- construction, step by step ----------------------------------------
+    def _set_options(self, options: PipelineOptions) -> None:
+        """Keep the checked options, and each setting as an attribute of its own (read by the step and the
+        conveniences)."""
+        self.options = options
+        layout, wire, grads = options.layout, options.wire, options.gradients
+        self.batch_dim = layout.batch_dim
+        self.timeout_s = wire.timeout_s
+        #: how boundary messages travel (part of what every rank must agree on)
+        self.boundary_format = wire.format
+        self.zero_bubble = grads.zero_bubble
+        self.sync_mirror_grads = grads.sync_mirror_grads
+        self.scale_grads = grads.scale_grads
+        self.dp_group = grads.dp_group
+        self.record_timeline = options.diagnostics.record_timeline
+
+    def _place(self, schedule: Schedule, modules: Mapping[int, nn.Module] | Sequence[nn.Module], group: Any) -> None:
+        """Who is who: the process group, this process's pipeline rank, its stages, their modules and device."""
         if not dist.is_initialized():
             raise ValueError("Pipeline needs an initialised torch.distributed process group")
         self.group = group if group is not None else dist.group.WORLD
@@ -205,62 +223,67 @@ class Pipeline(PipelineConveniences, nn.Module):
             raise ValueError(
                 f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group has {size}"
             )
-        self.rank_mapping = check_mapping(rank_mapping, size)
+        self.rank_mapping = check_mapping(self.options.layout.rank_mapping, size)
         self.to_group_rank = [0] * size
         for g, p in enumerate(self.rank_mapping):
             self.to_group_rank[p] = g
         self.rank = self.rank_mapping[self.group_rank]
-        self.schedule = schedule = self.program.schedule
+        self.schedule = schedule
         self.stages = schedule.stages_of_rank(self.rank)
+        self.options.memory.check_stages(schedule.num_stages)
         # micro-batches whose first / loss stage is on this rank (fixed by the schedule; read every step)
         self._first_mbs = [m for m in range(schedule.num_microbatches) if schedule.path(m)[0] in self.stages]
         self._last_mbs = [m for m in range(schedule.num_microbatches) if schedule.path(m)[-1] in self.stages]
         self.stage_modules = check_modules(modules, self.stages, self.rank, schedule.name)
         check_stage_devices(self.stage_modules)
         self.stage_module_dict = nn.ModuleDict({str(s): m for s, m in self.stage_modules.items()})
-        self.batch_dim = batch_dim
-        self.timeout_s = float(timeout_s)
-        self.sync_mirror_grads = sync_mirror_grads
-        self.record_timeline = record_timeline
-        self.zero_bubble = zero_bubble
-        #: how boundary messages travel (part of what every rank must agree on)
-        self.boundary_format = fmt
-        self.scale_grads = scale_grads
+        device = self.options.layout.device
         self.device = torch.device(device) if device is not None else module_device(self.stage_modules)
         if self.device.type == "cuda" and self.device.index is None:
             # Receive buffers may be allocated on a transport thread, whose current device differs.
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.tags = TagSpace(schedule.num_stages, schedule.num_microbatches)
-        # Message layouts of the previous step, so receives are posted before the metadata arrives (p2p.py).
-        self._layouts = LayoutMemory(inline_max_bytes=INLINE_MAX_BYTES)
-        self.weight_grad_store = WeightGradStore()
-        mine = fingerprint(
-            schedule,
-            self.rank,
-            self.rank_mapping,
-            resolved_transport(transport, self.device),
-            extra={
-                "sync_mirror_grads": str(bool(sync_mirror_grads and mirrors(schedule))),
-                "boundary_format": str(fmt),
-                # one policy for every stage must be the same everywhere; per-stage mappings may list only a rank's own
-                "memory_policy": memory_policy if isinstance(memory_policy, str) else "per-stage",
-            },
-        )
+
+    def _agree(self) -> None:
+        """Compare with every rank of the group what must be the same everywhere (collective): the schedule,
+        the placement, the transport and the options' shared fields (``PipelineOptions.agreed_fields``)."""
+        schedule = self.schedule
+        shared, stated = self.options.agreed_fields(schedule.num_stages, bool(mirrors(schedule)))
+        transport = resolved_transport(self.options.wire.transport, self.device)
+        mine = fingerprint(schedule, self.rank, self.rank_mapping, transport, extra=shared, partial=stated)
         agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
-        self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
-        self._owns_transport = not isinstance(transport, Transport)
-        # A larger inline limit where the transport takes whole larger messages.  Both ends of a message must
-        # use the same one (it decides how the message travels): a transport that reports different values on
-        # different ranks fails here, on every rank, naming them (RanksDisagree), not at its first large message.
-        self._layouts.inline_max_bytes = inline_limit(self._transport)
-        field = ("inline message limit (Transport.message_inline_bytes)", str(self._layouts.inline_max_bytes))
-        agree(Fingerprint(self.rank, (field,)), self.group, self.timeout_s, self.rank_mapping)
-        self.recv_lookahead = recv_lookahead if recv_lookahead is not None else self._transport.recv_lookahead
+
+    def _connect(self) -> None:
+        """Set up the transport (collective), the message tags and layouts, and the receive window."""
+        wire = self.options.wire
+        self.tags = TagSpace(self.schedule.num_stages, self.schedule.num_microbatches)
+        # Message layouts of the previous step, so receives are posted before the metadata arrives.
+        self._layouts = LayoutMemory(inline_max_bytes=INLINE_MAX_BYTES)
+        self._transport = make_transport(wire.transport, self.group, self.device, self.timeout_s)
+        self._owns_transport = not isinstance(wire.transport, Transport)
+        try:
+            # A larger inline limit where the transport takes whole larger messages.  Both ends of a message
+            # must use the same one (it decides how the message travels): a transport that reports different
+            # values on different ranks fails here, on every rank, naming them (RanksDisagree), not at its
+            # first large message.
+            given = wire.inline_limit_bytes
+            self._layouts.inline_max_bytes = given if given is not None else inline_limit(self._transport)
+            limit = ("inline message limit (Transport.message_inline_bytes)", str(self._layouts.inline_max_bytes))
+            agree(Fingerprint(self.rank, (limit,)), self.group, self.timeout_s, self.rank_mapping)
+        except BaseException:
+            self.close()
+            raise
+        self.recv_lookahead = wire.recv_lookahead if wire.recv_lookahead is not None else self._transport.recv_lookahead
         self.early_small_receives = (
-            bool(early_small_receives) if early_small_receives is not None else self._transport.early_small_receives
+            wire.early_small_receives if wire.early_small_receives is not None else self._transport.early_small_receives
         )
+
+    def _build_subsystems(self) -> None:
+        """Activation memory, stage compute, boundary messaging, mirror sync, the action loop and the DP
+        reducer, each with its own state (see the module docstring)."""
+        schedule, opts = self.schedule, self.options
         self._broken: str | None = None
-        policies = parse_memory_policy(memory_policy, self.stages)
+        self.weight_grad_store = WeightGradStore()
+        policies = opts.memory.for_stages(self.stages)
         self.memory_policy = {s: p.name for s, p in policies.items()}
         self.activation_memory = ActivationMemory(
             self.rank, policies, schedule.actions[self.rank], self.stage_modules, self.device
@@ -270,30 +293,40 @@ class Pipeline(PipelineConveniences, nn.Module):
             self.program.topo,
             self.stage_modules,
             self.weight_grad_store,
-            zero_bubble,
+            self.zero_bubble,
             self.activation_memory,
         )
         self.overlap_hook = self._compute.overlap_hook
         wire = Wire(
-            self.rank, self._transport, self.to_group_rank, self.tags, self._layouts, self.device, self.timeout_s, fmt
+            self.rank,
+            self._transport,
+            self.to_group_rank,
+            self.tags,
+            self._layouts,
+            self.device,
+            self.timeout_s,
+            self.boundary_format,
         )
         self._boundary = Boundary(wire, self.program)
         self._mirrors = MirrorSync(wire, schedule, self.stage_modules)
         self.mirror_of = self._mirrors.mirror_of
         self._loop = ActionLoop(schedule.actions[self.rank], self.recv_lookahead, self.early_small_receives)
-        self.dp_group = dp_group
         self._dp: DataParallelReducer | None = None
-        if dp_group is not None:
+        if self.dp_group is not None:
             folded = (
-                mirror_dp_groups(schedule, self.rank, self.group, self.to_group_rank, dp_group)
-                if sync_mirror_grads and self._mirrors
+                mirror_dp_groups(schedule, self.rank, self.group, self.to_group_rank, self.dp_group)
+                if self.sync_mirror_grads and self._mirrors
                 else None
             )
             self._dp = DataParallelReducer(
-                dp_group, self.rank, self._loop.actions, self.stage_modules, dp_op, self.timeout_s, folded
+                self.dp_group,
+                self.rank,
+                self._loop.actions,
+                self.stage_modules,
+                opts.gradients.reduce_op,
+                self.timeout_s,
+                folded,
             )
-        if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("%s", self._describe())
 
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""

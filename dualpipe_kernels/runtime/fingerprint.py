@@ -12,8 +12,11 @@ Fields, compared in this order (the first one that differs leads the message):
 ``microbatches``, ``schedule`` (name and a digest of every action and the
 stage layout), ``placement`` (stage -> pipeline rank and group rank -> pipeline
 rank), ``transport`` (the resolved choice), then any ``extra`` fields a caller
-adds (boundary message formats, memory policies: anything every rank must
-agree on, as short strings).
+adds (the pipeline's: :meth:`~dualpipe_kernels.runtime.options.PipelineOptions.agreed_fields`,
+boundary formats, gradient scaling...: anything every rank must agree on, as
+short strings).  ``partial`` fields are stated by some ranks only (a per-stage
+memory policy names the stages a rank chose to name): each is compared among
+the ranks that state it.
 
 Store keys: ``dpk/fingerprint/<generation>/<group rank>``, where each rank
 counts the pipelines it built on the store, so ranks that build pipelines in the
@@ -63,18 +66,23 @@ class RanksDisagree(ValueError):
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """One rank's view of what the pipeline runs: ``fields`` in comparison order, ``pipeline_rank`` for messages."""
+    """One rank's view of what the pipeline runs: ``fields`` in comparison order, ``pipeline_rank`` for messages;
+    ``partial``: the names of fields compared only among the ranks that have them."""
 
     pipeline_rank: int
     fields: tuple[tuple[str, str], ...]
+    partial: frozenset[str] = frozenset()
 
     def to_json(self) -> str:
-        return json.dumps({"pipeline_rank": self.pipeline_rank, "fields": list(self.fields)})
+        return json.dumps(
+            {"pipeline_rank": self.pipeline_rank, "fields": list(self.fields), "partial": sorted(self.partial)}
+        )
 
     @staticmethod
     def from_json(text: str | bytes) -> Fingerprint:
         data = json.loads(text)
-        return Fingerprint(int(data["pipeline_rank"]), tuple((str(k), str(v)) for k, v in data["fields"]))
+        fields = tuple((str(k), str(v)) for k, v in data["fields"])
+        return Fingerprint(int(data["pipeline_rank"]), fields, frozenset(map(str, data.get("partial", ()))))
 
 
 def schedule_digest(schedule: Schedule) -> str:
@@ -96,8 +104,10 @@ def fingerprint(
     rank_mapping: Sequence[int],
     transport: str,
     extra: Mapping[str, str] | None = None,
+    partial: Mapping[str, str] | None = None,
 ) -> Fingerprint:
-    """This rank's fingerprint; ``transport`` is the resolved choice (e.g. ``"native"``, never ``"auto"``)."""
+    """This rank's fingerprint; ``transport`` is the resolved choice (e.g. ``"native"``, never ``"auto"``);
+    ``extra``: more fields every rank has; ``partial``: fields compared only among the ranks stating them."""
     fields = [
         ("microbatches", str(schedule.num_microbatches)),
         ("schedule", f"{schedule.name!r} (digest {schedule_digest(schedule)})"),
@@ -105,18 +115,26 @@ def fingerprint(
         ("transport", transport),
     ]
     fields += [(str(k), str(v)) for k, v in (extra or {}).items()]
-    return Fingerprint(pipeline_rank, tuple(fields))
+    fields += [(str(k), str(v)) for k, v in (partial or {}).items()]
+    return Fingerprint(pipeline_rank, tuple(fields), frozenset(map(str, partial or ())))
 
 
 def disagreement(prints: Sequence[Fingerprint]) -> RanksDisagree | None:
     """The error describing how ``prints[g]`` (group rank g) differ, or None when they all agree."""
     per_rank = [dict(p.fields) for p in prints]
     names = list(dict.fromkeys(k for p in prints for k, _ in p.fields))
-    differing = [n for n in names if len({d.get(n, "<missing>") for d in per_rank}) > 1]
+    partial = frozenset().union(*(p.partial for p in prints))
+
+    def values_of(name: str) -> dict[int, str]:
+        if name in partial:  # only the ranks stating it
+            return {g: d[name] for g, d in enumerate(per_rank) if name in d}
+        return {g: d.get(name, "<missing>") for g, d in enumerate(per_rank)}
+
+    differing = [n for n in names if len(set(values_of(n).values())) > 1]
     if not differing:
         return None
     field = differing[0]
-    values = {g: d.get(field, "<missing>") for g, d in enumerate(per_rank)}
+    values = values_of(field)
     by_value: dict[str, list[str]] = {}
     for g, v in values.items():
         by_value.setdefault(v, []).append(f"group rank {g} (pipeline rank {prints[g].pipeline_rank})")
@@ -124,7 +142,7 @@ def disagreement(prints: Sequence[Fingerprint]) -> RanksDisagree | None:
     also = f" (also differing: {', '.join(differing[1:])})" if len(differing) > 1 else ""
     message = (
         f"the pipeline's ranks disagree on {field}{also}: {listed}. Every rank must build its Pipeline with the "
-        "same schedule, micro-batch count, rank_mapping and transport"
+        "same schedule, micro-batch count, rank_mapping, transport and shared options (docs/runtime_options.md)"
     )
     return RanksDisagree(message, field, values, differing)
 

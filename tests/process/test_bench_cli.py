@@ -87,7 +87,7 @@ def test_bench_schedules_quick_json_contract(tmp_path: Path) -> None:
     assert sim["1f1b"] == pytest.approx(8 * 12e-3 + 1 * 12e-3)  # N (F+B) + (R-1)(F+B), stages of two chunks
     assert all(r["simulated_s"] >= r["simulated_nominal_s"] for r in res["rows"])
     # ... and simulated_s is exactly the simulator fed the costs written to the config.
-    from dualpipe_kernels.benchmarks.schedules import chunk_costs_from_config, simulate_sleep
+    from dualpipe_kernels.benchmarks.sleep_runs import chunk_costs_from_config, simulate_sleep
 
     costs = chunk_costs_from_config(res["config"])
     assert costs is not None and set(costs) == {1, 2}  # dualpipev: 1 chunk per stage, 1f1b: 2

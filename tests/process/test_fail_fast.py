@@ -43,6 +43,8 @@ EXPECT = {
     "disagree_transport": (2.0, "RanksDisagree", r"disagree on transport.*: torch.*: native"),
     # both ends of a message decide alike whether it travels inline (runtime/boundary/inline.py: inline_limit)
     "disagree_inline_limit": (2.0, "RanksDisagree", r"disagree on inline message limit.*: 64512.*: 32768"),
+    # a per-stage memory policy is compared stage by stage among the ranks naming the stage
+    "disagree_memory_policy": (2.0, "RanksDisagree", r"disagree on memory_policy\[stage 0\]: .*: recompute.*: keep"),
     "meta_stage": (1.0, "ValueError", r"stage \d+: 'weight' is on the meta device"),
 }
 

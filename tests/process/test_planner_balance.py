@@ -33,7 +33,7 @@ from torch import nn
 
 from dualpipe_kernels.planner import Cluster, plan, profile_layers
 from dualpipe_kernels.planner.partition import partition_layers, placement_of, rank_loads
-from dualpipe_kernels.runtime import Pipeline, spawn
+from dualpipe_kernels.runtime import Pipeline, WireOptions, spawn
 from dualpipe_kernels.schedules import build_schedule
 
 UNIT_S = 0.002
@@ -76,7 +76,7 @@ def _steps(
     rank: int, world: int, partition: list[int] | None, times: list[tuple[float, float]] | None = None
 ) -> tuple[float, list[float]]:
     pipe = Pipeline.from_sequential(build_schedule("dualpipev", world, MICROBATCHES), _model(times),
-                                    partition=partition, timeout_s=60.0)  # fmt: skip
+                                    partition=partition, wire=WireOptions(timeout_s=60.0))  # fmt: skip
     x, t = torch.ones(BATCH, 4), torch.zeros(BATCH, 4)
     times, losses = [], []
     for _ in range(STEPS):

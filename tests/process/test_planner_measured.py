@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dualpipe_kernels.planner import Cluster, plan, profile_layers
-from dualpipe_kernels.runtime import Pipeline, spawn
+from dualpipe_kernels.runtime import MemoryOptions, Pipeline, WireOptions, spawn
 from dualpipe_kernels.schedules import build_schedule
 
 D = 32
@@ -85,7 +85,7 @@ class _Box:
 def _peak(rank: int, world: int, name: str, microbatches: int, partition: list[int]) -> int:
     model = _model()
     pipe = Pipeline.from_sequential(build_schedule(name, world, microbatches), model, partition=partition,
-                                    timeout_s=60.0)  # fmt: skip
+                                    wire=WireOptions(timeout_s=60.0))  # fmt: skip
     torch.manual_seed(1)
     x, t = torch.randn(BATCH, D), torch.randn(BATCH, D)
     # Not activations: the parameters, and the caller's batch and labels (held by the caller whatever the
@@ -130,7 +130,7 @@ def _policy_peaks(rank: int, world: int, plans: list[tuple[str, int, list[int], 
         # min_bytes=0: this model's tensors are smaller than the default offload threshold
         pol = MemoryPolicy(policy, min_bytes=0)
         pipe = Pipeline.from_sequential(build_schedule(name, world, microbatches), _model(), partition=partition,
-                                        timeout_s=60.0, memory_policy=pol)  # fmt: skip
+                                        wire=WireOptions(timeout_s=60.0), memory=MemoryOptions(pol))  # fmt: skip
         pipe.activation_memory.track = True  # count keep too
         torch.manual_seed(1)
         x, t = torch.randn(BATCH, D), torch.randn(BATCH, D)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import get_gradient_edge
 from toy_models import DeferredLinearFunc, accumulate_weight_grad, forward_then_backward
 
-from dualpipe_kernels.runtime import Pipeline, run_backward, run_reference, spawn, spawn_outcomes
+from dualpipe_kernels.runtime import Pipeline, WireOptions, run_backward, run_reference, spawn, spawn_outcomes
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore, backward_full, backward_input, current_store
 from dualpipe_kernels.schedules.generators import build_schedule
 from dualpipe_kernels.schedules.trace import to_events
@@ -144,7 +144,7 @@ def _from_sequential(rank: int) -> dict[str, bool]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(HIDDEN, HIDDEN) for _ in range(5)])
     ref_model = copy.deepcopy(model)
-    pipe = Pipeline.from_sequential(sched, model, partition=[3, 2], timeout_s=30.0)
+    pipe = Pipeline.from_sequential(sched, model, partition=[3, 2], wire=WireOptions(timeout_s=30.0))
     torch.manual_seed(1)
     x, t = torch.randn(8, HIDDEN), torch.randn(8, HIDDEN)
     res = pipe.step(x, labels=(t,), criterion=_criterion)

@@ -102,13 +102,15 @@ def _pipeline_worker(rank: int, world: int, ordered: bool) -> list[list[float]]:
     """Two DualPipeV steps of a small MLP; the gradients, as lists (identical whatever carried them)."""
     from torch import nn
 
-    from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.runtime import Pipeline, WireOptions
     from dualpipe_kernels.schedules import build_schedule
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
     transport: Any = TorchDistTransport(timeout_s=30.0, ordered=True) if ordered else "torch"
-    pipe = Pipeline.from_sequential(build_schedule("dualpipev", world, 6), model, transport=transport, timeout_s=30.0)
+    pipe = Pipeline.from_sequential(
+        build_schedule("dualpipev", world, 6), model, wire=WireOptions(transport, timeout_s=30.0)
+    )
     x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1))
     for _ in range(2):
         pipe.step(x, labels=(torch.zeros(12, 8),), criterion=lambda out, y: ((out - y) ** 2).sum())

@@ -34,6 +34,7 @@ CASES = (
     "disagree_schedule",
     "disagree_transport",
     "disagree_inline_limit",
+    "disagree_memory_policy",
     "meta_stage",
     "criterion_without_labels",
 )
@@ -82,6 +83,10 @@ def _case(rank: int, case: str, group: Any, timeout_s: float) -> None:
             Pipeline(schedule, [stage], group=group, transport=owned, timeout_s=timeout_s).close()
         finally:
             owned.close()
+        return
+    if case == "disagree_memory_policy":  # the whole model's per-stage policies, stage 0's different on rank 1
+        policy = {0: "recompute" if rank == 0 else "keep", 1: "keep"}
+        Pipeline(schedule, [stage], group=group, transport=transport, timeout_s=timeout_s, memory_policy=policy).close()
         return
     pipe = Pipeline(schedule, [stage], group=group, transport=transport, timeout_s=timeout_s)
     try:
