@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -60,12 +60,14 @@ from dualpipe_kernels.runtime.options import (
     PipelineOptions,
     WireOptions,
 )
+from dualpipe_kernels.runtime.peer_watch import PeerWatch, WatchedTransport
 from dualpipe_kernels.runtime.result import StepResult
 from dualpipe_kernels.runtime.timeline import TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
 from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import Schedule
 from dualpipe_kernels.transport import Transport, make_transport
+from dualpipe_kernels.transport.base import group_store
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -260,6 +262,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         self._layouts = LayoutMemory(inline_max_bytes=INLINE_MAX_BYTES)
         self._transport = make_transport(wire.transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(wire.transport, Transport)
+        self._watch: PeerWatch | None = None
         try:
             # A larger inline limit where the transport takes whole larger messages.  Both ends of a message
             # must use the same one (it decides how the message travels): a transport that reports different
@@ -269,6 +272,17 @@ class Pipeline(PipelineConveniences, nn.Module):
             self._layouts.inline_max_bytes = given if given is not None else inline_limit(self._transport)
             limit = ("inline message limit (Transport.message_inline_bytes)", str(self._layouts.inline_max_bytes))
             agree(Fingerprint(self.rank, (limit,)), self.group, self.timeout_s, self.rank_mapping)
+            diag = self.options.diagnostics
+            if diag.watch_peers:
+                self._watch = PeerWatch(
+                    group_store(self.group),
+                    self.rank,
+                    self.schedule.num_ranks,
+                    key_rank=self.group_rank,
+                    poll_s=diag.poll_s,
+                    liveness_s=diag.liveness_s,
+                    store_host=self.rank_mapping[0],
+                )
         except BaseException:
             self.close()
             raise
@@ -299,7 +313,8 @@ class Pipeline(PipelineConveniences, nn.Module):
         self.overlap_hook = self._compute.overlap_hook
         wire = Wire(
             self.rank,
-            self._transport,
+            # (a WatchedTransport is the transport itself, handles wrapped: the Transport surface by delegation)
+            self._transport if self._watch is None else cast(Transport, WatchedTransport(self._transport, self._watch)),
             self.to_group_rank,
             self.tags,
             self._layouts,
@@ -331,6 +346,9 @@ class Pipeline(PipelineConveniences, nn.Module):
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
         self._layouts.clear()  # pooled receive buffers
+        watch, self._watch = getattr(self, "_watch", None), None
+        if watch is not None:
+            watch.close()
         if self._owns_transport:
             self._transport.close()
 
@@ -385,6 +403,8 @@ class Pipeline(PipelineConveniences, nn.Module):
             self.activation_memory.end_step(cst.mem)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if self._watch is not None:
+                self._watch.publish(exc)  # the peers' waits end now, naming this rank and its error
             raise
         finally:
             self.weight_grad_store.clear()

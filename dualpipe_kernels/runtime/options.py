@@ -283,12 +283,29 @@ def _describe_policy(p: MemoryPolicy) -> str:
 
 @dataclass(frozen=True)
 class DiagnosticsOptions:
-    """What a step records besides its results.  ``record_timeline``: fill ``StepResult.timeline``."""
+    """What a step records besides its results, and how failures spread.
+
+    ``record_timeline``: fill ``StepResult.timeline``.  ``watch_peers``: a rank whose step fails tells the
+    others through the group's store, and a rank gone silent for ``liveness_s`` seconds (killed, stopped)
+    is named by every other rank (runtime/peer_watch.py); waits then end within ``poll_s`` naming that rank.
+    """
 
     record_timeline: bool = False
+    watch_peers: bool = True
+    poll_s: float = 0.1
+    liveness_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check_bool(self.record_timeline, "record_timeline")
+        _check_bool(self.watch_peers, "watch_peers")
+        for name in ("poll_s", "liveness_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"DiagnosticsOptions.{name} must be a finite number of seconds > 0, got {value!r}")
+        if not self.poll_s < self.liveness_s:
+            raise ValueError(
+                f"DiagnosticsOptions.poll_s ({self.poll_s}) must be below liveness_s ({self.liveness_s})"
+            )
 
 
 _GROUPS = {

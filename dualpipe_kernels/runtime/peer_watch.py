@@ -27,13 +27,17 @@ its first slice costs one ``handle.wait`` call, as before.
 
 from __future__ import annotations
 
+import atexit
+import os
+import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 from dualpipe_kernels.transport.base import Handle, TransportTimeout
 
-__all__ = ["PeerFailed", "PeerWatch"]
+__all__ = ["PeerFailed", "PeerWatch", "WatchedHandle", "WatchedTransport"]
 
 _PREFIX = "dpk/peerwatch"
 
@@ -79,8 +83,21 @@ class PeerWatch:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _failure
         store.add(f"{self._prefix}/beat/{rank}", 1)
+        self._host = socket.gethostname()
+        store.set(f"{self._prefix}/proc/{rank}", f"{os.getpid()} {self._host}")
+        self._local_pids: dict[int, int] = {}  # same-host peers' pids, read once each
         self._thread = threading.Thread(target=self._run, name=f"dpk-peerwatch-{rank}", daemon=True)
         self._thread.start()
+        # A process that ends normally (not killed) says so, so that its peers do not take it for dead.
+        ref = weakref.ref(self)
+
+        def at_exit() -> None:
+            watch = ref()
+            if watch is not None:
+                watch.close()
+
+        self._atexit = at_exit
+        atexit.register(at_exit)
 
     # ---- this rank --------------------------------------------------------
     def publish(self, exc: BaseException) -> None:
@@ -101,6 +118,7 @@ class PeerWatch:
         if self._stop.is_set():
             return
         self._stop.set()
+        atexit.unregister(self._atexit)
         try:
             self._store.set(f"{self._prefix}/closed/{self.rank}", "1")
         except Exception:  # noqa: BLE001 - closing after the store's host died
@@ -133,12 +151,38 @@ class PeerWatch:
                     raise
             except Exception:
                 # A transfer that broke because a peer failed: name that failure, which the thread
-                # sees within a poll or two, rather than the transport's view of it.
+                # sees within a poll or two (or a dead process on this host), rather than the transport's view.
                 for _ in range(3):
+                    self.check()
+                    self._find_dead_processes()
                     self.check()
                     time.sleep(self.poll_s)
                 self.check()
                 raise
+
+    def _find_dead_processes(self) -> None:
+        """Record as failed a peer on this host whose process is gone (killed: it could not say so itself)."""
+        try:
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                if r not in self._local_pids:
+                    key = f"{self._prefix}/proc/{r}"
+                    if not self._store.check([key]):
+                        continue
+                    pid, host = self._store.get(key).decode().split(" ", 1)
+                    self._local_pids[r] = int(pid) if host == self._host else 0
+                pid = self._local_pids[r]
+                if pid and not _alive(pid) and not self._store.check([f"{self._prefix}/closed/{r}"]):
+                    why = f"its process (pid {pid}, this host) is gone: killed or crashed"
+                    self._set(PeerFailed(r, why, self.rank))
+                    # said on its behalf, so every rank names the dead rank (not the neighbour that saw it first)
+                    if not self._store.check([f"{self._prefix}/failed/{r}"]):
+                        self._store.set(f"{self._prefix}/failed/{r}", why)
+                        self._store.add(f"{self._prefix}/failures", 1)
+                    return
+        except Exception:  # noqa: BLE001 - a store gone is the thread's to report
+            return
 
     def _set(self, failure: PeerFailed) -> None:
         with self._lock:
@@ -161,6 +205,9 @@ class PeerWatch:
                 if now < next_liveness:
                     continue
                 next_liveness = now + self.poll_s * 5
+                self._find_dead_processes()
+                if self.failure() is not None:
+                    return
                 for r in range(self.world):
                     if r == self.rank or store.check([f"{prefix}/closed/{r}"]):
                         continue
@@ -181,3 +228,74 @@ class PeerWatch:
                 why = f"its store stopped answering ({type(exc).__name__}: {exc})"
                 self._set(PeerFailed(self.store_host, why, self.rank))
                 return
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) still runs: it exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+class WatchedHandle(Handle):
+    """A transport handle whose waits end as soon as another rank has failed (see :meth:`PeerWatch.wait`)."""
+
+    __slots__ = ("_inner", "_watch")
+
+    def __init__(self, inner: Handle, watch: PeerWatch) -> None:
+        self._inner = inner
+        self._watch = watch
+
+    def wait(self, timeout: float | None = None) -> None:
+        if timeout is None or self._inner.is_completed():
+            self._inner.wait(timeout)
+            return
+        self._watch.wait(self._inner, timeout)
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def wait_stream(self, stream: Any = None) -> None:
+        self._inner.wait_stream(stream)
+
+    def __getattr__(self, name: str) -> Any:  # optional extensions of a transport's handles (add_done_callback)
+        return getattr(self._inner, name)
+
+
+class WatchedTransport:
+    """What the boundary messaging of a pipeline sees of its transport: the same transport, with every
+    handle it returns wrapped in a :class:`WatchedHandle`.  Everything else is the transport's own."""
+
+    def __init__(self, inner: Any, watch: PeerWatch) -> None:
+        self._inner = inner
+        self._watch = watch
+
+    def _wrap(self, handle: Any) -> Any:
+        return WatchedHandle(handle, self._watch) if isinstance(handle, Handle) else handle
+
+    def isend(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrap(self._inner.isend(*args, **kwargs))
+
+    def irecv(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrap(self._inner.irecv(*args, **kwargs))
+
+    def isend_packed(self, *args: Any, **kwargs: Any) -> Any:
+        return self._wrap(self._inner.isend_packed(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._wrap(attr(*args, **kwargs))
+
+        return call

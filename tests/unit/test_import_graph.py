@@ -28,6 +28,7 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundations",
         (
             "checks",
+            "peer_watch",
             "construction",
             "groups",
             "launch",
