@@ -298,6 +298,7 @@ class Pipeline(PipelineConveniences, nn.Module):
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
         self._layouts.clear()  # pooled receive buffers
+        self.activation_memory.close()  # the offload copy lanes' threads
         if self._owns_transport:
             self._transport.close()
 
