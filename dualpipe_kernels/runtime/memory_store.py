@@ -372,4 +372,3 @@ class OffloadGroup:
     def release(self) -> None:
         """Autograd is done: drop the reloaded tensors (the sources go at :meth:`settle`)."""
         self.outs = None
-

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dualpipe_kernels.cli import main
 from dualpipe_kernels.schedules.costs import CostModel
@@ -135,8 +136,15 @@ def test_policy_arguments_are_checked_and_named():
         parse_memory_policy({5: "offload"}, [0, 3])
     with pytest.raises(ValueError, match="'swap' is unknown"):
         MemoryPolicy.parse("swap")
-    with pytest.raises(ValueError, match="only compress takes a format"):
-        MemoryPolicy.parse("offload:fp8")
+    assert MemoryPolicy.parse("offload:fp8").name == "offload:fp8"
+    assert MemoryPolicy.parse("offload").dtype is None  # lossless unless a format is named
+    assert MemoryPolicy.parse("offload:bf16").dtype == torch.bfloat16
+    assert MemoryPolicy("compress").name == "compress:bf16"
+    for bad in ("keep:fp8", "recompute:bf16", "offload:fp16", "compress:none", "offload:"):
+        with pytest.raises(ValueError, match="is unknown; a format goes with compress or offload"):
+            MemoryPolicy.parse(bad)
+    with pytest.raises(ValueError, match="offload_path 'zero' is unknown"):
+        MemoryPolicy("offload", offload_path="zero")
     with pytest.raises(ValueError, match="lookahead >= 1"):
         MemoryPolicy("offload", lookahead=0)
 
