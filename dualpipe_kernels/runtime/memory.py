@@ -473,7 +473,7 @@ class _Input:
     during the forward (a view saved as is), it stays whole.
     """
 
-    def __init__(self, full: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, full: torch.Tensor, dtype: torch.dtype | None) -> None:
         self.full: torch.Tensor | None = full  # a leaf or detached (sole holder), so no grad_fn cycle
         self.dtype = dtype
         self.buffer: torch.Tensor | None = None

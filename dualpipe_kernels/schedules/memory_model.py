@@ -65,6 +65,7 @@ def offloads(policy: str) -> bool:
     """True for ``offload`` and its cast variants."""
     return policy in OFFLOAD_RATIO
 
+
 Key = tuple[int, int]  # (stage, micro-batch)
 
 
