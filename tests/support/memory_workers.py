@@ -101,6 +101,7 @@ def train(
         "losses": losses,
         "grads": grads,
         "peaks": list(mem.peaks),
+        "host_bytes": list(mem.host_bytes),
         "arena_allocations": mem.arena.allocations,
         "memory_policy": dict(pipe.memory_policy),
     }
@@ -186,7 +187,7 @@ def all_checks(
     """Every check of tests/process/test_memory_policies.py in one spawned group (process start costs seconds)."""
     return {
         "policies": policy_runs(rank, world_size, cases, steps=2),
-        "gpt": gpt_losses(rank, world_size, ["keep", "compress:fp8"], gpt_steps),
+        "gpt": gpt_losses(rank, world_size, ["keep", "compress:fp8", "offload:fp8"], gpt_steps),
         "long": long_offload(rank, world_size, long_steps),
     }
 
