@@ -255,3 +255,64 @@ def test_per_step_history_is_bounded() -> None:
     for _ in range(HISTORY + 50):
         mem.end_step(mem.begin_step(training=True))
     assert len(mem.peaks) == len(mem.host_bytes) == HISTORY
+
+
+HAS_GPU = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path", ["staging", "mapped"])
+@pytest.mark.parametrize("policy", list(TOL))
+def test_gpu_paths_two_streams_no_record_stream(monkeypatch: pytest.MonkeyPatch, policy: str, path: str) -> None:
+    """On a GPU: both paths give keep's gradients (within the cast's tolerance), one pack / unpack per forward /
+    reload, on two side streams that are not the compute stream, without record_stream; nothing stays allocated."""
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_m = Stage().to(dev)
+    for x in _inputs():
+        ref_m(x.to(dev)).pow(2).sum().backward()
+    ref = {n: p.grad.clone() for n, p in ref_m.named_parameters()}
+
+    def no_record_stream(*a: Any, **k: Any) -> None:
+        raise AssertionError("record_stream called")
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", no_record_stream)
+    count = Counting(monkeypatch)
+    m = Stage().to(dev)
+    pol = MemoryPolicy.parse(policy)
+    mem = ActivationMemory(
+        0, {0: MemoryPolicy(pol.kind, pol.fmt, min_bytes=0, offload_path=path)}, ACTIONS, {0: m}, dev
+    )
+    xs = [x.to(dev) for x in _inputs()]
+    try:
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            sm = mem.begin_step(training=True)
+            outs: dict[int, torch.Tensor] = {}
+            for i, a in enumerate(ACTIONS):
+                if i in mem.plan.reload_at:
+                    mem.at_action(sm, i)
+                if a.type.value == "F":
+                    with mem.saving(sm, 0, a.microbatch, [xs[a.microbatch]], None):
+                        outs[a.microbatch] = m(xs[a.microbatch])
+                else:
+                    mem.before_backward(sm, 0, a.microbatch)
+                    outs.pop(a.microbatch).pow(2).sum().backward()
+                    mem.release(sm, 0, a.microbatch)
+            mem.end_step(sm)
+            mem.lanes.drain()
+            torch.cuda.synchronize()
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in m.parameters())
+            assert torch.cuda.memory_allocated() <= base + grads, "sources, staging or reloads outlived the step"
+            worst = max(((p.grad - ref[n]).abs().max() / ref[n].abs().max()).item() for n, p in m.named_parameters())
+            assert worst <= max(TOL[policy], 1e-6), f"{policy} via {path}: off by {worst:.3g}"
+        streams = mem.lanes._streams
+        assert set(streams) == {"offload", "reload"}
+        assert streams["offload"] != streams["reload"] and torch.cuda.current_stream() not in streams.values()
+    finally:
+        mem.close()
+    assert len(count.packs) == 2 * MBS and count.unpacks <= 2 * MBS
+    assert mem.offload_packs == 2 * MBS and mem.reload_unpacks == count.unpacks
