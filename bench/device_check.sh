@@ -198,7 +198,7 @@ bench() {
   for t in native torch; do
     echo "bench memory_gpu --transport $t"
     # the 4 ranks x 16 micro-batches (4 processes on one GPU); 8 MiB blocks; offload and offload:fp8
-    # by both GPU paths (staging / @mapped: keep the faster); keep always runs
+    # by both GPU paths (staging / @mapped: keep the faster); keep and recompute always run
     timeout 75 "$PY" -m dualpipe_kernels bench memory_gpu --json --no-plots --out "$WORK/bench" --ranks 4 \
       --microbatches 16 --rows 512 --cols 4096 --steps 3 --timeout 70 --transport "$t" \
       --policies offload,offload@mapped,offload:fp8,offload:fp8@mapped \

@@ -85,7 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cols", type=int, default=None, help="columns = weight size (default 4096; quick 2048)")
     p.add_argument("--depth", type=int, default=4, help="saved layers per chunk (default 4)")
     p.add_argument("--steps", type=int, default=None, help="timed steps after one warm-up (default 5; quick 3)")
-    p.add_argument("--policies", default=None, help=f"comma list (default {','.join(POLICIES)}); keep always runs")
+    p.add_argument(
+        "--policies", default=None, help=f"comma list (default {','.join(POLICIES)}); keep and recompute always run"
+    )
     p.add_argument("--transport", default="auto", choices=("auto", "torch", "native"))
     p.add_argument("--timeout", type=float, default=300.0, help="whole run, seconds (a wait inside: a tenth)")
 
@@ -116,7 +118,8 @@ class GpuMemoryConfig:
             cols=int(option(args, "cols", 4096, 2048)),
             depth=int(getattr(args, "depth", 4) or 4),
             steps=int(option(args, "steps", 5, 3)),
-            policies=("keep", *(p for p in names if p != "keep")),
+            # keep and recompute always run: their forwards give the model each chunk's saved and kept bytes
+            policies=("keep", *(p for p in names if p != "keep"), *(() if "recompute" in names else ("recompute",))),
             transport=str(getattr(args, "transport", "auto") or "auto"),
             ranks=int(option(args, "ranks", 4, 2)),
             device=str(getattr(args, "device", "cuda") or "cuda"),
@@ -320,8 +323,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         sizes_from = dict(by_policy)
         sizes_from.setdefault(base, got)
-        if "recompute" not in sizes_from:
-            sizes_from["recompute"] = []
         sizes = chunk_sizes(n, base, sizes_from)
         per = cast_s if base in ("offload:bf16", "offload:fp8", "compress:bf16", "compress:fp8") else 0.0
         pred = predict(
