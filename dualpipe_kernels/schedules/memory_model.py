@@ -55,10 +55,11 @@ __all__ = [
 ]
 
 MEMORY_POLICIES = ("keep", "recompute", "compress:bf16", "compress:fp8", "offload", "offload:bf16", "offload:fp8")
-#: packed size / fp32 size (fp8 carries one fp32 scale per 128 elements)
-COMPRESS_RATIO = {"compress:bf16": 0.5, "compress:fp8": 0.25 + 4 / 128}
-#: bytes an offload writes to the host / the fp32 bytes that leave the device
-OFFLOAD_RATIO = {"offload": 1.0, "offload:bf16": 0.5, "offload:fp8": 0.25 + 4 / 128}
+#: packed size / fp32 size (fp8: one byte per element plus one 4-byte scale per 128 elements, i.e. per 512
+#: fp32 bytes)
+COMPRESS_RATIO = {"compress:bf16": 0.5, "compress:fp8": 0.25 + 4 / 512}
+#: bytes an offload writes to the host / the fp32 bytes that leave the device (same formats)
+OFFLOAD_RATIO = {"offload": 1.0, "offload:bf16": 0.5, "offload:fp8": 0.25 + 4 / 512}
 
 
 def offloads(policy: str) -> bool:

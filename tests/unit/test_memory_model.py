@@ -114,11 +114,14 @@ def test_bench_memory_json_contract(tmp_path: Path, capsys):
     res = json.loads(capsys.readouterr().out)
     keys = {"schedule", "ranks", "microbatches", "policy", "peak_saved_bytes", "peak_saved_bytes_keep"}
     keys |= {"predicted_peak_saved_bytes", "step_s", "step_s_keep", "predicted_step_s", "bit_exact"}
-    assert len(res["rows"]) == 10
+    keys |= {"host_bytes", "predicted_host_bytes"}
+    assert len(res["rows"]) == 2 * 7  # two schedules x every policy
     for row in res["rows"]:
         assert keys <= set(row)
         assert row["peak_saved_bytes"] == pytest.approx(row["predicted_peak_saved_bytes"], rel=0.1)
-        assert row["bit_exact"] is (not row["policy"].startswith("compress"))
+        assert row["bit_exact"] is (row["policy"] in ("keep", "recompute", "offload"))
+        assert row["host_bytes"] == pytest.approx(row["predicted_host_bytes"], rel=0.1)
+        assert (row["host_bytes"] > 0) is row["policy"].startswith("offload")
         assert 0 < row["peak_saved_bytes"] <= row["peak_saved_bytes_keep"]
     assert (tmp_path / "memory.md").stat().st_size > 0
 
