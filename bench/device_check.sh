@@ -63,7 +63,7 @@ LIMIT_BUILD=120
 # gpu: 48 s in run 5; each launch kind now compiles its own kernel variant (about 1 s each, ~20 in these tests),
 # and the device_build test compiles nine (its own timeout, 90 s, stays below this cap)
 LIMIT_GPU=150
-# bench: kernels 100 + sass 60 + memory_gpu 70 (twice if the engine fails) + cuda_ipc 25 s; variants 120 s more
+# bench: kernels 100 + sass 60 + memory_gpu 75 (twice if the engine fails) + cuda_ipc 25 s; variants 120 s more
 LIMIT_BENCH=340
 LIMIT_RUNTIME=60
 LIMIT_TRANSPORT=185
@@ -201,9 +201,11 @@ bench() {
   local t
   for t in native torch; do
     echo "bench memory_gpu --transport $t"
-    # the 4 ranks x 16 micro-batches (4 processes on one GPU); 8 MiB blocks
-    timeout 70 "$PY" -m dualpipe_kernels bench memory_gpu --json --no-plots --out "$WORK/bench" --ranks 4 \
-      --microbatches 16 --rows 512 --cols 4096 --steps 3 --timeout 65 --transport "$t" \
+    # the 4 ranks x 16 micro-batches (4 processes on one GPU); 8 MiB blocks; offload and offload:fp8
+    # by both GPU paths (staging / @mapped: keep the faster); keep and recompute always run
+    timeout 75 "$PY" -m dualpipe_kernels bench memory_gpu --json --no-plots --out "$WORK/bench" --ranks 4 \
+      --microbatches 16 --rows 512 --cols 4096 --steps 3 --timeout 70 --transport "$t" \
+      --policies offload,offload@mapped,offload:fp8,offload:fp8@mapped \
       >"$WORK/bench/memory_gpu.stdout.json" && break
     rc=1
   done

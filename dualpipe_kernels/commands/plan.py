@@ -79,8 +79,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--memory-policy",
         default="auto",
-        choices=("auto", "keep", "recompute", "offload"),
-        help="activation memory policy of every stage; auto searches keep, recompute and offload",
+        choices=("auto", "keep", "recompute", "offload", "offload:bf16", "offload:fp8"),
+        help="activation memory policy of every stage; auto searches keep, recompute, offload and its casts "
+        "(offload:bf16, offload:fp8: a cheaper host link for the same device bytes)",
     )
     p.add_argument("--host-bandwidth-gbps", type=_finite("bandwidth", 0, True), default=25.0, help="offload link, GB/s")
     p.add_argument("--top", type=_positive_int, default=10, help="candidates to list")

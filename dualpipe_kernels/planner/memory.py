@@ -31,8 +31,10 @@ from ..schedules.memory_model import ChunkBytes, peak_saved_bytes
 
 __all__ = ["PLAN_MEMORY_POLICIES", "chunk_bytes", "activation_peaks", "param_state_bytes"]
 
-#: Activation memory policies the planner searches (compress changes numerics, so it is never chosen for you).
-PLAN_MEMORY_POLICIES = ("keep", "recompute", "offload")
+#: Activation memory policies the planner searches, in the order a tie in step time goes (compress changes
+#: the numerics of every backward and is never chosen for you; the offload casts only change what crosses the
+#: host link, and win only where the lossless offload's reloads cannot hide: cheaper link, same device bytes).
+PLAN_MEMORY_POLICIES = ("keep", "recompute", "offload", "offload:bf16", "offload:fp8")
 
 
 def chunk_bytes(saved: Sequence[float], stage_input: Sequence[float]) -> list[ChunkBytes]:

@@ -349,6 +349,9 @@ class Pipeline(PipelineConveniences, nn.Module):
         watch, self._watch = getattr(self, "_watch", None), None
         if watch is not None:
             watch.close()
+        memory = getattr(self, "activation_memory", None)  # absent when construction failed before it
+        if memory is not None:
+            memory.close()  # the offload copy lanes' threads
         if self._owns_transport:
             self._transport.close()
 

@@ -23,6 +23,7 @@ The step's peak of the sum over this rank is :attr:`StepMemory.peak`.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +33,12 @@ import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from dualpipe_kernels.runtime.memory_plan import Key, MemoryPolicy, ReloadPlan
-from dualpipe_kernels.runtime.memory_store import HostArena, Offloaded, SideStream, storage_bytes, storage_ptr
+from dualpipe_kernels.runtime.memory_store import CopyLanes, HostArena, OffloadGroup, storage_bytes, storage_ptr
 
-__all__ = ["ActivationMemory", "StepMemory"]
+__all__ = ["ActivationMemory", "StepMemory", "HISTORY"]
+
+#: training steps whose peak (and host bytes) :class:`ActivationMemory` remembers (older ones drop off)
+HISTORY = 256
 
 
 @dataclass
@@ -47,10 +51,11 @@ class _Dropped:
 
 @dataclass
 class _View:
-    """Placeholder saved by offload: a view of an offloaded storage."""
+    """Placeholder saved by offload: a view of storage ``index`` of an offload group."""
 
     rec: _Record
-    entry: Offloaded
+    group: OffloadGroup
+    index: int
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -69,7 +74,7 @@ class _Record:
     counted: set[Any] = field(default_factory=set)  # storages (or compressed tensors) already counted
     nbytes: int = 0  # device-resident bytes of this key now
     seen: dict[Any, Any] = field(default_factory=dict)  # dedupe during the forward (holds sources alive)
-    entries: list[Offloaded] = field(default_factory=list)
+    groups: list[OffloadGroup] = field(default_factory=list)  # one per forward (the last one open)
     saves: int = 0  # pack calls of the forward (recompute checks the replay against it)
     dropped: list[int] = field(default_factory=list)
     replay: Callable[[], None] | None = None
@@ -88,6 +93,7 @@ class StepMemory:
     records: dict[Key, _Record] = field(default_factory=dict)
     resident: int = 0
     peak: int = 0
+    host_bytes: int = 0  # bytes the offload packs wrote to the host arena
 
     def add(self, rec: _Record, n: int) -> None:
         rec.nbytes += n
@@ -98,10 +104,18 @@ class StepMemory:
 class ActivationMemory:
     """The memory policies of one pipeline rank (``policies``: stage -> policy) over its lowered ``actions``.
 
-    Counters: ``peaks`` (peak resident saved bytes of every training step, in
-    order; keep stages count only with ``track = True``), ``forward_bytes``
+    Counters: ``peaks`` (peak resident saved bytes of the last :data:`HISTORY`
+    training steps, in order; keep stages count only with ``track = True``),
+    ``host_bytes`` (bytes copied to the host arena, same steps), ``forward_bytes``
     (per stage, what one micro-batch held after its forward), ``arena.allocations``
-    (host arena allocations, 1 once sized).
+    (host arena allocations, 1 once sized), ``offload_packs`` / ``reload_unpacks``
+    (pack launches of offloading forwards, unpack launches of reloads, ever).
+
+    Offload: the storages a forward saves go to the arena in one pack launch when
+    the forward ends (on the offload lane); they leave the accounting (and the
+    device) when that launch's event has fired, checked before each later compute
+    action; their reload is one unpack launch on the reload lane (see
+    :mod:`.memory_store`).
 
     Under recompute, compress and offload a custom autograd Function gets an
     alias of a saved parameter back, not the parameter itself (torch does this
@@ -120,10 +134,17 @@ class ActivationMemory:
         self.policies = dict(policies)
         self.modules = modules
         self.device = device
-        self.plan = ReloadPlan(actions, {s: p.lookahead for s, p in self.policies.items()})
+        offloads = any(p.kind == "offload" for p in self.policies.values())
+        self.plan = ReloadPlan(actions, {s: p.lookahead for s, p in self.policies.items()}, settle=offloads)
         self.arena = HostArena(pin=device.type == "cuda")
-        self.side = SideStream(device)
-        self.peaks: list[int] = []
+        self.lanes = CopyLanes(device)
+        self.peaks: deque[int] = deque(maxlen=HISTORY)
+        self.host_bytes: deque[int] = deque(maxlen=HISTORY)
+        self.offload_packs = 0
+        self.reload_unpacks = 0
+        self._layouts: Any = None  # kernels.LayoutCache, made on first offload
+        self._pending: list[_Record] = []  # records whose offload pack has not settled yet
+        self._draining: list[OffloadGroup] = []  # released groups whose pack still reads their sources
         # Keep stages run without hooks unless accounting is asked for: under any saved-tensor hook
         # autograd hands a custom Function back an alias of a saved parameter, not the parameter, so
         # code that accumulates into ``saved_weight.grad`` (the reference's zero-bubble linears) would
@@ -139,7 +160,9 @@ class ActivationMemory:
     # ---- step ---------------------------------------------------------------
     def begin_step(self, training: bool) -> StepMemory:
         """A fresh step: reset the arena (sized from the previous steps) and note the parameters' storages."""
-        self.side.drain()  # no copy of the last step still writes into the arena
+        self.lanes.drain()  # no copy of the last step still reads or writes the arena
+        self._pending.clear()
+        self._draining.clear()
         self.arena.reset()
         if training:
             self.forward_bytes = {}
@@ -155,7 +178,14 @@ class ActivationMemory:
     def end_step(self, sm: StepMemory) -> None:
         if sm.training:
             self.peaks.append(sm.peak)
+            self.host_bytes.append(sm.host_bytes)
         sm.records.clear()
+
+    def close(self) -> None:
+        """Wait for the copy lanes and end their threads (idempotent; a later step starts them again)."""
+        self.lanes.close()
+        self._pending.clear()
+        self._draining.clear()
 
     @property
     def last_peak_bytes(self) -> int:
@@ -262,54 +292,82 @@ class ActivationMemory:
         return got
 
     def _offload(self, sm: StepMemory, rec: _Record, t: torch.Tensor) -> _View:
-        ptr = storage_ptr(t)
-        entry = rec.seen.get(ptr)
-        if entry is None:
-            # Until the forward ends the source stays (dedupe by address needs it alive).
-            entry = Offloaded.start(t, self.arena, self.side)
-            rec.seen[ptr] = entry
-            rec.entries.append(entry)
-            sm.add(rec, entry.nbytes)
-        return _View(rec, entry, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        if not rec.groups or rec.groups[-1].host is not None:
+            rec.groups.append(OffloadGroup(self.lanes, rec.policy.dtype, rec.policy.offload_path))
+        group = rec.groups[-1]
+        before = group.nbytes
+        # The group holds the storage until its pack has run (dedupe by address needs it alive).
+        index = group.add(t)
+        if group.nbytes != before:
+            sm.add(rec, group.nbytes - before)
+        return _View(rec, group, index, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def _close(self, sm: StepMemory, rec: _Record) -> None:
-        """End of the forward: offloaded sources leave the device (the copy keeps what it reads); a
-        compressed stage input keeps one copy (see :class:`_Input`)."""
+        """End of the forward: its offloaded storages go to the arena in one pack launch (they leave when
+        it has run, see :meth:`_settle`); a compressed stage input keeps one copy (see :class:`_Input`)."""
         rec.open = False
         s = rec.key[0]
         # what the forward held at its end: offloaded sources and a compressed stage input still whole
         self.forward_peak_bytes[s] = max(self.forward_peak_bytes.get(s, 0), rec.nbytes)
-        self.side.flush()  # this forward's offload copies, as one job for the worker (CPU)
-        for entry in rec.entries:
-            if entry.release_source(self.side):
-                sm.add(rec, -entry.nbytes)
+        leaving = 0
+        if rec.groups and rec.groups[-1].host is None and rec.groups[-1].holds_sources:
+            from dualpipe_kernels import kernels
+
+            if self._layouts is None:
+                self._layouts = kernels.LayoutCache()
+            group = rec.groups[-1]
+            sm.host_bytes += group.launch(self.arena, self._layouts)
+            self.offload_packs += 1
+            self._pending.append(rec)
+            leaving = group.nbytes
         rec.seen.clear()
         for held in rec.inputs:
             sm.add(rec, held.settle())
         rec.inputs.clear()
-        self.forward_bytes[s] = max(self.forward_bytes.get(s, 0), rec.nbytes)
+        self.forward_bytes[s] = max(self.forward_bytes.get(s, 0), rec.nbytes - leaving)
+
+    def _settle(self, sm: StepMemory) -> None:
+        """Drop the sources of every offload pack that has run (a GPU polls its event, a CPU waits)."""
+        if self._pending:
+            still = []
+            for rec in self._pending:
+                settled = [g.settle() for g in rec.groups]
+                for g, done in zip(rec.groups, settled, strict=True):
+                    if done:
+                        sm.add(rec, -g.nbytes)
+                if any(g.holds_sources for g in rec.groups):
+                    still.append(rec)
+            self._pending = still
+        if self._draining:
+            self._draining = [g for g in self._draining if not g.settle() and g.holds_sources]
 
     # ---- reload, recompute, release ---------------------------------------------
     def at_action(self, sm: StepMemory, i: int) -> None:
-        """Start the reloads the plan puts before action ``i``."""
+        """Before compute action ``i``: settle the offload packs that have run, then start the reloads the
+        plan puts there."""
         if not sm.training:
             return
+        self._settle(sm)
         for key in self.plan.reload_at.get(i, ()):
             rec = sm.records.get(key)
             if rec is not None:
                 self._reload(sm, rec)
 
     def _reload(self, sm: StepMemory, rec: _Record) -> None:
-        for entry in rec.entries:
-            if entry.start_reload(self.side, self.device):
-                sm.add(rec, entry.nbytes)
+        """One unpack launch per offload group of ``rec`` (a group whose pack has not run yet keeps its
+        sources, which the backward then reads)."""
+        for group in rec.groups:
+            if group.reload():
+                sm.add(rec, group.nbytes)
+                self.reload_unpacks += 1
 
     def before_backward(self, sm: StepMemory, s: int, mb: int) -> None:
         """Right before the backward of (s, mb): its offloaded tensors are (being) reloaded, or it is recomputed."""
         rec = sm.records.get((s, mb))
         if rec is None:
             return
-        if rec.entries:
+        if rec.groups:
+            self._settle(sm)
             self._reload(sm, rec)  # no-op when the plan already started it
         if rec.replay is not None and rec.recomputed is None:
             self._recompute(sm, rec)
@@ -376,7 +434,12 @@ class ActivationMemory:
             sm.add(rec, -rec.nbytes)
             rec.recomputed = None
             rec.recounted.clear()
-            rec.entries.clear()
+            for group in rec.groups:
+                if group.holds_sources:  # its pack may still read them: held until its event fires
+                    self._draining.append(group)
+                group.release()
+            self._pending = [r for r in self._pending if r is not rec]
+            rec.groups.clear()
 
 
 @dataclass
@@ -410,7 +473,7 @@ class _Input:
     during the forward (a view saved as is), it stays whole.
     """
 
-    def __init__(self, full: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, full: torch.Tensor, dtype: torch.dtype | None) -> None:
         self.full: torch.Tensor | None = full  # a leaf or detached (sole holder), so no grad_fn cycle
         self.dtype = dtype
         self.buffer: torch.Tensor | None = None
@@ -450,7 +513,8 @@ def _unpack(x: Any) -> torch.Tensor:
             )
         return rec.recomputed[x.index]
     if isinstance(x, _View):
-        return x.entry.view(x.dtype, x.size, x.stride, x.offset)
+        storage = x.group.storage(x.index)
+        return torch.empty(0, dtype=x.dtype, device=storage.device).set_(storage, x.offset, x.size, x.stride)
     if isinstance(x, _Input):
         return x.get()
     if isinstance(x, _Compressed):

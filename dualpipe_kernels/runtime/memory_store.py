@@ -1,27 +1,45 @@
-"""Where offloaded activations live: a host arena, a side stream, and one entry per offloaded storage.
+"""Where offloaded activations live: a host arena, two copy lanes, and one group per offloading forward.
 
-On a GPU the arena is pinned and copies run on a side stream ordered by
-events (the compute stream never waits on the host).  On CPU the same code
-runs with an accounting arena: the offload copies into it on a worker thread
-(the CPU's side stream: the compute thread goes on, and waits for a copy only
-when the backward reads it; one forward's copies go to the worker as one job
-when the forward ends, so a chunk that saves twenty tensors costs one thread
-hand-off, not twenty), a reload only marks the bytes resident again and
-the backward reads the arena (valid until the next step's reset), so the
-offload/reload scheduling and the resident-byte accounting are tested without
-a GPU.
+:class:`OffloadGroup` holds the storages one forward saved that its policy
+offloads.  When the forward ends, all of them go to the arena through **one**
+``kernels.pack`` launch (cast to bf16 or fp8 on the way under ``offload:bf16`` /
+``offload:fp8``), and before the backward they come back through **one**
+``kernels.unpack`` launch into fresh device tensors; views of one storage and a
+tensor saved twice share the storage's copy.
+
+:class:`CopyLanes` runs that work off the compute stream, on two lanes ordered by
+events: ``offload`` (packs) and ``reload`` (unpacks), so a reload the backward
+waits for never queues behind the next forward's offloads.  No ``record_stream``:
+every tensor a lane reads or writes was allocated on the compute stream and is
+held by its group until the lane's event has fired (sources, staging buffers) or
+until the compute stream waits on that event (reloaded tensors); arena slices
+belong to the pipeline's arena (valid until the next step's reset, which first
+drains both lanes).
+
+* CUDA: the lanes are two side streams; ``staging`` packs into a device buffer
+  then makes one D2H copy into the pinned arena, ``mapped`` packs straight into
+  the pinned arena through its device mapping (unified addressing); reloads
+  mirror them (H2D copy then unpack, or unpack straight from the arena).
+* CPU: the lanes are two worker threads (a job waits for the events it is
+  ordered after, then runs; the events are futures), or inline (``threaded=False``:
+  each job runs at once, every event has fired).  The arena is host memory either
+  way, so a pack writes into it directly.  Where a GPU polls an event, the CPU
+  waits for it (``wait_to_settle``), so the accounting is deterministic; tests turn
+  that off to exercise the polling order without a GPU.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["HostArena", "SideStream", "Offloaded", "storage_ptr", "storage_bytes"]
+from dualpipe_kernels import kernels
+
+__all__ = ["CopyLanes", "HostArena", "OffloadGroup", "LANES", "storage_ptr", "storage_bytes"]
 
 _ALIGN = 64
 
@@ -75,69 +93,12 @@ class HostArena:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
 
-#: seconds a backward waits for a CPU offload copy before it names the failure
+#: seconds a wait for a copy lane's job lasts before it names the failure
 COPY_TIMEOUT_S = 120.0
+#: the two copy lanes
+LANES = ("offload", "reload")
 
-
-class SideStream:
-    """The copy stream of a CUDA device, or on CPU one worker thread that runs copies in order
-    (both created on first use; the thread ends when this object is collected)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._stream: torch.cuda.Stream | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._last: Future[Any] | None = None
-        self._batch: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._batch_done: Future[Any] | None = None
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        return self._stream
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future[Any]:
-        """``dst.copy_(src)`` on the worker thread, in the batch that :meth:`flush` hands over (the batch holds
-        ``src`` until it has run); the returned future is the batch's: done once every copy in it is."""
-        self._batch.append((dst, src))
-        if self._batch_done is None:
-            self._batch_done = Future()
-        return self._batch_done
-
-    def flush(self) -> None:
-        """Hand the copies batched so far to the worker thread, as one job (they run in order)."""
-        if not self._batch:
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dualpipe-offload")
-            weakref.finalize(self, self._pool.shutdown, wait=False)
-        batch, done = self._batch, self._batch_done
-        self._batch, self._batch_done = [], None
-        assert done is not None
-        self._pool.submit(_copy_all, batch, done)
-        self._last = done
-
-    def drain(self) -> None:
-        """Wait for every copy started so far (they run in order: the last one is enough)."""
-        self.flush()
-        if self._last is not None:
-            wait_copy(self._last, "a previous step's offload copy")
-            self._last = None
-
-
-def _copy_all(batch: list[tuple[torch.Tensor, torch.Tensor]], done: Future[Any]) -> None:
-    """The worker's job: every ``dst.copy_(src)`` of one batch, then ``done`` (its result, or the error)."""
-    try:
-        for dst, src in batch:
-            dst.copy_(src)
-    except BaseException as exc:  # noqa: BLE001 - the waiter re-raises it
-        done.set_exception(exc)
-    else:
-        done.set_result(None)
+Event = Any  # torch.cuda.Event on a GPU, a Future on CPU
 
 
 def wait_copy(job: Future[Any], what: str) -> None:
@@ -147,72 +108,267 @@ def wait_copy(job: Future[Any], what: str) -> None:
         raise TimeoutError(f"offload: {what} did not finish within {COPY_TIMEOUT_S} s (worker thread stuck?)") from exc
 
 
-@dataclass
-class Offloaded:
-    """One offloaded storage: ``host`` (arena slice), ``source`` (device storage, until the
-    forward ends), ``device`` (reloaded bytes, from the reload until the record's release)."""
+def _done_future() -> Future[Any]:
+    f: Future[Any] = Future()
+    f.set_result(None)
+    return f
 
-    nbytes: int
-    host: torch.Tensor
-    source: torch.Tensor | None
-    device: torch.Tensor | None = None
-    event: torch.cuda.Event | None = None
-    copying: Future[Any] | None = None  # CPU: the device->host copy on the worker thread
 
-    @classmethod
-    def start(cls, t: torch.Tensor, arena: HostArena, side: SideStream) -> Offloaded:
-        """Start the device->host copy of ``t``'s whole storage (views of it share the entry)."""
-        src = _bytes_of(t.untyped_storage(), t.device)
-        host = arena.alloc(src.numel())
-        event = copying = None
-        if side.cuda and t.device.type == "cuda":
-            s = side.stream()
-            s.wait_stream(torch.cuda.current_stream(t.device))  # the forward made t on the compute stream
+def _run_after(after: Sequence[Future[Any]], work: Callable[[], None]) -> None:
+    for e in after:
+        wait_copy(e, "an earlier copy this one is ordered after")
+    work()
+
+
+class CopyLanes:
+    """Two side lanes of one device, ``offload`` and ``reload`` (see the module docstring).
+
+    :meth:`submit` queues work on a lane after the compute stream's work so far and
+    the given events and returns the lane's event for it; :meth:`fired` tells
+    whether an event has fired (a GPU polls; a CPU with ``wait_to_settle`` waits);
+    :meth:`wait` orders the compute stream after an event; :meth:`drain` waits
+    for everything queued.  ``log`` (when a list) gets ``(what, lane)`` per call,
+    for tests of the order.
+    """
+
+    def __init__(self, device: torch.device, threaded: bool = True, wait_to_settle: bool | None = None) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.threaded = threaded
+        self.wait_to_settle = (not self.cuda) if wait_to_settle is None else wait_to_settle
+        self._streams: dict[str, Any] = {}
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._last: dict[str, Event] = {}
+        self.log: list[tuple[str, str]] | None = None
+
+    def _note(self, what: str, lane: str) -> None:
+        if self.log is not None:
+            self.log.append((what, lane))
+
+    def _stream(self, lane: str) -> Any:
+        if lane not in self._streams:
+            self._streams[lane] = torch.cuda.Stream(self.device)
+        return self._streams[lane]
+
+    def _pool(self, lane: str) -> ThreadPoolExecutor:
+        if lane not in self._pools:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dualpipe-{lane}")
+            weakref.finalize(self, pool.shutdown, wait=False)
+            self._pools[lane] = pool
+        return self._pools[lane]
+
+    def submit(self, lane: str, work: Callable[[], None], after: Sequence[Event] = ()) -> Event:
+        """Run ``work`` on ``lane`` once the compute stream's work so far and every event in ``after`` are done."""
+        if lane not in LANES:
+            raise ValueError(f"copy lanes: unknown lane {lane!r}; expected one of {LANES}")
+        self._note("submit", lane)
+        if self.cuda:
+            s = self._stream(lane)
+            s.wait_stream(torch.cuda.current_stream(self.device))  # inputs made, outputs allocated there
+            for e in after:
+                s.wait_event(e)
             with torch.cuda.stream(s):
-                host.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(s)
-            src.record_stream(s)  # the allocator keeps the source until the copy is done
+                work()
+                ev: Event = torch.cuda.Event()
+                ev.record(s)
+        elif self.threaded:
+            ev = self._pool(lane).submit(_run_after, list(after), work)
         else:
-            copying = side.copy(host, src)
-        return cls(src.numel(), host, src, event=event, copying=copying)
+            for e in after:
+                wait_copy(e, "an earlier copy this one is ordered after")
+            work()
+            ev = _done_future()
+        self._last[lane] = ev
+        return ev
 
-    def release_source(self, side: SideStream) -> bool:
-        """Drop the device source (end of the forward); True if it was held."""
-        held = self.source is not None
-        self.source = None
-        return held
+    def fired(self, ev: Event) -> bool:
+        """Has ``ev`` fired?  (A GPU polls; a CPU with ``wait_to_settle`` waits for it.)"""
+        if self.cuda:
+            return bool(ev.query())
+        if self.wait_to_settle or ev.done():
+            wait_copy(ev, "an offload copy")  # raises the job's error, if any
+            return True
+        return False
 
-    def start_reload(self, side: SideStream, device: torch.device) -> bool:
-        """Start the host->device copy; True if it started now (False: already reloaded or never left)."""
-        if self.device is not None or self.source is not None:
+    def wait(self, ev: Event) -> None:
+        """The compute stream goes on only after ``ev`` (a GPU: ordered, not blocking the host)."""
+        self._note("wait", "compute")
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        else:
+            wait_copy(ev, "a reload")
+
+    def drain(self) -> None:
+        """Wait for every job queued on both lanes."""
+        last, self._last = self._last, {}
+        for ev in last.values():
+            if self.cuda:
+                ev.synchronize()
+            else:
+                wait_copy(ev, "a previous step's copy")
+
+    def close(self) -> None:
+        """Drain, then end the worker threads (a later submit starts new ones)."""
+        self.drain()
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            pool.shutdown(wait=True)
+
+
+class _MappedArray:
+    """A pinned host slice as a CUDA array (``__cuda_array_interface__``): under unified addressing the
+    device address of pinned memory is its host address, so a kernel writes or reads the arena directly."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (host.numel(),),
+            "typestr": "|u1",
+            "data": (host.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def mapped(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA uint8 tensor over the pinned host slice ``host`` (no copy; valid while ``host`` is)."""
+    if not host.is_pinned():
+        raise RuntimeError("offload: the mapped path needs a pinned host arena")
+    return torch.as_tensor(_MappedArray(host), device=device)
+
+
+def _flat(storage: torch.UntypedStorage, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    n = storage.nbytes() // dtype.itemsize
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (n,), (1,))
+
+
+_CASTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class OffloadGroup:
+    """The storages one forward offloads: added during the forward, packed at its end in one launch
+    (:meth:`launch`), settled when that launch's event fired (:meth:`settle` drops the sources),
+    reloaded in one unpack launch (:meth:`reload`), read by the backward (:meth:`flat`).
+
+    ``nbytes``: device bytes of the storages (what leaves and comes back); ``host_bytes``: what
+    the pack wrote to the arena.  Each storage is packed whole, as one flat tensor: in its dtype
+    when the format casts it (fp32/fp16/bf16 under bf16/fp8, every view of it of that dtype),
+    as raw bytes otherwise (lossless: bit for bit).
+    """
+
+    def __init__(self, lanes: CopyLanes, dtype: torch.dtype | None, path: str = "staging") -> None:
+        self.lanes = lanes
+        self.dtype = dtype
+        self.path = path
+        self.storages: list[torch.UntypedStorage] = []
+        self.views: list[set[torch.dtype]] = []  # dtypes each storage was saved as
+        self.index: dict[int, int] = {}  # storage address -> position
+        self.nbytes = 0
+        self.host_bytes = 0
+        self.host: torch.Tensor | None = None
+        self.layout: Any = None
+        self.flat_dtypes: list[torch.dtype] = []
+        self.offloaded: Event | None = None
+        self.staging: torch.Tensor | None = None  # device buffer of the staging path (until its event)
+        self.outs: list[torch.Tensor] | None = None  # reloaded flats
+        self.reloaded: Event | None = None
+        self.waited = False
+
+    def add(self, t: torch.Tensor) -> int:
+        """The position of ``t``'s storage in the group (added on first sight)."""
+        ptr = storage_ptr(t)
+        i = self.index.get(ptr)
+        if i is None:
+            i = self.index[ptr] = len(self.storages)
+            self.storages.append(t.untyped_storage())
+            self.views.append(set())
+            self.nbytes += storage_bytes(t)
+        self.views[i].add(t.dtype)
+        return i
+
+    @property
+    def holds_sources(self) -> bool:
+        return bool(self.storages)
+
+    def _flat_dtype(self, i: int) -> torch.dtype:
+        seen = self.views[i]
+        if self.dtype is not None and len(seen) == 1:
+            (dt,) = seen
+            if dt in _CASTS and self.storages[i].nbytes() % dt.itemsize == 0:
+                return dt
+        return torch.uint8
+
+    def launch(self, arena: HostArena, cache: Any) -> int:
+        """End of the forward: one pack of every storage into the arena, on the offload lane.  Returns the
+        bytes written to the host."""
+        lanes = self.lanes
+        device = lanes.device
+        self.flat_dtypes = [self._flat_dtype(i) for i in range(len(self.storages))]
+        flats = [_flat(st, dt, device) for st, dt in zip(self.storages, self.flat_dtypes, strict=True)]
+        layout = cache.get(flats, kernels.format_for(self.dtype))
+        self.layout = layout
+        host = self.host = arena.alloc(layout.nbytes)
+        self.host_bytes = layout.nbytes
+        dtype = self.dtype
+        if lanes.cuda and self.path == "staging":
+            staging = self.staging = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+
+            def work() -> None:
+                kernels.pack(flats, dtype, out=staging, cache=cache)
+                host.copy_(staging, non_blocking=True)
+        else:
+            out = mapped(host, device) if lanes.cuda else host
+
+            def work() -> None:
+                kernels.pack(flats, dtype, out=out, cache=cache)
+
+        self.offloaded = lanes.submit("offload", work)
+        return layout.nbytes
+
+    def settle(self) -> bool:
+        """True (once) when the pack's event has fired: the sources and the staging buffer are dropped."""
+        if not self.storages or self.offloaded is None or not self.lanes.fired(self.offloaded):
             return False
-        if side.cuda:
-            buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-            s = side.stream()
-            s.wait_stream(torch.cuda.current_stream(device))  # buf's memory may still be in use there
-            with torch.cuda.stream(s):
-                buf.copy_(self.host, non_blocking=True)
-                self.event = torch.cuda.Event()
-                self.event.record(s)
-            buf.record_stream(s)
-        else:
-            # CPU: the arena is already in the memory the tensors are read from, so the "reload" is
-            # the accounting alone (the bytes count as resident again), not a second host copy.
-            buf = self.host
-        self.device = buf
+        self.storages = []
+        self.staging = None
         return True
 
-    def view(self, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> torch.Tensor:
-        """The saved tensor, as a view of the resident bytes (the source, or the reloaded copy)."""
-        flat = self.source if self.source is not None else self.device
-        if flat is None:
+    def reload(self) -> bool:
+        """Start the one unpack (on the reload lane, after the pack); True if it started now (False: already
+        reloaded, or the sources are still held and are read instead)."""
+        if self.outs is not None or self.storages or self.host is None:
+            return False
+        lanes = self.lanes
+        device, layout, host = lanes.device, self.layout, self.host
+        outs = self.outs = [torch.empty(e.shape, dtype=e.dtype, device=device) for e in layout.entries]
+        if lanes.cuda and self.path == "staging":
+            staging = self.staging = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+
+            def work() -> None:
+                staging.copy_(host, non_blocking=True)
+                kernels.unpack(staging, layout, out=outs)
+        else:
+            src = mapped(host, device) if lanes.cuda else host
+
+            def work() -> None:
+                kernels.unpack(src, layout, out=outs)
+
+        self.reloaded = lanes.submit("reload", work, after=[self.offloaded])
+        self.waited = False
+        return True
+
+    def storage(self, i: int) -> torch.UntypedStorage:
+        """Storage ``i`` as the backward reads it: the source while it is held, else its reloaded copy
+        (same bytes, or the cast's round trip) once the compute stream waited for the reload."""
+        if self.storages:
+            return self.storages[i]
+        if self.outs is None:
             raise RuntimeError("offloaded activation read before its reload was started (or after its release)")
-        if self.source is None and self.event is not None:
-            torch.cuda.current_stream(flat.device).wait_event(self.event)
-        if self.source is None and self.copying is not None:
-            wait_copy(self.copying, f"the copy of {self.nbytes} offloaded bytes")
-            self.copying = None
-        # ``flat`` may be a slice of the arena: its start (in bytes, 64-aligned) shifts the view's offset.
-        start = flat.storage_offset() // dtype.itemsize + offset
-        return torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), start, size, stride)
+        if not self.waited:
+            self.lanes.wait(self.reloaded)
+            self.waited = True
+            self.staging = None  # the compute stream is ordered after the reload: its buffer may go
+        return self.outs[i].untyped_storage()
+
+    def release(self) -> None:
+        """Autograd is done: drop the reloaded tensors (the sources go at :meth:`settle`)."""
+        self.outs = None

@@ -16,14 +16,19 @@ stage's inputs and labels; ``compressed``: their packed size):
   after an I only ``kept`` again, and ``saved`` from the W (which recomputes
   again: the runtime's graph-split W reads the saved tensors, see
   ``runtime/memory.py``) until it ends;
-* offload: ``saved`` during the F, then ``kept``; from the reload (``lookahead``
-  compute actions before its B/I) ``saved`` again.  Keys consumed within
-  ``max(2, lookahead)`` compute actions of their F are never offloaded.
+* offload (``offload:bf16``, ``offload:fp8``): ``saved`` during the F, then
+  ``kept``; from the reload (``lookahead`` compute actions before its B/I)
+  ``saved`` again (a reload unpacks to the full dtype, so the cast changes no
+  device bytes).  Keys consumed within ``max(2, lookahead)`` compute actions of
+  their F are never offloaded.  Host bytes: what leaves, times the format's
+  ratio (:data:`OFFLOAD_RATIO`), per step (:func:`host_bytes_per_step`).
 
 Time: recompute adds an F to each B, I and W (and to a pair's backward half);
 compress adds ``compress_s_per_byte`` per saved byte to F and to the backward;
-offload delays a backward only by what its reload (moved bytes over the host
-link) cannot hide behind the ``lookahead`` compute actions before it.
+offload delays a backward only by what its reload (moved bytes times the
+format's ratio over the host link, plus ``compress_s_per_byte`` per moved byte
+for a cast's unpack) cannot hide behind the ``lookahead`` compute actions before
+it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,10 @@ from .ir import T_B, T_F, T_I, T_W, Action, Schedule
 
 __all__ = [
     "MEMORY_POLICIES",
+    "OFFLOAD_RATIO",
     "ChunkBytes",
+    "host_bytes_per_step",
+    "offloads",
     "MemoryPrediction",
     "reload_points",
     "peak_saved_bytes",
@@ -46,9 +54,18 @@ __all__ = [
     "predict",
 ]
 
-MEMORY_POLICIES = ("keep", "recompute", "compress:bf16", "compress:fp8", "offload")
-#: packed size / fp32 size (fp8 carries one fp32 scale per 128 elements)
-COMPRESS_RATIO = {"compress:bf16": 0.5, "compress:fp8": 0.25 + 4 / 128}
+MEMORY_POLICIES = ("keep", "recompute", "compress:bf16", "compress:fp8", "offload", "offload:bf16", "offload:fp8")
+#: packed size / fp32 size (fp8: one byte per element plus one 4-byte scale per 128 elements, i.e. per 512
+#: fp32 bytes)
+COMPRESS_RATIO = {"compress:bf16": 0.5, "compress:fp8": 0.25 + 4 / 512}
+#: bytes an offload writes to the host / the fp32 bytes that leave the device (same formats)
+OFFLOAD_RATIO = {"offload": 1.0, "offload:bf16": 0.5, "offload:fp8": 0.25 + 4 / 512}
+
+
+def offloads(policy: str) -> bool:
+    """True for ``offload`` and its cast variants."""
+    return policy in OFFLOAD_RATIO
+
 
 Key = tuple[int, int]  # (stage, micro-batch)
 
@@ -85,7 +102,7 @@ class ChunkBytes:
     def moved(self, policy: str) -> Num:
         """Bytes that leave after the F and come back before the backward (offload), or that are
         dropped and recomputed (recompute)."""
-        if policy == "offload" and self.in_forward is not None:
+        if offloads(policy) and self.in_forward is not None:
             return self.in_forward - self.kept
         return self.saved - self.kept
 
@@ -155,7 +172,8 @@ def peak_saved_bytes(
         def release(key: Key, held: dict[Key, Num] = held, now: list[Num] = now) -> None:
             now[0] -= held.pop(key, 0)
 
-        reload_at, resident = reload_points(actions, lookahead) if policy == "offload" else ({}, set())
+        moves = offloads(policy)
+        reload_at, resident = reload_points(actions, lookahead) if moves else ({}, set())
         reloaded: set[Key] = set()
         for p, a in enumerate(_computes(actions)):
             for key in reload_at.get(p, ()):
@@ -166,7 +184,7 @@ def peak_saved_bytes(
                 key = (sub.stage, sub.microbatch)
                 c = _bytes_of(sizes, sub.stage)
                 if sub.type is T_F:
-                    offloaded = policy == "offload" and key not in resident
+                    offloaded = moves and key not in resident
                     settled = c.saved if policy == "keep" or offloaded or key in resident else c.under(policy)
                     during = c.in_forward if policy.startswith("compress") and c.in_forward is not None else settled
                     if offloaded:
@@ -177,7 +195,7 @@ def peak_saved_bytes(
                     elif during != settled:
                         add(key, settled - during)
                 elif sub.type is T_B or sub.type is T_I:
-                    if policy == "recompute" or (policy == "offload" and key not in resident and key not in reloaded):
+                    if policy == "recompute" or (moves and key not in resident and key not in reloaded):
                         add(key, c.moved(policy))
                         reloaded.add(key)
                     if sub.type is T_B:
@@ -246,11 +264,12 @@ def policy_costs(
     elif policy.startswith("compress"):
         extra_f = [_bytes_of(sizes, s).saved * compress_s_per_byte for s in range(n)]
         extra_b = list(extra_f)
-    elif policy == "offload" and host_bandwidth != math.inf:
+    elif offloads(policy) and (host_bandwidth != math.inf or (compress_s_per_byte and policy != "offload")):
         windows = _windows(schedule, sc, lookahead)
+        cast_s = compress_s_per_byte if policy != "offload" else 0
         for s, window in windows.items():
-            c = _bytes_of(sizes, s)
-            extra_b[s] = max(0, c.moved("offload") / host_bandwidth - window)
+            moved = _bytes_of(sizes, s).moved(policy)
+            extra_b[s] = max(0, moved * OFFLOAD_RATIO[policy] / host_bandwidth + moved * cast_s - window)
     fb = None if sc.fb is None else [sc.fb[s] + extra_f[s] + extra_b[s] for s in range(n)]
     return PolicyCostModel(
         f=[sc.f[s] + extra_f[s] for s in range(n)],
@@ -300,6 +319,7 @@ class MemoryPrediction:
     peak_saved_bytes: list[Num]
     makespan: Num
     extra: dict[str, Num] = field(default_factory=dict)
+    host_bytes: list[Num] = field(default_factory=list)  # per rank, per step (0 unless offload)
 
 
 def predict(
@@ -320,4 +340,23 @@ def predict(
         schedule, costs or CostModel(), policy, sizes, host_bandwidth, compress_s_per_byte, lookahead, recompute_s
     )
     res = simulate(schedule, pc, comm)
-    return MemoryPrediction(policy, peak_saved_bytes(schedule, policy, sizes, lookahead), res.makespan)
+    peaks = peak_saved_bytes(schedule, policy, sizes, lookahead)
+    return MemoryPrediction(
+        policy, peaks, res.makespan, host_bytes=host_bytes_per_step(schedule, policy, sizes, lookahead)
+    )
+
+
+def host_bytes_per_step(
+    schedule: Schedule, policy: str, sizes: ChunkBytes | Sequence[ChunkBytes], lookahead: int = 2
+) -> list[Num]:
+    """Bytes every rank writes to its host arena per step: the moved bytes of each key it offloads, times
+    the format's ratio (0 under a policy that does not offload)."""
+    _check_policy(policy)
+    if not offloads(policy):
+        return [0] * len(schedule.actions)
+    out: list[Num] = []
+    for actions in schedule.actions:
+        reload_at, _ = reload_points(actions, lookahead)
+        keys = [key for ks in reload_at.values() for key in ks]
+        out.append(sum(_bytes_of(sizes, s).moved(policy) * OFFLOAD_RATIO[policy] for s, _mb in keys))
+    return out

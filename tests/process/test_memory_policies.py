@@ -1,13 +1,17 @@
-"""Memory policies (keep / recompute / compress / offload) on 2 CPU ranks, every schedule.
+"""Memory policies (keep / recompute / compress / offload and its casts) on 2 CPU ranks, every schedule.
 
 One spawned group (``memory_workers.all_checks``) trains a dropout MLP for 2
 steps under every policy and schedule, the small demo GPT for 50 steps with
-keep and compress:fp8, and DualPipeV with offload for 50 steps.  Checks:
+keep, compress:fp8 and offload:fp8, and DualPipeV with offload for 50 steps.  Checks:
 
 * recompute and offload: every loss and gradient bit-exact against keep (both
   steps, so the second step's arena is covered too), on every schedule and both
   zero-bubble modes; their peak resident saved bytes are below keep's;
-* compress:fp8: the GPT's loss after 50 steps within 2% of keep's;
+* offload:bf16, offload:fp8 (and compress:fp8, the reference of the tolerance)
+  on every schedule: the first step's losses equal keep's (only the backward
+  reads what they cast), every gradient within ``CAST_TOL`` of keep's (max abs
+  error over the gradient's max abs); the same peaks as offload, fewer host bytes;
+* compress:fp8 and offload:fp8: the GPT's loss after 50 steps within 2% of keep's;
 * offload over 50 steps: the host arena is allocated once, live tensors and
   the peak resident bytes are flat after the first steps, RSS grows < 4 MiB.
 """
@@ -23,6 +27,10 @@ SCHEDULES = ["dualpipe", "dualpipev", "1f1b", "gpipe", "interleaved1f1b", "zb1p"
 EXACT = ["recompute", "offload"]
 CASES = [(s, 4, p, "split") for s in SCHEDULES for p in ["keep", *EXACT]]
 CASES += [("zbv", 4, p, "store") for p in ["keep", *EXACT]]
+CAST = ["offload:bf16", "offload:fp8", "compress:fp8"]
+#: max |grad - keep's| / max |keep's| per gradient: bf16 (8 mantissa bits), fp8 e4m3 (3 bits, one scale per 128)
+CAST_TOL = {"offload:bf16": 0.02, "offload:fp8": 0.15, "compress:fp8": 0.15}
+CASES += [(s, 4, p, "split") for s in SCHEDULES for p in CAST]
 GPT_STEPS = 50
 LONG_STEPS = 50
 
@@ -58,9 +66,32 @@ def test_recompute_and_offload_save_memory_on_dualpipev(checks):
             assert max(res["policies"][f"dualpipev/{policy}/split"]["peaks"]) < keep
 
 
-def test_compress_fp8_gpt_loss_within_2_percent(checks):
+@pytest.mark.parametrize("policy", CAST)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_casts_within_tolerance_of_keep(checks, schedule, policy):
+    for rank, res in enumerate(checks):
+        got, ref = res["policies"][f"{schedule}/{policy}/split"], res["policies"][f"{schedule}/keep/split"]
+        assert got["memory_policy"] == {s: policy for s in got["memory_policy"]}
+        assert got["losses"][0] == ref["losses"][0], f"rank {rank}: the forward changed"
+        worst = 0.0
+        for g, r in zip(got["grads"], ref["grads"], strict=True):
+            for name in r:
+                scale = r[name].abs().max().item()
+                if scale > 0:
+                    worst = max(worst, (g[name] - r[name]).abs().max().item() / scale)
+        assert worst <= CAST_TOL[policy], f"rank {rank}: {policy} gradient off by {worst:.3g} of its max"
+        if policy.startswith("offload"):
+            lossless = res["policies"][f"{schedule}/offload/split"]
+            assert got["peaks"] == lossless["peaks"], f"rank {rank}: a cast changes no device bytes"
+            assert sum(got["host_bytes"]) <= {"offload:bf16": 0.6, "offload:fp8": 0.45}[policy] * sum(
+                lossless["host_bytes"]
+            ), f"rank {rank}: host bytes {got['host_bytes']} vs offload's {lossless['host_bytes']}"
+
+
+@pytest.mark.parametrize("policy", ["compress:fp8", "offload:fp8"])
+def test_fp8_gpt_loss_within_2_percent(checks, policy):
     gpt = checks[0]["gpt"]
-    keep, fp8 = gpt["keep"], gpt["compress:fp8"]
+    keep, fp8 = gpt["keep"], gpt[policy]
     assert len(keep) == len(fp8) == GPT_STEPS
     assert keep[-1] < keep[0]  # it trains
     assert abs(fp8[-1] - keep[-1]) <= 0.02 * keep[-1]

@@ -10,6 +10,7 @@ saved by autograd (offload must move a storage once).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -100,6 +101,7 @@ def train(
         "losses": losses,
         "grads": grads,
         "peaks": list(mem.peaks),
+        "host_bytes": list(mem.host_bytes),
         "arena_allocations": mem.arena.allocations,
         "memory_policy": dict(pipe.memory_policy),
     }
@@ -185,6 +187,60 @@ def all_checks(
     """Every check of tests/process/test_memory_policies.py in one spawned group (process start costs seconds)."""
     return {
         "policies": policy_runs(rank, world_size, cases, steps=2),
-        "gpt": gpt_losses(rank, world_size, ["keep", "compress:fp8"], gpt_steps),
+        "gpt": gpt_losses(rank, world_size, ["keep", "compress:fp8", "offload:fp8"], gpt_steps),
         "long": long_offload(rank, world_size, long_steps),
     }
+
+
+def _lane_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("dualpipe-offload", "dualpipe-reload"))]
+
+
+def _threads_and_fds() -> tuple[int, int]:
+    """(OS threads, open file descriptors) of this process."""
+    import os
+
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def soak(rank: int, world_size: int, policies: Sequence[str], steps: int, every: int) -> dict[str, Any]:
+    """``steps`` GPipe steps of 3 micro-batches (SGD between them: cheap steps, and each rank offloads its
+    first micro-batch) under each policy in turn, one pipeline each, closed after; every ``every``
+    steps: RSS, live tensors, OS threads and fds; also after the pipeline's close."""
+    from dualpipe_kernels.runtime.executor import Pipeline
+
+    sched = _schedule("gpipe", world_size, 3)
+    out: dict[str, Any] = {}
+    for policy in policies:
+        modules = _stages(sched, rank)
+        pipe = Pipeline(sched, modules, transport="torch", timeout_s=30.0, memory_policy=_policy(policy))
+        samples = []
+        lane_threads: list[str] = []
+        try:
+            for step in range(steps):
+                torch.manual_seed(step)
+                x, label = _batch(3, step % 5)
+                pipe.step(x, labels=(label,), criterion=lambda y, t: F.mse_loss(y, t))
+                with torch.no_grad():
+                    for m in modules.values():
+                        for p in m.parameters():
+                            p -= 1e-3 * p.grad
+                            p.grad = None
+                if step == 0:
+                    lane_threads = _lane_threads()
+                if (step + 1) % every == 0:
+                    tensors, rss = live_tensors_and_rss()
+                    samples.append((step + 1, rss, tensors, *_threads_and_fds()))
+        finally:
+            pipe.close()
+        mem = pipe.activation_memory
+        out[policy] = {
+            "samples": samples,
+            "history": len(mem.peaks),
+            "lane_threads_running": lane_threads,
+            "lane_threads_after_close": _lane_threads(),
+            "packs": mem.offload_packs,
+        }
+        del pipe, modules, mem
+        dist.barrier()
+    return out

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dualpipe_kernels.cli import main
 from dualpipe_kernels.schedules.costs import CostModel
@@ -113,11 +114,14 @@ def test_bench_memory_json_contract(tmp_path: Path, capsys):
     res = json.loads(capsys.readouterr().out)
     keys = {"schedule", "ranks", "microbatches", "policy", "peak_saved_bytes", "peak_saved_bytes_keep"}
     keys |= {"predicted_peak_saved_bytes", "step_s", "step_s_keep", "predicted_step_s", "bit_exact"}
-    assert len(res["rows"]) == 10
+    keys |= {"host_bytes", "predicted_host_bytes"}
+    assert len(res["rows"]) == 2 * 7  # two schedules x every policy
     for row in res["rows"]:
         assert keys <= set(row)
         assert row["peak_saved_bytes"] == pytest.approx(row["predicted_peak_saved_bytes"], rel=0.1)
-        assert row["bit_exact"] is (not row["policy"].startswith("compress"))
+        assert row["bit_exact"] is (row["policy"] in ("keep", "recompute", "offload"))
+        assert row["host_bytes"] == pytest.approx(row["predicted_host_bytes"], rel=0.1)
+        assert (row["host_bytes"] > 0) is row["policy"].startswith("offload")
         assert 0 < row["peak_saved_bytes"] <= row["peak_saved_bytes_keep"]
     assert (tmp_path / "memory.md").stat().st_size > 0
 
@@ -135,8 +139,15 @@ def test_policy_arguments_are_checked_and_named():
         parse_memory_policy({5: "offload"}, [0, 3])
     with pytest.raises(ValueError, match="'swap' is unknown"):
         MemoryPolicy.parse("swap")
-    with pytest.raises(ValueError, match="only compress takes a format"):
-        MemoryPolicy.parse("offload:fp8")
+    assert MemoryPolicy.parse("offload:fp8").name == "offload:fp8"
+    assert MemoryPolicy.parse("offload").dtype is None  # lossless unless a format is named
+    assert MemoryPolicy.parse("offload:bf16").dtype == torch.bfloat16
+    assert MemoryPolicy("compress").name == "compress:bf16"
+    for bad in ("keep:fp8", "recompute:bf16", "offload:fp16", "compress:none", "offload:"):
+        with pytest.raises(ValueError, match="is unknown; a format goes with compress or offload"):
+            MemoryPolicy.parse(bad)
+    with pytest.raises(ValueError, match="offload_path 'zero' is unknown"):
+        MemoryPolicy("offload", offload_path="zero")
     with pytest.raises(ValueError, match="lookahead >= 1"):
         MemoryPolicy("offload", lookahead=0)
 

@@ -177,3 +177,18 @@ def test_recompute_is_chosen_when_keep_cannot_fit():
     roomy = plan(table, Cluster(4, 4, 10e9, host_bandwidth=1e3), 16, memory_policy="keep").best
     assert best.simulated_step_s > roomy.simulated_step_s
     assert {c.memory_policy for c in result.candidates} <= set(PLAN_MEMORY_POLICIES)
+
+
+def test_auto_chooses_an_offload_cast_only_where_the_lossless_reloads_cannot_hide():
+    # The table above with keep out of memory: on a 10 MB/s host link the lossless offload's reloads show in
+    # the step while fp8's quarter of the bytes hide behind compute, so auto takes offload:fp8; on a link fast
+    # enough for both, the tie goes to the lossless offload.
+    rows = tuple(LayerCost(f"l{i}", 1.0, 2.0, 1.0, 50e6, 1e6, 1e5) for i in range(8))
+    table = LayerTable(rows)
+    slow = Cluster(4, 4, 160e6, host_bandwidth=1e7)
+    best = plan(table, slow, 16).best
+    assert best.memory_policy == "offload:fp8" and best.feasible and best.peak_memory_bytes <= 160e6
+    lossless = plan(table, slow, 16, memory_policy="offload").best
+    assert best.simulated_step_s < lossless.simulated_step_s
+    assert best.peak_memory_bytes == pytest.approx(lossless.peak_memory_bytes, rel=1e-9)  # same device bytes
+    assert plan(table, Cluster(4, 4, 160e6, host_bandwidth=1e8), 16).best.memory_policy == "offload"
