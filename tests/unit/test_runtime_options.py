@@ -104,7 +104,7 @@ def test_loose_values_are_stored_normalised():
         (lambda: GradientOptions(dp_group="dp"), r"dp_group must be a torch.distributed ProcessGroup or None"),
         (lambda: MemoryOptions("swap"), r"memory policy 'swap' is unknown"),
         (lambda: MemoryOptions({"0": "keep"}), r"memory_policy: stage keys must be ints >= 0, got '0'"),
-        (lambda: MemoryOptions({0: "compress:int4"}), r"compress format 'int4' is unknown"),
+        (lambda: MemoryOptions({0: "compress:int4"}), r"memory policy 'compress:int4' is unknown"),
         (lambda: DiagnosticsOptions(record_timeline="on"), r"record_timeline must be True or False, got 'on'"),
         (lambda: PipelineOptions(wire=GradientOptions()), r"wire must be a WireOptions, got GradientOptions"),
     ],
