@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -54,6 +55,8 @@ class PipelineConveniences:
     device: torch.device
     record_timeline: bool
     _transport: Transport
+    _watch: Any  # runtime.peer_watch.PeerWatch | None
+    timeout_s: float
     _dp: Any
     _boundary: Any
     _layouts: Any
@@ -262,10 +265,35 @@ class PipelineConveniences:
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         if total is not None:
             acc[0], acc[1] = total, len(losses)
-        dist.all_reduce(acc, group=self.group)
+        self._all_reduce_loss(acc)
         if acc[1].item() == 0:  # no rank had a loss (no criterion, or inference without one)
             return None
         return (acc[0] / acc[1]).float()
+
+
+    def _all_reduce_loss(self, acc: torch.Tensor) -> None:
+        """The step's loss all-reduce over the pipeline group.  Only ranks that pass ``reduce_loss=True``
+        enter it, so a rank that does not leaves the others waiting: its failure names the likely cause, and
+        (through the pipeline's PeerWatch) a peer's failure ends the wait at once, naming that peer."""
+        work = dist.all_reduce(acc, group=self.group, async_op=True)
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
+        try:
+            while not work.is_completed():
+                if self._watch is not None:
+                    self._watch.check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not complete after {self.timeout_s:.3g} s")
+                time.sleep(pause)
+                pause = min(0.001, pause + 0.0001)
+            work.wait()
+        except Exception as exc:
+            if type(exc).__name__ == "PeerFailed":
+                raise
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: the step's loss all-reduce (reduce_loss=True) failed: {exc}. "
+                "Every rank must pass the same reduce_loss to step(): a rank that passed False does not take part"
+            ) from exc
 
 
 def _sum_f64(values: list[torch.Tensor]) -> torch.Tensor:

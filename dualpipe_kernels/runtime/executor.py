@@ -411,7 +411,12 @@ class Pipeline(PipelineConveniences, nn.Module):
             raise
         finally:
             self.weight_grad_store.clear()
-        loss = self._mean_loss(cst.losses, reduce_loss)
+        try:
+            loss = self._mean_loss(cst.losses, reduce_loss)
+        except BaseException as exc:
+            if self._watch is not None:
+                self._watch.publish(exc)
+            raise
         elapsed = time.perf_counter() - t0
         return StepResult(
             losses=cst.losses,

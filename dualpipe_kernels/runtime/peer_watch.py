@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import socket
 import threading
 import time
@@ -119,6 +120,10 @@ class PeerWatch:
             return
         self._stop.set()
         atexit.unregister(self._atexit)
+        if self._published and self.rank == self.store_host:
+            # This process hosts the store: give the peers' threads a few polls to read the failure
+            # before a process exit takes the store (and the failure's text) with it.
+            time.sleep(3 * self.poll_s)
         try:
             self._store.set(f"{self._prefix}/closed/{self.rank}", "1")
         except Exception:  # noqa: BLE001 - closing after the store's host died
@@ -145,10 +150,12 @@ class PeerWatch:
             try:
                 handle.wait(max(0.001, min(left, self.poll_s)))
                 return
-            except TransportTimeout:
+            except TransportTimeout as exc:
                 self.check()
                 if left <= self.poll_s:
-                    raise
+                    # the transport's message names the last slice's limit: name the whole wait instead
+                    text = re.sub(r"timed out after [0-9.]+ s", f"timed out after {timeout_s:.1f} s", str(exc))
+                    raise TransportTimeout(text) from None
             except Exception:
                 # A transfer that broke because a peer failed: name that failure, which the thread
                 # sees within a poll or two (or a dead process on this host), rather than the transport's view.

@@ -36,3 +36,14 @@ def test_a_killed_rank_is_named_by_every_other_rank() -> None:
         err = outs[r].value["error"]
         assert err is not None and "pipeline rank 2 failed" in err, (r, err)
         assert outs[r].value["after_s"] < WAIT_S / 2, outs[r].value
+
+
+@pytest.mark.timeout(240)
+def test_a_reduce_loss_that_only_some_ranks_ask_for_is_named_on_both() -> None:
+    from peer_failure_workers import reduce_loss_mismatch
+
+    outs = spawn_outcomes(reduce_loss_mismatch, 2, timeout_s=200.0, failure_grace_s=30.0)
+    assert all(o.ok for o in outs), [o.error for o in outs]
+    e0, e1 = outs[0].value["error"], outs[1].value["error"]
+    assert e0 is not None and "Every rank must pass the same reduce_loss to step()" in e0, e0
+    assert e1 is not None and "pipeline rank 0 failed" in e1 and "reduce_loss" in e1, e1

@@ -76,3 +76,20 @@ def one_killed(rank: int, world: int, transport: str) -> dict[str, Any]:
         return {"error": None, "after_s": time.monotonic() - t0}
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}", "after_s": time.monotonic() - t0}
+
+
+def reduce_loss_mismatch(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 asks for reduce_loss, rank 1 does not (and goes on to its next step)."""
+    sched = build_schedule("1f1b", ranks=world, microbatches=2 * world)
+    # rank 0 gives up first: its failure, not rank 1's own timeout, must end rank 1's wait
+    pipe = Pipeline(sched, [Stage()], wire=WireOptions(transport="torch", timeout_s=5.0 if rank == 0 else 60.0))
+    x, y = torch.randn(4 * world, 8), torch.randn(4 * world, 8)
+    t0 = time.monotonic()
+    try:
+        for _ in range(2):
+            pipe.step(x, labels=(y,), criterion=nn.functional.mse_loss, reduce_loss=rank == 0)
+        return {"error": None, "after_s": time.monotonic() - t0}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "after_s": time.monotonic() - t0}
+    finally:
+        pipe.close()
