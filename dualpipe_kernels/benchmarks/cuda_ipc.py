@@ -171,6 +171,24 @@ def _d2d_ms(size: int, burst: int, iters: int) -> float:
 # ---------------------------------------------------------------------------
 
 
+class _PeerBuffers:
+    """Rank 0's send buffers for the bare copy rounds, shared with rank 1 through torch's CUDA IPC."""
+
+    def __init__(self, rank: int, share: Any, timeout_s: float) -> None:
+        self.rank, self.share, self.timeout_s = rank, share, timeout_s
+        self.mine: dict[int, torch.Tensor] = {}
+
+    def get(self, size: int) -> torch.Tensor:
+        if self.rank == 0:
+            t = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()
+            self.mine[size] = t  # alive while rank 1 maps it
+            self.share.put(t)
+            return t
+        got: torch.Tensor = self.share.get(timeout=self.timeout_s)
+        return got
+
+
 class _Bare:
     """Interprocess-event ping-pong between the ranks; rank 1 optionally copies from rank 0's buffer each round.
 
@@ -180,9 +198,14 @@ class _Bare:
     the CUDA-event time is the devices' round trips.
     """
 
-    def __init__(self, rank: int, ping: Any, pong: Any, counters: Any, timeout_s: float) -> None:
+    def __init__(self, rank: int, ping: Any, pong: Any, counters: Any, timeout_s: float, buffers: _PeerBuffers) -> None:
         self.rank, self.ping, self.pong, self.c, self.timeout_s = rank, ping, pong, counters, timeout_s
+        self.buffers = buffers
         self.round = 0
+
+    def peer_buffer(self, size: int) -> torch.Tensor:
+        """Rank 0: a fresh buffer of `size` bytes (all 7), shared; rank 1: that buffer, IPC-mapped."""
+        return self.buffers.get(size)
 
     def _await(self, slot: int, value: int) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -288,7 +311,7 @@ def _row(
     device_ms, host_s = _burst(t, rank, size, count, tag0, barrier, iters)
     # the bare ceiling, same rounds: rank 1 copies from rank 0's IPC-mapped buffer
     barrier()
-    src = bare.peer_buffer(size)  # type: ignore[attr-defined]  # rank 0 makes and shares it, rank 1 maps it
+    src = bare.peer_buffer(size)  # rank 0 makes and shares it, rank 1 maps it
     if rank == 0:
         out.put(("sender_host_s", size, statistics.median(host_s)))
         bare.run(count)  # warm-up
@@ -387,24 +410,6 @@ def _overlap(t: Any, rank: int, barrier: SpinBarrier, args: argparse.Namespace) 
     }
 
 
-class _PeerBuffers:
-    """Rank 0's send buffers for the bare copy rounds, shared with rank 1 through torch's CUDA IPC."""
-
-    def __init__(self, rank: int, share: Any, timeout_s: float) -> None:
-        self.rank, self.share, self.timeout_s = rank, share, timeout_s
-        self.mine: dict[int, torch.Tensor] = {}
-
-    def get(self, size: int) -> torch.Tensor:
-        if self.rank == 0:
-            t = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
-            torch.cuda.synchronize()
-            self.mine[size] = t  # alive while rank 1 maps it
-            self.share.put(t)
-            return t
-        got: torch.Tensor = self.share.get(timeout=self.timeout_s)
-        return got
-
-
 def _rank_main(rank: int, slots: Any, rounds: Any, share: Any, events: Any, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(1)
     torch.cuda.set_device(0)
@@ -419,9 +424,8 @@ def _rank_main(rank: int, slots: Any, rounds: Any, share: Any, events: Any, args
             events.put((ping, pong))
         else:
             ping, pong = events.get(timeout=args.timeout)
-        bare = _Bare(rank, ping, pong, rounds, args.timeout)
         peer = _PeerBuffers(rank, share, args.timeout)
-        bare.peer_buffer = peer.get  # type: ignore[attr-defined]
+        bare = _Bare(rank, ping, pong, rounds, args.timeout, peer)
         barrier()
         # the context hop: ping-pong with no copy (warm-up, then timed)
         bare.run(8)
