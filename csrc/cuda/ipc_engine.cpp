@@ -117,8 +117,15 @@ std::uint64_t EventPool::created() const {
 // Op
 // ---------------------------------------------------------------------------
 
+// The wait for "enqueued" spins up to kEnqueueSpinUs before it sleeps: in a
+// burst the worker enqueues an op within microseconds, and a sleep/wake per
+// op would cost the host more than the enqueue itself.
+namespace {
+constexpr double kEnqueueSpinUs = 50.0;
+}  // namespace
+
 Op::Op(std::shared_ptr<EventPool> pool, TransferInfo info, char* ptr)
-    : pool_(std::move(pool)), api_(pool_->api()), request_(std::move(info), ptr, 0.0), ptr_(ptr) {
+    : pool_(std::move(pool)), api_(pool_->api()), request_(std::move(info), ptr, kEnqueueSpinUs), ptr_(ptr) {
   std::strncpy(dtype_, request_.info().dtype_name.c_str(), kDtypeNameLen - 1);
 }
 
