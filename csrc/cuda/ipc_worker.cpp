@@ -365,15 +365,17 @@ bool Engine::check_peer_alive(Channel& ch) {
      << (ch.outgoing ? ch.peer : rank_);
   ch.dead = os.str();
   ch.status_dead.store(true);
+  bump(&EngineStats::peers_died);
+  // Fail first, release the streams after: an op whose stream is released
+  // must already say it failed when its done event fires.
+  for (auto& op : ch.unsettled) op->poison(ch.dead);
+  ch.unsettled.clear();
+  fail_channel(ch, ch.dead);
   if (ch.wait_any && ch.signals != nullptr) {
     std::uint64_t* signal = ch.outgoing ? ch.freed_signal() : ch.ready_signal();
     const Status r = api_->set_value(signal, ch.wait_target);
     if (r != kOk) (void)api_->error_text(r);  // the peer's memory may be gone with it: close() then leaks
   }
-  bump(&EngineStats::peers_died);
-  for (auto& op : ch.unsettled) op->poison(ch.dead);
-  ch.unsettled.clear();
-  fail_channel(ch, ch.dead);
   return true;
 }
 
