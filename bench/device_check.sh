@@ -21,12 +21,15 @@
 #              the CUDA IPC engine's zero-copy views, small rings and teardown order, and the per-peer
 #              transport choice (CUDA IPC same host, torch across faked hosts; NCCL with 2+ GPUs), and the
 #              kernels' sm_90 builds with this machine's Triton (registers per variant) (JUnit XML)
-#   bench      dualpipe-kernels bench kernels (pack/unpack 64 KiB .. 256 MiB vs a same-GPU copy and torch
-#              cat + cast; with DEVICE_CHECK_VARIANTS=1 five launch shapes of the Triton kernels side by side, two of them the generic kernel), memory_gpu (offload / recompute / fp8 vs keep: step time and device memory),
-#              cuda_ipc --quick (IPC at >= 64 MiB vs a same-GPU copy, us per message, overlap)
-#   runtime    the demo on the GPU: two processes on GPU 0, --device cuda, transport auto (the torch transport on
-#              GPUs unless DUALPIPE_KERNELS_CUDA_IPC=1: the CUDA IPC engine crashed at set-up on the first H200)
-#   transport  pytest tests/process/test_cuda_ipc.py (per-test timeouts below the step's; JUnit XML)
+#   bench      dualpipe-kernels bench kernels at 64 and 256 MiB with fp32 and bf16 inputs (--dtypes fp32,bf16
+#              where the kernels suite has that option; pack/unpack vs a same-GPU copy and torch cat + cast; with
+#              DEVICE_CHECK_VARIANTS=1 five launch shapes of the Triton kernels side by side), cuda_ipc (the engine
+#              vs its bare ceiling and the context hop, 256 B .. 256 MiB, host and device us per message, overlap;
+#              and --fake-device: the engine's host cost without the GPU), memory_gpu at 4 ranks x 16
+#              micro-batches (offload / recompute / fp8 vs keep: step time and device memory)
+#   transport  pytest tests/process/test_cuda_ipc.py: every two-process scenario, the error paths among them (size/dtype
+#              mismatch, timeout, a killed peer) (per-test timeouts below the step's; JUnit XML)
+#   runtime    the demo on the GPU: two processes on GPU 0, --device cuda, over the CUDA IPC engine, then auto
 #   compat     pytest -m gpu tests/process/test_compat.py (the reference's API on CUDA; JUnit XML)
 #   hostcpu    dualpipe-kernels bench schedules --short-chunks-only: the short-chunk row (DualPipeV 4 x 16,
 #              1/2/1 ms sleep chunks, CPU tensors) on this host's CPUs, a core per rank (the row's target,
@@ -48,7 +51,7 @@ mkdir -p "$LOGDIR"
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
 BUDGET_S="${DEVICE_CHECK_BUDGET_S:-475}"
-ALL_STEPS="smoke build gpu bench runtime transport compat hostcpu"
+ALL_STEPS="smoke build gpu bench transport runtime compat hostcpu"
 WANTED=" ${DEVICE_CHECK_STEPS:-$ALL_STEPS} "
 DRY="${DEVICE_CHECK_DRY:-0}"
 T_START=$(date +%s)
@@ -63,10 +66,11 @@ LIMIT_BUILD=120
 # gpu: 48 s in run 5; each launch kind now compiles its own kernel variant (about 1 s each, ~20 in these tests),
 # and the device_build test compiles nine (its own timeout, 90 s, stays below this cap)
 LIMIT_GPU=150
-# bench: kernels 100 + sass 60 + memory_gpu 75 (twice if the engine fails) + cuda_ipc 25 s; variants 120 s more
-LIMIT_BENCH=340
-LIMIT_RUNTIME=60
+# bench: kernels 60 (2 sizes x 2 dtypes) + cuda_ipc 60 + its fake-device row 15 + memory_gpu 70 (twice if the
+# engine fails); variants 120 s more when on
+LIMIT_BENCH=240
 LIMIT_TRANSPORT=185
+LIMIT_RUNTIME=60
 LIMIT_COMPAT=55
 # hostcpu: about 48 s on the 2-core machine (three launches, each: calibration, 4 spawned ranks, 22 steps of
 # 0.13 s, the compute floor: 6 steps of each rank alone, 6 of all at once; the bare pipeline: 6 steps)
@@ -189,14 +193,22 @@ build() {
 
 bench() {
   local rc=0
-  # 26 s in run 1 with one generic kernel; each launch kind now compiles its own variant (about 20 more
-  # compiles, ~1 s each, fewer where the gpu step's tests already filled Triton's cache)
-  # fp32 and bf16 inputs (three sizes: about the time five sizes of fp32 took); then the offline sm_90 rows
-  # (registers, SASS per element) under this machine's Triton
-  timeout 100 "$PY" -m dualpipe_kernels bench kernels --json --no-plots --out "$WORK/bench" --samples 5 \
-    --dtypes fp32,bf16 --sizes 1048576,67108864,268435456 >"$WORK/bench/kernels.stdout.json" || rc=1
-  timeout 60 "$PY" -m dualpipe_kernels bench kernels --sass --other-triton none --json --no-plots \
-    --out "$WORK/bench/sass" >"$WORK/bench/kernels_sass.stdout.json" || rc=1
+  # the two sizes that matter (64 and 256 MiB), fp32 and bf16 inputs; --dtypes only where the kernels
+  # suite has it (an older tree runs its default dtype)
+  local dtypes=()
+  if "$PY" -m dualpipe_kernels bench kernels --help 2>/dev/null | grep -q -- "--dtypes"; then
+    dtypes=(--dtypes fp32,bf16)
+  else
+    echo "bench kernels: no --dtypes option in this tree: its default input dtype only"
+  fi
+  timeout 60 "$PY" -m dualpipe_kernels bench kernels --json --no-plots --out "$WORK/bench" --samples 5 \
+    --sizes 67108864,268435456 "${dtypes[@]}" >"$WORK/bench/kernels.stdout.json" || rc=1
+  # the engine against its bare ceiling (context hop; ping-pong with a copy from the peer's IPC-mapped
+  # buffer), 256 B .. 256 MiB, and the compute + transfer overlap; then its host cost over the fake device
+  timeout 60 "$PY" -m dualpipe_kernels bench cuda_ipc --json --no-plots --out "$WORK/bench" --iters 3 \
+    --overlap-bytes 1G --overlap-reps 2 --timeout 55 >"$WORK/bench/cuda_ipc.stdout.json" || rc=1
+  timeout 15 "$PY" -m dualpipe_kernels bench cuda_ipc --fake-device --json --no-plots --out "$WORK/bench/fake" \
+    >"$WORK/bench/cuda_ipc_fake.stdout.json" || rc=1
   # over the CUDA IPC engine (the transport this measures); over the torch transport only if that fails
   local t
   for t in native torch; do
@@ -209,8 +221,6 @@ bench() {
       >"$WORK/bench/memory_gpu.stdout.json" && break
     rc=1
   done
-  timeout 25 "$PY" -m dualpipe_kernels bench cuda_ipc --quick --json --no-plots --out "$WORK/bench" --timeout 20 \
-    >"$WORK/bench/cuda_ipc.stdout.json" || rc=1
   # launch shapes (DEVICE_CHECK_VARIANTS=1; each shape compiles its kernels, generic ones too: up to two
   # minutes): last and on
   # their own, so a cut loses only them.  Off by default since run 5: the transport suite needs the time.
@@ -227,7 +237,7 @@ hostcpu() {
     >"$WORK/bench/schedules_short.stdout.json"
 }
 
-mkdir -p "$WORK/bench/variants"
+mkdir -p "$WORK/bench/variants" "$WORK/bench/fake"
 run_step smoke "$LIMIT_SMOKE" bash -c "$(declare -f smoke); PY='$PY' WORK='$WORK' smoke"
 run_step build "$LIMIT_BUILD" bash -c "$(declare -f build); PY='$PY' WORK='$WORK' DRY='$DRY' OUTDIR='$OUTDIR' build"
 # pytest: -v -rA so that every test reports as it ends; --timeout below the step's (a marker's too: the
@@ -236,12 +246,12 @@ run_step gpu "$LIMIT_GPU" "$PY" -m pytest -m "gpu or device_build" tests/unit/te
   tests/process/test_transport_per_peer_gpu.py -v -rA --continue-on-collection-errors \
   -p no:cacheprovider --timeout 30 --junitxml="$OUTDIR/junit-gpu.xml"
 run_step bench "$LIMIT_BENCH" bash -c "$(declare -f bench); PY='$PY' WORK='$WORK' bench"
+run_step transport "$LIMIT_TRANSPORT" "$PY" -m pytest tests/process/test_cuda_ipc.py -v -rA -p no:cacheprovider \
+  --timeout 60 --junitxml="$OUTDIR/junit-transport.xml"
 # the demo over the CUDA IPC engine (--transport native), then over auto (the torch transport on GPUs)
 run_step runtime "$LIMIT_RUNTIME" bash -c "set -o pipefail; rc=0; for t in native auto; do \
   '$PY' -m dualpipe_kernels demo --device cuda --ranks 2 --steps 2 --json --transport \$t | tee '$WORK/demo-'\$t.json || rc=1; \
   done; cp '$WORK/demo-native.json' '$WORK/demo.json' 2>/dev/null; exit \$rc"
-run_step transport "$LIMIT_TRANSPORT" "$PY" -m pytest tests/process/test_cuda_ipc.py -v -rA -p no:cacheprovider \
-  --timeout 60 --junitxml="$OUTDIR/junit-transport.xml"
 run_step compat "$LIMIT_COMPAT" "$PY" -m pytest -m gpu tests/process/test_compat.py -v -rA -p no:cacheprovider \
   --timeout 40 --junitxml="$OUTDIR/junit-compat.xml"
 run_step hostcpu "$LIMIT_HOSTCPU" bash -c "$(declare -f hostcpu); PY='$PY' WORK='$WORK' hostcpu"
@@ -320,13 +330,22 @@ for key, how in (("demo", "CUDA IPC engine"), ("demo_auto", "transport auto")):
         md.append(f"\ndemo on CUDA ({how}): {demo.get('ranks')} ranks, bit-exact first step "
                   f"{demo.get('bit_exact_first_step')}, hidden comm share {demo.get('hidden_comm_share')}")
 ipc = report["bench"].get("cuda_ipc")
-if ipc and "rows" in ipc:
-    md.append(f"\nCUDA IPC ({ipc['staging']} staging) vs same-GPU copy: min ratio at >= 64 MiB "
-              f"{ipc['bandwidth_ratio_min']}, {ipc['latency_us_per_msg']:.1f} us/message, overlap "
-              f"{ipc['overlap'].get('ratio') if ipc['overlap'] else None}")
-    md += ["", "| size (B) | IPC GB/s | copy GB/s | IPC / copy | us/msg |", "|---|---|---|---|---|"]
-    md += [f"| {r['size_bytes']} | {r['ipc_gbps']:.1f} | {r['d2d_gbps']:.1f} | {r['ratio']:.2f} | "
-           f"{r['us_per_msg']:.1f} |" for r in ipc["rows"]]
+if ipc and "rows" in ipc and ipc.get("mode") == "gpu":
+    o = ipc.get("overlap") or {}
+    md.append(f"\nCUDA IPC engine ({ipc['staging']} staging, signals: {ipc.get('signal_mechanism')}) vs its bare "
+              f"ceiling: context hop {ipc['hop_us']:.1f} us; min engine / bare at >= 64 MiB "
+              f"{ipc['engine_over_bare_min']} (target >= {ipc['bandwidth_target_ratio']}); 256 B device us / hop "
+              f"{ipc['small_over_hop']} (target <= {ipc['small_target']}); overlap {o.get('ratio')} (target <= 1.1)")
+    md += ["", "| size (B) | msgs | engine GB/s | bare GB/s | copy GB/s | engine / bare | host us/msg | device us/msg |",
+           "|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['size_bytes']} | {r['messages']} | {r['engine_gbps']:.1f} | {r['bare_gbps']:.1f} | "
+           f"{r['copy_gbps']:.1f} | {r['engine_over_bare']:.2f} | {r['host_us_per_msg']:.2f} | "
+           f"{r['device_us_per_msg']:.2f} |" for r in ipc["rows"]]
+fake = report["bench"].get("cuda_ipc_fake")
+if fake and "rows" in fake:
+    md.append(f"\nCUDA IPC engine's host cost over the fake device ({fake.get('host_cpus')} host CPUs): " + ", ".join(
+        f"{r['size_bytes']} B {r['host_us_per_msg']:.2f} us/msg" for r in fake["rows"]
+    ) + f" (target <= {fake['target_host_us_per_msg']} us)")
 kern = report["bench"].get("kernels")
 if kern and "rows" in kern:
     big = [r for r in kern["rows"] if r.get("bytes", 0) >= 64 << 20]

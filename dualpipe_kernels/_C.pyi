@@ -100,6 +100,7 @@ class cuda:
     compiled_with_cuda: ClassVar[bool]
     cuda_version_compiled: ClassVar[int]
     max_slots: ClassVar[int]
+    max_inflight: ClassVar[int]
 
     class IpcOp:
         @property
@@ -123,9 +124,12 @@ class cuda:
             staging: str = "auto",
             direct_min_bytes: int = 1048576,
             max_peer_mappings: int = 32,
+            max_inflight: int = 256,
         ) -> None: ...
         @property
         def rank(self) -> int: ...
+        @property
+        def signal_mechanism(self) -> str: ...
         @property
         def device(self) -> int: ...
         @property
@@ -146,3 +150,13 @@ class cuda:
     def device_count() -> int: ...
     @staticmethod
     def runtime_version() -> int: ...
+    @staticmethod
+    def fake_host_cost(
+        sizes: list[int],
+        messages: int,
+        bursts: int,
+        num_slots: int = 4,
+        slot_bytes: int = 4194304,
+        direct_min_bytes: int = 1048576,
+        max_inflight: int = 256,
+    ) -> list[dict[str, Any]]: ...

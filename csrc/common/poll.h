@@ -28,4 +28,20 @@ inline void backoff(std::chrono::steady_clock::duration waited) {
   }
 }
 
+//! For a worker that polls shared counters on behalf of posted work (the CUDA
+//! IPC engine): spins for the first 50 us, yields up to 2 ms, then sleeps 20 us
+//! (100 us after 50 ms). Callers restart `waited` at every new post, so that a
+//! wait that was idle does not sit in the slow regime when work arrives.
+inline void poll_pause(std::chrono::steady_clock::duration waited) {
+  if (waited < std::chrono::microseconds(50)) {
+    for (int i = 0; i < 64; ++i) cpu_relax();
+  } else if (waited < std::chrono::milliseconds(2)) {
+    std::this_thread::yield();
+  } else if (waited < std::chrono::milliseconds(50)) {
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
 }  // namespace dualpipe

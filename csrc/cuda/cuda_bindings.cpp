@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "cuda/api.h"
+#include "cuda/fake_bench.h"
 #include "cuda/ipc_engine.h"
 
 namespace py = pybind11;
@@ -66,7 +67,7 @@ class PyOp {
 class PyEngine {
  public:
   PyEngine(int rank, int device, int num_slots, std::int64_t slot_bytes, const std::string& staging,
-           std::int64_t direct_min_bytes, int max_peer_mappings) {
+           std::int64_t direct_min_bytes, int max_peer_mappings, int max_inflight) {
     if (slot_bytes <= 0) throw std::invalid_argument("slot_bytes must be positive, got " + std::to_string(slot_bytes));
     if (direct_min_bytes < 0) {
       throw std::invalid_argument("direct_min_bytes must be >= 0 (0: never zero-copy), got " +
@@ -82,15 +83,21 @@ class PyEngine {
                                   std::to_string(max_peer_mappings));
     }
     options.max_peer_mappings = static_cast<std::uint32_t>(max_peer_mappings);
-    // Two high-priority streams of torch's pool: never destroyed, so a buffer
+    options.max_inflight = max_inflight;  // the engine checks the range
+    // Three high-priority streams of torch's pool: never destroyed, so a buffer
     // recorded on them (post()) can be freed at any time, even after close.
     if (device >= 0 && device < visible_device_count()) {
       const auto index = static_cast<c10::DeviceIndex>(device);
       const auto send = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index);
       auto recv = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index);
       while (recv.stream() == send.stream()) recv = c10::cuda::getStreamFromPool(true, index);
+      auto done = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index);
+      while (done.stream() == send.stream() || done.stream() == recv.stream()) {
+        done = c10::cuda::getStreamFromPool(true, index);
+      }
       options.send_stream = send.stream();
       options.recv_stream = recv.stream();
+      options.done_stream = done.stream();
     }
     engine_ = std::make_unique<Engine>(cuda_runtime_api(), rank, device, options);
   }
@@ -148,6 +155,12 @@ class PyEngine {
       c10::cuda::CUDACachingAllocator::recordStream(
           t.storage().data_ptr(),
           c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(engine_->stream_for(kind)), engine_->device()));
+      // a zero-copy send completes on the done stream (after the peer's copy out of this buffer)
+      if (kind == OpKind::kSend) {
+        c10::cuda::CUDACachingAllocator::recordStream(
+            t.storage().data_ptr(),
+            c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(engine_->done_stream()), engine_->device()));
+      }
     }
     // The worker drops this reference; during interpreter finalisation that
     // could touch a dying interpreter, so then the tensor is leaked instead.
@@ -178,7 +191,41 @@ py::dict stats_dict(const EngineStats& s) {
   d["peer_mappings_opened"] = s.peer_mappings_opened;
   d["peer_mappings_closed"] = s.peer_mappings_closed;
   d["exports_leaked"] = s.exports_leaked;
+  d["events_created"] = s.events_created;
+  d["stream_waits"] = s.stream_waits;
+  d["peers_died"] = s.peers_died;
   return d;
+}
+
+// Host cost per message over the fake device (no GPU needed): rows of dicts.
+py::list fake_host_cost_py(const std::vector<std::uint64_t>& sizes, int messages, int bursts, int num_slots,
+                           std::int64_t slot_bytes, std::int64_t direct_min_bytes, int max_inflight) {
+  EngineOptions o;
+  o.num_slots = num_slots;
+  if (slot_bytes <= 0 || direct_min_bytes < 0) throw std::invalid_argument("slot_bytes > 0 and direct_min_bytes >= 0");
+  o.slot_bytes = static_cast<std::uint64_t>(slot_bytes);
+  o.direct_min_bytes = static_cast<std::uint64_t>(direct_min_bytes);
+  o.max_inflight = max_inflight;
+  o.staging = Staging::kIpc;
+  std::vector<FakeBenchRow> rows;
+  {
+    py::gil_scoped_release nogil;
+    rows = fake_host_cost(sizes, messages, bursts, o);
+  }
+  py::list out;
+  for (const auto& r : rows) {
+    py::dict d;
+    d["size_bytes"] = r.size_bytes;
+    d["messages"] = r.messages;
+    d["bursts"] = r.bursts;
+    d["host_us_per_msg"] = r.host_us_per_msg;
+    d["post_us_per_msg"] = r.post_us_per_msg;
+    d["complete_us_per_msg"] = r.complete_us_per_msg;
+    d["zero_copy"] = r.zero_copy;
+    d["verified"] = r.verified;
+    out.append(d);
+  }
+  return out;
 }
 
 int visible_device_count() {
@@ -207,6 +254,13 @@ void register_apis(py::module_& m) {
   c.attr("max_slots") = kMaxSlots;
   c.def("runtime_version", &runtime_version, "CUDA runtime version (e.g. 13000)");
   c.def("device_count", &visible_device_count, "number of visible CUDA devices (0 when there is no driver or device)");
+  c.attr("max_inflight") = kMaxInflight;
+  c.def("fake_host_cost", &fake_host_cost_py, py::arg("sizes"), py::arg("messages"), py::arg("bursts"),
+        py::arg("num_slots") = 4, py::arg("slot_bytes") = std::int64_t{4} << 20,
+        py::arg("direct_min_bytes") = std::int64_t{1} << 20, py::arg("max_inflight") = 256,
+        "host microseconds per message of the engine over the fake device (both ends in this process; no GPU): "
+        "one dict per size {size_bytes, messages, bursts, host_us_per_msg, post_us_per_msg, complete_us_per_msg, "
+        "zero_copy, verified}");
 
   py::class_<PyOp>(c, "IpcOp", "one posted transfer")
       .def("wait", &PyOp::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
@@ -223,13 +277,16 @@ void register_apis(py::module_& m) {
       .def_property_readonly("tensor", &PyOp::tensor);
 
   py::class_<PyEngine>(c, "IpcEngine", "per-process CUDA comm engine: channels, comm streams, worker thread")
-      .def(py::init<int, int, int, std::int64_t, const std::string&, std::int64_t, int>(), py::arg("rank"),
+      .def(py::init<int, int, int, std::int64_t, const std::string&, std::int64_t, int, int>(), py::arg("rank"),
            py::arg("device"), py::arg("num_slots") = 4, py::arg("slot_bytes") = std::int64_t{4} << 20,
            py::arg("staging") = "auto", py::arg("direct_min_bytes") = std::int64_t{1} << 20,
-           py::arg("max_peer_mappings") = 32)
+           py::arg("max_peer_mappings") = 32, py::arg("max_inflight") = 256)
       .def("stats", [](PyEngine& e) { return stats_dict(e.engine().stats()); },
            "counters: zero_copy_sends, staged_sends, zero_copy_recvs, staged_recvs, mem_handle_exports, "
-           "zero_copy_deferred, exports_released, peer_mappings_opened, peer_mappings_closed, exports_leaked")
+           "zero_copy_deferred, exports_released, peer_mappings_opened, peer_mappings_closed, exports_leaked, "
+           "events_created, stream_waits, peers_died")
+      .def_property_readonly("signal_mechanism", [](PyEngine& e) { return e.engine().device_api().signal_mechanism(); },
+                             "how the streams signal each other: 'stream memory ops' or 'spin kernels'")
       .def_property_readonly("rank", [](PyEngine& e) { return e.engine().rank(); })
       .def_property_readonly("device", [](PyEngine& e) { return e.engine().device(); })
       .def_property_readonly(

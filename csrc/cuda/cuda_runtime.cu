@@ -1,10 +1,13 @@
 // The real device layer of the CUDA IPC engine: DeviceApi over the CUDA
 // runtime. Only device work lives here (copies, events, streams, IPC handles);
 // the engine's host logic is in ipc_engine.cpp / ipc_worker.cpp.
+#include <cuda.h>  // driver types only: the entry points are looked up at run time, libcuda is not linked
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "cuda/device_api.h"
@@ -26,6 +29,39 @@ cudaMemcpyKind kind_of(CopyKind k) {
     case CopyKind::kHostToDevice: return cudaMemcpyHostToDevice;
     default: return cudaMemcpyDeviceToDevice;
   }
+}
+
+// Fallback signals where the device has no 64-bit stream memory operations:
+// one thread stores (after a system-wide fence) or spins on the value.
+__global__ void signal_write_kernel(volatile unsigned long long* addr, unsigned long long value) {
+  __threadfence_system();
+  *addr = value;
+  __threadfence_system();
+}
+
+__global__ void signal_wait_kernel(volatile unsigned long long* addr, unsigned long long value) {
+  while (static_cast<long long>(*addr - value) < 0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    __nanosleep(200);
+#endif
+  }
+  __threadfence_system();
+}
+
+using WriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using WaitValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using DeviceGetAttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+
+void* driver_entry_point(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess) fn = nullptr;
+#else
+  if (cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &q) != cudaSuccess) fn = nullptr;
+#endif
+  (void)cudaGetLastError();
+  return q == cudaDriverEntryPointSuccess ? fn : nullptr;
 }
 
 class CudaRuntime final : public DeviceApi {
@@ -94,6 +130,60 @@ class CudaRuntime final : public DeviceApi {
   Status memcpy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream s) override {
     return st(cudaMemcpyAsync(dst, src, bytes, kind_of(kind), S(s)));
   }
+
+  Status stream_write_value(Stream s, void* addr, std::uint64_t value) override {
+    resolve();
+    if (write_ != nullptr) {
+      const CUresult r = write_(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(addr), value, 0);
+      return r == CUDA_SUCCESS ? kOk : driver_error(r);
+    }
+    signal_write_kernel<<<1, 1, 0, S(s)>>>(static_cast<unsigned long long*>(addr), value);
+    return st(cudaGetLastError());
+  }
+  Status stream_wait_value(Stream s, void* addr, std::uint64_t value) override {
+    resolve();
+    if (wait_ != nullptr) {
+      const CUresult r = wait_(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(addr), value,
+                               CU_STREAM_WAIT_VALUE_GEQ);
+      return r == CUDA_SUCCESS ? kOk : driver_error(r);
+    }
+    signal_wait_kernel<<<1, 1, 0, S(s)>>>(static_cast<unsigned long long*>(addr), value);
+    return st(cudaGetLastError());
+  }
+  Status set_value(void* addr, std::uint64_t value) override {
+    return st(cudaMemcpy(addr, &value, sizeof value, cudaMemcpyHostToDevice));
+  }
+  std::string signal_mechanism() override {
+    resolve();
+    return write_ != nullptr ? "stream memory ops" : "spin kernels";
+  }
+
+ private:
+  // The driver's 64-bit stream memory operations, when this device has them
+  // (DPK_IPC_SIGNALS=kernel forces the spin-kernel fallback).
+  void resolve() {
+    std::call_once(resolved_, [this] {
+      const char* force = std::getenv("DPK_IPC_SIGNALS");
+      if (force != nullptr && std::strcmp(force, "kernel") == 0) return;
+      auto attr = reinterpret_cast<DeviceGetAttributeFn>(driver_entry_point("cuDeviceGetAttribute"));
+      int device = 0, ok = 0;
+      if (attr == nullptr || cudaGetDevice(&device) != cudaSuccess ||
+          attr(&ok, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device) != CUDA_SUCCESS || ok == 0) {
+        (void)cudaGetLastError();
+        return;
+      }
+      auto w = reinterpret_cast<WriteValue64Fn>(driver_entry_point("cuStreamWriteValue64"));
+      auto v = reinterpret_cast<WaitValue64Fn>(driver_entry_point("cuStreamWaitValue64"));
+      if (w != nullptr && v != nullptr) write_ = w, wait_ = v;
+    });
+  }
+  // CUresult and cudaError_t share their numbering for the errors these calls
+  // return (invalid value, not supported, launch failures), so error_text names them.
+  static Status driver_error(CUresult r) { return static_cast<Status>(r); }
+
+  std::once_flag resolved_;
+  WriteValue64Fn write_ = nullptr;
+  WaitValue64Fn wait_ = nullptr;
 };
 
 }  // namespace

@@ -64,7 +64,25 @@ class DeviceApi {
   virtual Status host_register(void* p, std::size_t bytes) = 0;
   virtual Status host_unregister(void* p) = 0;
   virtual Status memcpy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream s) = 0;
+
+  // 64-bit signals in device memory (own or IPC-mapped), written and awaited
+  // by the streams themselves: no event, no host thread in the loop. The real
+  // layer uses the driver's stream memory operations (cuStreamWriteValue64 /
+  // cuStreamWaitValue64, looked up at run time) or, where the device lacks
+  // them, one-thread kernels that store / spin.
+  //! After the work queued on `s` so far, stores `value` at `addr` (with a memory barrier).
+  virtual Status stream_write_value(Stream s, void* addr, std::uint64_t value) = 0;
+  //! Work queued on `s` after this waits until (int64_t)(*addr - value) >= 0 (wrap-around safe).
+  virtual Status stream_wait_value(Stream s, void* addr, std::uint64_t value) = 0;
+  //! Stores `value` at `addr` from the host, synchronously (initial values; releasing
+  //! streams that wait for a peer that died).
+  virtual Status set_value(void* addr, std::uint64_t value) = 0;
+  //! How stream signals are made here, for reports ("stream memory ops", "spin kernels", "fake").
+  virtual std::string signal_mechanism() = 0;
 };
+
+//! Wrap-around-safe "a has reached b" for monotonic 64-bit counters (the comparison the streams make).
+inline bool reached(std::uint64_t a, std::uint64_t b) { return static_cast<std::int64_t>(a - b) >= 0; }
 
 //! The CUDA runtime (cuda_runtime.cu; CUDA builds only).
 std::shared_ptr<DeviceApi> cuda_runtime_api();

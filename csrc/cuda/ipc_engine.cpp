@@ -63,24 +63,105 @@ DeviceGuard::~DeviceGuard() {
 }
 
 // ---------------------------------------------------------------------------
+// EventPool
+// ---------------------------------------------------------------------------
+
+EventPool::EventPool(std::shared_ptr<DeviceApi> api, std::size_t initial) : api_(std::move(api)) {
+  free_.reserve(initial);
+  for (std::size_t i = 0; i < initial; ++i) {
+    Event e = nullptr;
+    const Status r = api_->event_create(&e, false);
+    if (r != kOk) {
+      for (Event x : free_) api_->event_destroy(x);
+      check(*api_, r, "cudaEventCreateWithFlags(pool)");
+    }
+    free_.push_back(e);
+    ++created_;
+  }
+}
+
+EventPool::~EventPool() {
+  // Destroying an event whose record has not completed is allowed: the driver
+  // releases it once the device reaches it.
+  for (Event e : free_) api_->event_destroy(e);
+}
+
+Event EventPool::take() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!free_.empty()) {
+      Event e = free_.back();
+      free_.pop_back();
+      return e;
+    }
+  }
+  Event e = nullptr;
+  check(*api_, api_->event_create(&e, false), "cudaEventCreateWithFlags(pool)");
+  std::lock_guard<std::mutex> lk(mu_);
+  ++created_;
+  return e;
+}
+
+void EventPool::give(Event e) {
+  if (e == nullptr) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  free_.push_back(e);
+}
+
+std::uint64_t EventPool::created() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return created_;
+}
+
+// ---------------------------------------------------------------------------
 // Op
 // ---------------------------------------------------------------------------
 
-Op::Op(DeviceApi& api, TransferInfo info, char* ptr) : api_(api), request_(std::move(info), ptr, 0.0), ptr_(ptr) {
+// The wait for "enqueued" spins up to kEnqueueSpinUs before it sleeps: in a
+// burst the worker enqueues an op within microseconds, and a sleep/wake per
+// op would cost the host more than the enqueue itself.
+namespace {
+constexpr double kEnqueueSpinUs = 50.0;
+}  // namespace
+
+Op::Op(std::shared_ptr<EventPool> pool, TransferInfo info, char* ptr)
+    : pool_(std::move(pool)), api_(pool_->api()), request_(std::move(info), ptr, kEnqueueSpinUs), ptr_(ptr) {
   std::strncpy(dtype_, request_.info().dtype_name.c_str(), kDtypeNameLen - 1);
 }
 
 Op::~Op() {
-  // Destroying an event whose record has not completed is allowed: the driver
-  // releases it once the device reaches it.
-  if (ready_event_ != nullptr) api_.event_destroy(ready_event_);
-  if (done_event_ != nullptr) api_.event_destroy(done_event_);
+  // Back to the pool: a later record re-arms the event, and a stream that
+  // already waits on it is bound to the record it saw (CUDA's rule).
+  pool_->give(ready_event_);
+  pool_->give(done_event_);
 }
 
 bool Op::wait_enqueued(double timeout_s) {
   if (!request_.wait(timeout_s)) return false;
   if (request_.state() == Request::State::kFailed) throw std::runtime_error(request_.error());
+  throw_if_poisoned();
   return true;
+}
+
+void Op::poison(const std::string& why) {
+  std::lock_guard<std::mutex> lk(poison_mu_);
+  if (poisoned_.load()) return;
+  poison_ = why + " [" + dualpipe::describe(request_.info()) + "]";
+  poisoned_.store(true);
+}
+
+void Op::throw_if_poisoned() const {
+  if (!poisoned_.load()) return;
+  std::lock_guard<std::mutex> lk(poison_mu_);
+  throw std::runtime_error(poison_);
+}
+
+std::string Op::error() const {
+  if (poisoned_.load()) {
+    std::lock_guard<std::mutex> lk(poison_mu_);
+    return poison_;
+  }
+  return request_.error();
 }
 
 bool Op::wait(double timeout_s) {
@@ -89,9 +170,11 @@ bool Op::wait(double timeout_s) {
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   const auto poll_start = Clock::now();
   while (!finished(api_, api_.event_query(done_event_), "cudaEventQuery(done_event)")) {
+    throw_if_poisoned();
     if (timeout_s >= 0 && Clock::now() >= deadline) return false;
-    backoff(Clock::now() - poll_start);
+    poll_pause(Clock::now() - poll_start);
   }
+  throw_if_poisoned();
   return true;
 }
 
@@ -129,13 +212,17 @@ Engine::Engine(std::shared_ptr<DeviceApi> api, int rank, int device, const Engin
     throw std::invalid_argument("num_slots must be in [2, " + std::to_string(kMaxSlots) + "], got " +
                                 std::to_string(options.num_slots));
   }
-  if (options.slot_bytes == 0 || options.slot_bytes % 256 != 0) {
+  if (options.slot_bytes == 0 || options.slot_bytes % kChunkAlignment != 0) {
     throw std::invalid_argument("slot_bytes must be a positive multiple of 256, got " +
                                 std::to_string(options.slot_bytes));
   }
   if (options.max_peer_mappings < 1 || options.max_peer_mappings > static_cast<std::uint32_t>(kMaxExports)) {
     throw std::invalid_argument("max_peer_mappings must be in [1, " + std::to_string(kMaxExports) + "], got " +
                                 std::to_string(options.max_peer_mappings));
+  }
+  if (options.max_inflight < 1 || options.max_inflight > kMaxInflight) {
+    throw std::invalid_argument("max_inflight must be in [1, " + std::to_string(kMaxInflight) + "], got " +
+                                std::to_string(options.max_inflight));
   }
   int count = 0;
   check(*api_, api_->device_count(&count), "cudaGetDeviceCount");
@@ -145,24 +232,31 @@ Engine::Engine(std::shared_ptr<DeviceApi> api, int rank, int device, const Engin
   }
   sweep_stale_segments();  // what crashed engines (either kind) left behind
   DeviceGuard guard(*api_, device_);
-  if ((options.send_stream == nullptr) != (options.recv_stream == nullptr)) {
-    throw std::invalid_argument("pass both send_stream and recv_stream, or neither");
-  }
-  if (options.send_stream != nullptr) {
-    if (options.send_stream == options.recv_stream) {
-      throw std::invalid_argument("send_stream and recv_stream must be two different streams");
+  const bool some = options.send_stream != nullptr || options.recv_stream != nullptr || options.done_stream != nullptr;
+  const bool all = options.send_stream != nullptr && options.recv_stream != nullptr && options.done_stream != nullptr;
+  if (some && !all) throw std::invalid_argument("pass send_stream, recv_stream and done_stream, or none");
+  if (all) {
+    if (options.send_stream == options.recv_stream || options.send_stream == options.done_stream ||
+        options.recv_stream == options.done_stream) {
+      throw std::invalid_argument("send_stream, recv_stream and done_stream must be three different streams");
     }
     send_stream_ = options.send_stream;
     recv_stream_ = options.recv_stream;
+    done_stream_ = options.done_stream;
     owns_streams_ = false;
   } else {
-    check(*api_, api_->stream_create(&send_stream_), "cudaStreamCreateWithPriority(send_stream)");
-    const Status r = api_->stream_create(&recv_stream_);
-    if (r != kOk) {
-      api_->stream_destroy(send_stream_);
-      check(*api_, r, "cudaStreamCreateWithPriority(recv_stream)");
+    Stream* mine[] = {&send_stream_, &recv_stream_, &done_stream_};
+    for (Stream* s : mine) {
+      const Status r = api_->stream_create(s);
+      if (r == kOk) continue;
+      for (Stream* t : mine) {
+        if (*t != nullptr) api_->stream_destroy(*t);
+      }
+      check(*api_, r, "cudaStreamCreateWithPriority(comm stream)");
     }
   }
+  // Two events per op in flight (a full descriptor ring each way), made here once.
+  pool_ = std::make_shared<EventPool>(api_, 4 * static_cast<std::size_t>(options.max_inflight) + 64);
   worker_ = std::thread([this] { worker_main(); });
 }
 
@@ -174,6 +268,11 @@ Engine::~Engine() {
   }
 }
 
+std::string Engine::peer_dead_reason(int pid) const {
+  if (pid <= 0) return "";
+  return options_.peer_dead_reason ? options_.peer_dead_reason(pid) : process_dead_reason(pid);
+}
+
 Channel& Engine::channel_locked(int peer, bool outgoing) {
   auto& map = outgoing ? outgoing_ : incoming_;
   auto it = map.find(peer);
@@ -182,69 +281,68 @@ Channel& Engine::channel_locked(int peer, bool outgoing) {
                                 " channel with peer " + std::to_string(peer) +
                                 " (peer not in the transport's peer list, or rendezvous not done)");
   }
-  return it->second;
+  return *it->second;
 }
 
 const Channel& Engine::channel_locked(int peer, bool outgoing) const {
   return const_cast<Engine*>(this)->channel_locked(peer, outgoing);
 }
 
-// Receiver, ipc staging: a device ring and interprocess free events, exported.
-// Under Staging::kAuto a failure to export either falls back to host staging
+// Receiver, ipc staging: a device ring with its signal block, exported. Under
+// Staging::kAuto a failure to export it falls back to host staging
 // (ch.staging becomes kHost) instead of failing.
-void Engine::make_device_ring(Channel& ch, IpcMemHandle* ring_handle, IpcEventHandle* event_handles) {
-  const std::uint64_t ring_bytes = static_cast<std::uint64_t>(ch.num_slots) * ch.slot_bytes;
-  const std::uint64_t alloc_bytes = (ring_bytes + kRingAlignment - 1) / kRingAlignment * kRingAlignment;
+void Engine::make_device_ring(Channel& ch, IpcMemHandle* ring_handle) {
+  const std::uint64_t used = ch.ring_bytes + kSignalBytes;
+  const std::uint64_t alloc_bytes = (used + kRingAlignment - 1) / kRingAlignment * kRingAlignment;
   check(*api_, api_->malloc(reinterpret_cast<void**>(&ch.slots), alloc_bytes), "cudaMalloc(ring)");
   ch.slots_device_owned = true;
-  std::string failure;
-  Status r = api_->ipc_get_mem_handle(ring_handle, ch.slots);
-  if (r != kOk) failure = "cudaIpcGetMemHandle(ring) failed: " + api_->error_text(r);
-  for (int i = 0; i < ch.num_slots && failure.empty(); ++i) {
-    check(*api_, api_->event_create(&ch.local_events[i], true), "cudaEventCreateWithFlags(free_event)");
-    r = api_->ipc_get_event_handle(&event_handles[i], ch.local_events[i]);
-    if (r != kOk) failure = "cudaIpcGetEventHandle(free_event) failed: " + api_->error_text(r);
-  }
-  if (failure.empty()) return;
+  ch.signals = ch.slots + ch.ring_bytes;
+  check(*api_, api_->set_value(ch.ready_signal(), ch.base), "set_value(ready signal)");
+  check(*api_, api_->set_value(ch.freed_signal(), ch.base), "set_value(freed signal)");
+  const Status r = api_->ipc_get_mem_handle(ring_handle, ch.slots);
+  if (r == kOk) return;
+  const std::string failure = "cudaIpcGetMemHandle(ring) failed: " + api_->error_text(r);
   if (options_.staging != Staging::kAuto) {
     throw IpcUnavailable("rank " + std::to_string(rank_) + ": " + failure +
                          "; CUDA IPC is not possible in this process, use staging='host'");
   }
-  for (Event& e : ch.local_events) {  // IPC unsupported here: fall back to host staging
-    if (e != nullptr) api_->event_destroy(e);
-    e = nullptr;
-  }
-  check(*api_, api_->free(ch.slots), "cudaFree(ring)");
+  check(*api_, api_->free(ch.slots), "cudaFree(ring)");  // IPC unsupported here: fall back to host staging
   ch.slots = nullptr;
+  ch.signals = nullptr;
   ch.slots_device_owned = false;
   ch.staging = Staging::kHost;
 }
 
 std::string Engine::create_incoming(int src) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": engine is closed");
-  if (src == rank_) throw std::invalid_argument("a rank cannot open a channel to itself");
-  if (incoming_.count(src)) throw std::invalid_argument("incoming channel from peer " + std::to_string(src) + " exists");
+  std::lock_guard<std::mutex> rk(rendezvous_mu_);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": engine is closed");
+    if (src == rank_) throw std::invalid_argument("a rank cannot open a channel to itself");
+    if (incoming_.count(src)) {
+      throw std::invalid_argument("incoming channel from peer " + std::to_string(src) + " exists");
+    }
+  }
   DeviceGuard guard(*api_, device_);
 
-  Channel ch;
+  auto owned = std::make_unique<Channel>();
+  Channel& ch = *owned;
   ch.peer = src;
   ch.outgoing = false;
   ch.num_slots = options_.num_slots;
   ch.slot_bytes = options_.slot_bytes;
+  ch.ring_bytes = static_cast<std::uint64_t>(ch.num_slots) * ch.slot_bytes;
+  ch.inflight = static_cast<std::uint64_t>(options_.max_inflight);
+  ch.base = options_.counter_base;
+  ch.next_chunk = ch.base;
   ch.staging = options_.staging == Staging::kHost ? Staging::kHost : Staging::kIpc;
-  const std::size_t ring_bytes = static_cast<std::size_t>(ch.num_slots) * ch.slot_bytes;
   IpcMemHandle ring_handle{};
-  IpcEventHandle event_handles[kMaxSlots]{};
   try {
-    if (ch.staging == Staging::kIpc) make_device_ring(ch, &ring_handle, event_handles);
+    if (ch.staging == Staging::kIpc) make_device_ring(ch, &ring_handle);
     const bool ipc = ch.staging == Staging::kIpc;
-    for (int i = 0; i < ch.num_slots && !ipc; ++i) {
-      check(*api_, api_->event_create(&ch.local_events[i], false), "cudaEventCreateWithFlags(free_event)");
-    }
     // The segment: control block, then (host staging) the ring.
     ch.segment = ShmSegment::create("cuda-" + std::to_string(src) + "to" + std::to_string(rank_),
-                                    ring_offset() + (ipc ? 0 : ring_bytes));
+                                    ring_offset() + (ipc ? 0 : ch.ring_bytes));
     ch.ctl = new (ch.segment.data()) CtlBlock();
     CtlBlock& c = *ch.ctl;
     c.version = kVersion;
@@ -255,14 +353,19 @@ std::string Engine::create_incoming(int src) {
     c.receiver_pid = static_cast<std::int32_t>(::getpid());
     c.receiver_device = device_;
     c.export_slots = static_cast<std::int32_t>(options_.max_peer_mappings);
+    c.inflight = options_.max_inflight;
+    c.slot_bytes = ch.slot_bytes;
+    c.ring_bytes = ch.ring_bytes;
+    c.signal_offset = ch.ring_bytes;
+    c.counter_base = ch.base;
+    c.published.store(ch.base, std::memory_order_relaxed);
+    c.taken.store(ch.base, std::memory_order_relaxed);
     ch.mapped.resize(options_.max_peer_mappings);
     ch.retire_handled.resize(options_.max_peer_mappings);
-    c.slot_bytes = ch.slot_bytes;
     c.ring_handle = ring_handle;
-    for (int i = 0; i < kMaxSlots; ++i) c.free_events[i] = event_handles[i];
     if (!ipc) {
       ch.slots = static_cast<char*>(ch.segment.data()) + ring_offset();
-      check(*api_, api_->host_register(ch.slots, ring_bytes), "cudaHostRegister(host ring)");
+      check(*api_, api_->host_register(ch.slots, ch.ring_bytes), "cudaHostRegister(host ring)");
       ch.host_registered = true;
     }
     std::atomic_thread_fence(std::memory_order_release);
@@ -273,15 +376,16 @@ std::string Engine::create_incoming(int src) {
     throw;
   }
   const std::string name = ch.segment.name();
-  incoming_.emplace(src, std::move(ch));
+  std::lock_guard<std::mutex> lk(mu_);
+  incoming_.emplace(src, std::move(owned));
   return name;
 }
 
-// Sender, ipc staging: map the receiver's ring and free events.
+// Sender, ipc staging: map the receiver's ring (and so its signal block).
 void Engine::map_peer_ring(Channel& ch, int dst) {
   CtlBlock& c = *ch.ctl;
   void* ring = nullptr;
-  Status r = api_->ipc_open_mem_handle(&ring, c.ring_handle);
+  const Status r = api_->ipc_open_mem_handle(&ring, c.ring_handle);
   if (r != kOk) {
     throw IpcUnavailable("rank " + std::to_string(rank_) + ": cudaIpcOpenMemHandle failed: " + api_->error_text(r) +
                          " opening the ring of peer " + std::to_string(dst) +
@@ -289,23 +393,22 @@ void Engine::map_peer_ring(Channel& ch, int dst) {
   }
   ch.slots = static_cast<char*>(ring);
   ch.slots_ipc_opened = true;
-  for (int i = 0; i < ch.num_slots; ++i) {
-    r = api_->ipc_open_event_handle(&ch.peer_events[i], c.free_events[i]);
-    if (r != kOk) {
-      throw IpcUnavailable("rank " + std::to_string(rank_) + ": cudaIpcOpenEventHandle failed: " +
-                           api_->error_text(r) + " opening an event of peer " + std::to_string(dst) +
-                           "; CUDA IPC is not possible between these processes, use staging='host'");
-    }
-  }
+  ch.signals = ch.slots + c.signal_offset;
 }
 
 void Engine::attach_outgoing(int dst, const std::string& shm_name) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": engine is closed");
-  if (outgoing_.count(dst)) throw std::invalid_argument("outgoing channel to peer " + std::to_string(dst) + " exists");
+  std::lock_guard<std::mutex> rk(rendezvous_mu_);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": engine is closed");
+    if (outgoing_.count(dst)) {
+      throw std::invalid_argument("outgoing channel to peer " + std::to_string(dst) + " exists");
+    }
+  }
   DeviceGuard guard(*api_, device_);
 
-  Channel ch;
+  auto owned = std::make_unique<Channel>();
+  Channel& ch = *owned;
   ch.peer = dst;
   ch.outgoing = true;
   try {
@@ -328,34 +431,30 @@ void Engine::attach_outgoing(int dst, const std::string& shm_name) {
                                std::to_string(c.dst_rank) + ", expected " + std::to_string(rank_) + " -> " +
                                std::to_string(dst));
     }
-    if (c.num_slots < 2 || c.num_slots > kMaxSlots || c.slot_bytes == 0 || c.export_slots < 1 ||
-        c.export_slots > kMaxExports) {
-      throw std::runtime_error("channel " + shm_name + " has an invalid ring geometry or export table size");
+    if (c.num_slots < 2 || c.num_slots > kMaxSlots || c.slot_bytes == 0 || c.slot_bytes % kChunkAlignment != 0 ||
+        c.ring_bytes != static_cast<std::uint64_t>(c.num_slots) * c.slot_bytes || c.export_slots < 1 ||
+        c.export_slots > kMaxExports || c.inflight < 1 || c.inflight > kMaxInflight) {
+      throw std::runtime_error("channel " + shm_name + " has an invalid ring geometry, descriptor ring or export table");
     }
     ch.exports.resize(static_cast<std::size_t>(c.export_slots));
     ch.staging = static_cast<Staging>(c.staging);
     ch.num_slots = c.num_slots;
     ch.slot_bytes = c.slot_bytes;
-    const std::size_t ring_bytes = static_cast<std::size_t>(ch.num_slots) * ch.slot_bytes;
-    const bool ipc = ch.staging == Staging::kIpc;
-    if (ipc) {
+    ch.ring_bytes = c.ring_bytes;
+    ch.inflight = static_cast<std::uint64_t>(c.inflight);
+    ch.base = c.counter_base;
+    ch.next_chunk = ch.base;
+    ch.freed_waited = ch.base;
+    ch.peer_pid = c.receiver_pid;
+    if (ch.staging == Staging::kIpc) {
       map_peer_ring(ch, dst);
     } else {
-      if (ch.segment.size() < ring_offset() + ring_bytes) {
+      if (ch.segment.size() < ring_offset() + ch.ring_bytes) {
         throw std::runtime_error("shared segment " + shm_name + " is too small for its host ring");
       }
       ch.slots = static_cast<char*>(ch.segment.data()) + ring_offset();
-      check(*api_, api_->host_register(ch.slots, ring_bytes), "cudaHostRegister(host ring)");
+      check(*api_, api_->host_register(ch.slots, ch.ring_bytes), "cudaHostRegister(host ring)");
       ch.host_registered = true;
-    }
-    for (int i = 0; i < ch.num_slots; ++i) {
-      check(*api_, api_->event_create(&ch.local_events[i], ipc), "cudaEventCreateWithFlags(ready_event)");
-      if (!ipc) continue;
-      const Status r = api_->ipc_get_event_handle(&c.ready_events[i], ch.local_events[i]);
-      if (r != kOk) {
-        throw IpcUnavailable("rank " + std::to_string(rank_) + ": cudaIpcGetEventHandle(ready_event) failed: " +
-                             api_->error_text(r) + "; CUDA IPC is not possible in this process, use staging='host'");
-      }
     }
     c.sender_pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_relaxed);
     c.sender_attached.store(1, std::memory_order_release);
@@ -364,34 +463,37 @@ void Engine::attach_outgoing(int dst, const std::string& shm_name) {
     release_exports(ch, Clock::now(), true);
     throw;
   }
-  ch.ready = true;
-  outgoing_.emplace(dst, std::move(ch));
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ch.ready = true;
+    outgoing_.emplace(dst, std::move(owned));
+    channels_changed_ = true;
+  }
   cv_.notify_all();
 }
 
 void Engine::finish_incoming(int src) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": engine is closed");
-  Channel& ch = channel_locked(src, false);
-  if (ch.ready) return;
-  DeviceGuard guard(*api_, device_);
+  std::lock_guard<std::mutex> rk(rendezvous_mu_);
+  Channel* chp = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": engine is closed");
+    chp = &channel_locked(src, false);
+    if (chp->ready) return;
+  }
+  Channel& ch = *chp;  // not ready: the worker does not touch it yet
   CtlBlock& c = *ch.ctl;
   if (c.sender_attached.load(std::memory_order_acquire) == 0) {
     throw std::runtime_error("rank " + std::to_string(rank_) + ": peer " + std::to_string(src) +
                              " has not attached to its channel " + ch.segment.name());
   }
-  if (ch.staging == Staging::kIpc) {
-    for (int i = 0; i < ch.num_slots; ++i) {
-      const Status r = api_->ipc_open_event_handle(&ch.peer_events[i], c.ready_events[i]);
-      if (r != kOk) {
-        throw IpcUnavailable("rank " + std::to_string(rank_) + ": cudaIpcOpenEventHandle failed: " +
-                             api_->error_text(r) + " opening an event of peer " + std::to_string(src) +
-                             "; CUDA IPC is not possible between these processes, use staging='host'");
-      }
-    }
-  }
+  ch.peer_pid = c.sender_pid.load(std::memory_order_relaxed);
   ch.segment.unlink();  // normally gone already: the sender unlinks it once mapped
-  ch.ready = true;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ch.ready = true;
+    channels_changed_ = true;
+  }
   cv_.notify_all();
 }
 
@@ -405,25 +507,33 @@ std::string Engine::channel_status(int peer, bool outgoing) const {
   const Channel& ch = channel_locked(peer, outgoing);
   Msg os;
   os << "channel " << (outgoing ? rank_ : peer) << "->" << (outgoing ? peer : rank_) << " ("
-     << (ch.staging == Staging::kIpc ? "ipc" : "host") << ", " << ch.num_slots << " x " << human_bytes(ch.slot_bytes)
-     << " slots";
+     << (ch.staging == Staging::kIpc ? "ipc" : "host") << ", ring " << human_bytes(ch.ring_bytes) << " in chunks of "
+     << human_bytes(ch.slot_bytes) << ", " << ch.inflight << " in flight at most";
   if (ch.ctl != nullptr) {
     const int peer_pid = outgoing ? ch.ctl->receiver_pid : ch.ctl->sender_pid.load();
-    os << ", published " << ch.ctl->published.load() << ", freed " << ch.ctl->freed.load() << ", next chunk "
-       << ch.next_chunk << ", " << ch.queue.size() << " op(s) queued, peer pid " << peer_pid << " "
+    os << ", published " << ch.ctl->published.load() - ch.base << ", taken " << ch.ctl->taken.load() - ch.base
+       << ", next chunk " << ch.status_next_chunk.load() - ch.base << ", "
+       << ch.status_queued.load() + ch.inbox.size() << " op(s) queued, peer pid " << peer_pid << " "
        << pid_state(peer_pid);
-    const auto live = std::count_if(ch.exports.begin(), ch.exports.end(),
-                                    [](const ExportEntry& e) { return e.state != ExportEntry::kFree; });
-    if (outgoing) os << ", " << live << "/" << ch.exports.size() << " export(s) kept alive";
+    if (ch.status_dead.load()) os << " (peer died: its ops failed)";
   }
   if (!engine_error_.empty()) os << ", engine error: " << engine_error_;
   os << ")";
   return os.str();
 }
 
-EngineStats Engine::stats() const {
+std::pair<std::uint64_t, std::uint64_t> Engine::host_counters(int peer, bool outgoing) const {
   std::lock_guard<std::mutex> lk(mu_);
-  return stats_;
+  const Channel& ch = channel_locked(peer, outgoing);
+  if (ch.ctl == nullptr) return {0, 0};
+  return {ch.ctl->published.load(std::memory_order_acquire), ch.ctl->taken.load(std::memory_order_acquire)};
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lk(stats_mu_);
+  EngineStats s = stats_;
+  s.events_created = pool_ != nullptr ? pool_->created() : 0;
+  return s;
 }
 
 std::shared_ptr<Op> Engine::post(OpKind kind, int peer, std::int64_t tag, void* ptr, std::uint64_t bytes,
@@ -437,22 +547,14 @@ std::shared_ptr<Op> Engine::post(OpKind kind, int peer, std::int64_t tag, void* 
   info.tag = tag;
   info.nbytes = bytes;
   info.dtype_name = dtype.substr(0, kDtypeNameLen - 1);
-  auto op = std::make_shared<Op>(*api_, std::move(info), static_cast<char*>(ptr));
+  auto op = std::make_shared<Op>(pool_, std::move(info), static_cast<char*>(ptr));
   op->keepalive_ = std::move(keepalive);
   if (alloc_base != nullptr && alloc_base <= ptr) {
     op->alloc_base_ = static_cast<char*>(alloc_base);
     op->alloc_bytes_ = alloc_bytes;
   }
   {
-    DeviceGuard guard(*api_, device_);
-    check(*api_, api_->event_create(&op->ready_event_, false), "cudaEventCreateWithFlags(ready_event)");
-    check(*api_, api_->event_create(&op->done_event_, false), "cudaEventCreateWithFlags(done_event)");
-    // Recorded here, in the posting thread, so it captures exactly the work
-    // queued on the caller's stream before the post.
-    check(*api_, api_->event_record(op->ready_event_, caller_stream), "cudaEventRecord(ready_event)");
-  }
-  {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::lock_guard<std::mutex> lk(mu_);  // checked before any device call, so a closed engine is said so
     if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": transport is closed");
     if (!engine_error_.empty()) throw std::runtime_error(engine_error_);
     Channel& ch = channel_locked(peer, kind == OpKind::kSend);
@@ -460,7 +562,20 @@ std::shared_ptr<Op> Engine::post(OpKind kind, int peer, std::int64_t tag, void* 
       throw std::runtime_error("rank " + std::to_string(rank_) + ": channel with peer " + std::to_string(peer) +
                                " is not ready (rendezvous not finished)");
     }
-    ch.queue.push_back(op);
+  }
+  {
+    DeviceGuard guard(*api_, device_);
+    op->ready_event_ = pool_->take();
+    op->done_event_ = pool_->take();
+    // Recorded here, in the posting thread, so it captures exactly the work
+    // queued on the caller's stream before the post.
+    check(*api_, api_->event_record(op->ready_event_, caller_stream), "cudaEventRecord(ready_event)");
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw std::runtime_error("rank " + std::to_string(rank_) + ": transport is closed");
+    channel_locked(peer, kind == OpKind::kSend).inbox.push_back(op);
+    ++posted_;
   }
   cv_.notify_all();
   return op;

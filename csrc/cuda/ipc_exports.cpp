@@ -15,8 +15,8 @@ namespace dualpipe::cuda {
 // Sender
 // ---------------------------------------------------------------------------
 
-int Engine::export_for_send_locked(Channel& ch, Op& op) {
-  collect_unmapped_locked(ch);
+int Engine::export_for_send(Channel& ch, Op& op) {
+  collect_unmapped(ch);
   const std::uint64_t now = ++ch.export_clock;
   ExportEntry* free_entry = nullptr;
   for (ExportEntry& e : ch.exports) {
@@ -35,8 +35,8 @@ int Engine::export_for_send_locked(Channel& ch, Op& op) {
     if (e.state == ExportEntry::kFree && free_entry == nullptr) free_entry = &e;
   }
   if (free_entry == nullptr) {
-    request_retire_locked(ch);
-    ++stats_.zero_copy_deferred;
+    request_retire(ch);
+    bump(&EngineStats::zero_copy_deferred);
     return -1;
   }
   // Not every allocation can be exported (e.g. expandable segments): those
@@ -46,7 +46,7 @@ int Engine::export_for_send_locked(Channel& ch, Op& op) {
     (void)api_->error_text(r);  // clears the error
     return -1;
   }
-  ++stats_.mem_handle_exports;
+  bump(&EngineStats::mem_handle_exports);
   ExportEntry& e = *free_entry;
   e.state = ExportEntry::kLive;
   ++e.gen;
@@ -62,12 +62,13 @@ int Engine::export_for_send_locked(Channel& ch, Op& op) {
 // whose chunks the receiver has all consumed qualifies: the receiver handles
 // its chunks in order, so when it sees the request it has mapped the entry
 // (or never will), and no message in flight refers to it any more.
-void Engine::request_retire_locked(Channel& ch) {
+void Engine::request_retire(Channel& ch) {
   if (ch.exports_retiring > 0) return;
-  const std::uint64_t freed = ch.ctl->freed.load(std::memory_order_acquire);
+  const std::uint64_t taken = ch.ctl->taken.load(std::memory_order_acquire);
   ExportEntry* lru = nullptr;
   for (ExportEntry& e : ch.exports) {
-    if (e.state == ExportEntry::kLive && e.last_chunk < freed && (lru == nullptr || e.last_use < lru->last_use)) {
+    if (e.state == ExportEntry::kLive && reached(taken, e.last_chunk + 1) &&
+        (lru == nullptr || e.last_use < lru->last_use)) {
       lru = &e;
     }
   }
@@ -81,7 +82,7 @@ void Engine::request_retire_locked(Channel& ch) {
 
 // Retiring entries the receiver has unmapped: drop their keep-alives (after
 // mu_, via released_) and free the entries.
-void Engine::collect_unmapped_locked(Channel& ch) {
+void Engine::collect_unmapped(Channel& ch) {
   for (std::size_t i = 0; i < ch.exports.size(); ++i) {
     ExportEntry& e = ch.exports[i];
     if (e.state != ExportEntry::kRetiring) continue;
@@ -92,17 +93,17 @@ void Engine::collect_unmapped_locked(Channel& ch) {
     e.alloc_bytes = 0;
     e.handle = IpcMemHandle{};
     --ch.exports_retiring;
-    ++stats_.exports_released;
+    bump(&EngineStats::exports_released);
   }
 }
 
 // At close. peer_unmapped: the receiver has closed every mapping (detached)
 // or is gone; otherwise it may still map them, and the keep-alives stay with
 // the engine rather than letting the allocator free mapped memory.
-void Engine::release_keepalives_locked(Channel& ch, bool peer_unmapped) {
+void Engine::release_keepalives(Channel& ch, bool peer_unmapped) {
   for (ExportEntry& e : ch.exports) {
     if (e.keepalive != nullptr) (peer_unmapped ? released_ : abandoned_keepalives_).push_back(std::move(e.keepalive));
-    if (e.state != ExportEntry::kFree && peer_unmapped) ++stats_.exports_released;
+    if (e.state != ExportEntry::kFree && peer_unmapped) bump(&EngineStats::exports_released);
     e = ExportEntry{};
   }
   ch.exports_retiring = 0;
@@ -117,7 +118,7 @@ char* Engine::open_peer_buffer(Channel& ch, const ChunkDesc& d) {
   if (m.ptr != nullptr) return m.ptr;  // progress_recv checked that it is this generation
   void* p = nullptr;
   check(*api_, api_->ipc_open_mem_handle(&p, d.src_handle), "cudaIpcOpenMemHandle(sender buffer)");
-  ++stats_.peer_mappings_opened;
+  bump(&EngineStats::peer_mappings_opened);
   m = PeerMapping{static_cast<char*>(p), d.export_gen};
   return m.ptr;
 }
@@ -143,10 +144,9 @@ bool Engine::serve_retire_requests(Channel& ch) {
     if (m.ptr == nullptr) {
       ch.ctl->unmapped_gen[i].store(gen, std::memory_order_release);
     } else {
-      PendingClose pc{m.ptr, nullptr, static_cast<int>(i), gen};
-      check(*api_, api_->event_create(&pc.after, false), "cudaEventCreateWithFlags(unmap)");
+      PendingClose pc{m.ptr, pool_->take(), static_cast<int>(i), gen};
       const Status r = api_->event_record(pc.after, recv_stream_);
-      if (r != kOk) api_->event_destroy(pc.after);
+      if (r != kOk) pool_->give(pc.after);
       check(*api_, r, "cudaEventRecord(unmap)");
       ch.closing.push_back(pc);
       m = PeerMapping{};
@@ -161,9 +161,9 @@ bool Engine::retire_closing(Channel& ch) {
   while (!ch.closing.empty()) {
     PendingClose& pc = ch.closing.front();
     if (!finished(*api_, api_->event_query(pc.after), "cudaEventQuery(unmap)")) break;
-    api_->event_destroy(pc.after);
+    pool_->give(pc.after);
     check(*api_, api_->ipc_close_mem_handle(pc.ptr), "cudaIpcCloseMemHandle(sender buffer)");
-    ++stats_.peer_mappings_closed;
+    bump(&EngineStats::peer_mappings_closed);
     ch.ctl->unmapped_gen[pc.slot].store(pc.gen, std::memory_order_release);
     ch.closing.erase(ch.closing.begin());
     progressed = true;
@@ -175,11 +175,11 @@ bool Engine::retire_closing(Channel& ch) {
 // and the sender is told per entry (kDetached then covers all of them).
 void Engine::close_mappings(Channel& ch) {
   auto unmapped = [&](std::size_t i, std::uint64_t gen) {
-    ++stats_.peer_mappings_closed;
+    bump(&EngineStats::peer_mappings_closed);
     if (ch.ctl != nullptr) ch.ctl->unmapped_gen[i].store(gen, std::memory_order_release);
   };
   for (const PendingClose& pc : ch.closing) {
-    api_->event_destroy(pc.after);
+    pool_->give(pc.after);
     api_->ipc_close_mem_handle(pc.ptr);
     unmapped(static_cast<std::size_t>(pc.slot), pc.gen);
   }

@@ -21,10 +21,6 @@ void Engine::release_imports(Channel& ch, bool streams_idle) {
   // flight (streams not idle) the mappings are leaked rather than pulled away,
   // and the peer is told so (kAbandoned): it must then leak what it exported.
   if (streams_idle) {
-    for (Event& e : ch.peer_events) {
-      if (e != nullptr) api_->event_destroy(e);
-      e = nullptr;
-    }
     close_mappings(ch);
     if (ch.slots_ipc_opened) api_->ipc_close_mem_handle(ch.slots);
     ch.slots_ipc_opened = false;
@@ -59,18 +55,17 @@ void Engine::release_exports(Channel& ch, Clock::time_point deadline, bool strea
       backoff(Clock::now() - poll_start);
     }
   }
-  release_keepalives_locked(ch, safe);
-  const bool exported = ch.slots_device_owned || std::any_of(std::begin(ch.local_events), std::end(ch.local_events),
-                                                              [](Event e) { return e != nullptr; });
+  release_keepalives(ch, safe);
+  const bool exported = ch.slots_device_owned;
+  for (const auto& [n, ev] : ch.pending) {
+    if (streams_idle) pool_->give(ev);  // else leaked: a record may still be pending
+  }
+  ch.pending.clear();
   if (streams_idle && safe) {
-    for (Event& e : ch.local_events) {
-      if (e != nullptr) api_->event_destroy(e);
-      e = nullptr;
-    }
     if (ch.slots_device_owned) api_->free(ch.slots);
     ch.slots_device_owned = false;
   } else if (exported) {
-    ++stats_.exports_leaked;
+    bump(&EngineStats::exports_leaked);
   }
   if (ch.host_registered && streams_idle) api_->host_unregister(ch.slots);
   ch.host_registered = false;
@@ -82,7 +77,7 @@ void Engine::release_exports(Channel& ch, Clock::time_point deadline, bool strea
 
 bool Engine::drain_streams(Clock::time_point deadline) {
   const auto poll_start = Clock::now();
-  for (Stream s : {send_stream_, recv_stream_}) {
+  for (Stream s : {send_stream_, recv_stream_, done_stream_}) {
     while (s != nullptr) {
       const Status r = api_->stream_query(s);
       if (r == kOk) break;
@@ -97,45 +92,60 @@ bool Engine::drain_streams(Clock::time_point deadline) {
 }
 
 void Engine::close(double timeout_s) {
-  std::vector<std::shared_ptr<void>> drop;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return;
     closed_ = true;
     stop_ = true;
-    fail_all_locked("rank " + std::to_string(rank_) + ": transport closed before the transfer completed");
-    drop.swap(released_);
   }
-  drop.clear();
   cv_.notify_all();
   if (worker_.joinable()) worker_.join();
+  // The worker is gone: every channel is this thread's now. Taken out of the
+  // maps (channel_status then says there is none) and torn down without the lock.
+  std::vector<std::unique_ptr<Channel>> channels;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto* map : {&outgoing_, &incoming_}) {
+      for (auto& kv : *map) channels.push_back(std::move(kv.second));
+      map->clear();
+    }
+  }
+  active_.clear();
+  const std::string why = "rank " + std::to_string(rank_) + ": transport closed before the transfer completed";
+  for (auto& ch : channels) {
+    for (auto& op : ch->inbox) ch->queue.push_back(std::move(op));
+    ch->inbox.clear();
+    fail_channel(*ch, why);
+  }
+  released_.clear();
 
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(timeout_s < 0 ? 0.0 : timeout_s));
   int previous = -1;
   const bool have_device = api_->get_device(&previous) == kOk && api_->set_device(device_) == kOk;
+  // A peer that died with a signal write enqueued but not run: release the
+  // streams waiting for it before draining them.
+  for (auto& ch : channels) {
+    if (!have_device || !ch->wait_any || ch->signals == nullptr || !ch->dead.empty()) continue;
+    if (peer_dead_reason(ch->peer_pid).empty()) continue;
+    const Status r = api_->set_value(ch->outgoing ? ch->freed_signal() : ch->ready_signal(), ch->wait_target);
+    if (r != kOk) (void)api_->error_text(r);
+  }
   // Let copies already on the comm streams finish (bounded) before unmapping
   // what they read or write.
   const bool idle = have_device && drain_streams(deadline);
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    // Imports first on every channel (this tells each peer it may free its
-    // exports), then exports, so two ranks closing together never wait on each other.
-    for (auto* map : {&outgoing_, &incoming_}) {
-      for (auto& kv : *map) release_imports(kv.second, idle);
-    }
-    for (auto* map : {&outgoing_, &incoming_}) {
-      for (auto& kv : *map) release_exports(kv.second, deadline, idle);
-    }
-    outgoing_.clear();
-    incoming_.clear();
-    drop.swap(released_);  // export keep-alives the peers no longer map
-  }
-  drop.clear();
+  for (auto& ch : channels) ch->unsettled.clear();
+  // Imports first on every channel (this tells each peer it may free its
+  // exports), then exports, so two ranks closing together never wait on each other.
+  for (auto& ch : channels) release_imports(*ch, idle);
+  for (auto& ch : channels) release_exports(*ch, deadline, idle);
+  channels.clear();
+  released_.clear();  // export keep-alives the peers no longer map
   if (idle) {
-    if (owns_streams_ && send_stream_ != nullptr) api_->stream_destroy(send_stream_);
-    if (owns_streams_ && recv_stream_ != nullptr) api_->stream_destroy(recv_stream_);
-    send_stream_ = recv_stream_ = nullptr;
+    for (Stream* s : {&send_stream_, &recv_stream_, &done_stream_}) {
+      if (owns_streams_ && *s != nullptr) api_->stream_destroy(*s);
+      *s = nullptr;
+    }
   }
   if (have_device && previous >= 0) api_->set_device(previous);
   sweep_stale_segments();  // names a dead peer created and nobody mapped

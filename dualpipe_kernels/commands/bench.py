@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -60,10 +61,17 @@ def _import_suite(name: str) -> tuple[ModuleType | None, str | None]:
     return mod, None
 
 
-def _unavailable(mod: ModuleType) -> str | None:
-    """A suite that needs hardware this machine lacks says why in ``unavailable()`` (it is skipped, not failed)."""
+def _unavailable(mod: ModuleType, args: argparse.Namespace | None = None) -> str | None:
+    """A suite that needs hardware this machine lacks says why in ``unavailable()`` (it is skipped, not failed).
+
+    A suite whose needs depend on its options (``cuda_ipc --fake-device`` runs without a GPU) takes them as
+    ``unavailable(args)``.
+    """
     check = getattr(mod, "unavailable", None)
-    return check() if check is not None else None
+    if check is None:
+        return None
+    takes_args = bool(inspect.signature(check).parameters)
+    return check(args) if takes_args and args is not None else check()
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -195,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     if args.suite != "all":
         mod, _ = _import_suite(args.suite)
         assert mod is not None
-        skip = _unavailable(mod)
+        skip = _unavailable(mod, args)
         if skip:
             sys.stderr.write(f"dualpipe-kernels bench {args.suite}: skipped: {skip}\n")
             return 0

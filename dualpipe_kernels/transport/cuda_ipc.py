@@ -1,11 +1,15 @@
 """Same-host GPU transport over the native CUDA IPC engine (``dualpipe_kernels._C.cuda``).
 
-Every ordered pair of ranks gets a channel owned by the receiver: a ring of
-``num_slots`` device slots of ``slot_bytes`` each, shared with the sender
-through CUDA IPC memory handles, plus IPC events and shared-memory counters
-for flow control (protocol: ``csrc/cuda/ipc_engine.h``).  Copies run on the
-engine's comm streams (copy engines, no SMs); an engine-owned worker thread
-drives them, so ``isend``/``irecv`` return at once.  Where CUDA IPC is not
+Every ordered pair of ranks gets a channel owned by the receiver: a byte ring
+of ``num_slots * slot_bytes`` device memory (messages take 256-byte multiples
+of it, large ones go in ``slot_bytes`` chunks), shared with the sender through
+a CUDA IPC memory handle, with two 64-bit counters after it that the two
+processes' streams write and wait on themselves (stream memory operations:
+no event crosses processes, no host thread waits for the GPU), plus
+shared-memory counters and up to ``max_inflight`` chunk descriptors for the
+hosts (protocol: ``csrc/cuda/ipc_engine.h``).  Copies run on the engine's
+comm streams (copy engines, no SMs); an engine-owned worker thread enqueues
+them, so ``isend``/``irecv`` return at once.  Where CUDA IPC is not
 possible the ring lives in pinned host memory instead (``staging="host"``:
 D2H into the slot, H2D out of it).  Sends of at least ``direct_min_bytes``
 (ipc staging) go zero-copy: the receiver maps the sender's buffer through an
@@ -79,6 +83,8 @@ __all__ = [
 STAGINGS = ("auto", "ipc", "host")
 #: Most sender segments a receiver keeps mapped per channel (the engine's kMaxExports).
 MAX_PEER_MAPPINGS = 64
+#: Most chunks a sender may publish ahead of the receiver (the engine's kMaxInflight).
+MAX_INFLIGHT = 1024
 _KEY_PREFIX = "dpk/cuda_ipc"
 #: upper bound of the time close() waits for peers to detach (seconds)
 _CLOSE_TIMEOUT_S = 30.0
@@ -204,6 +210,8 @@ class CudaIpcTransport(Transport):
         num_slots, slot_bytes: ring geometry of each incoming channel; a message
             is split into ``slot_bytes`` chunks pipelined over the ring.  Device
             memory used: ``len(peers) * num_slots * slot_bytes``.
+        max_inflight: chunks a sender may publish ahead of this receiver's host
+            (the descriptor ring, 1..1024; default 256).
         staging: "auto" | "ipc" | "host" (see module docstring).
         direct_min_bytes: sends at least this large go zero-copy where the
             buffer can be exported (ipc staging); 0 turns zero-copy off.
@@ -229,8 +237,11 @@ class CudaIpcTransport(Transport):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         key_prefix: str | None = None,
         max_peer_mappings: int = 32,
+        max_inflight: int = 256,
     ) -> None:
         super().__init__(timeout_s=timeout_s)
+        if not isinstance(max_inflight, int) or not 1 <= max_inflight <= MAX_INFLIGHT:
+            raise ValueError(f"max_inflight must be an int in [1, {MAX_INFLIGHT}], got {max_inflight!r}")
         _validate_options(num_slots, slot_bytes, staging, timeout_s, direct_min_bytes)
         if not isinstance(max_peer_mappings, int) or not 1 <= max_peer_mappings <= MAX_PEER_MAPPINGS:
             raise ValueError(f"max_peer_mappings must be an int in [1, {MAX_PEER_MAPPINGS}], got {max_peer_mappings!r}")
@@ -271,7 +282,7 @@ class CudaIpcTransport(Transport):
         self._prefix = f"{prefix}/{generation}"
 
         self._engine = mod.IpcEngine(
-            rank, self.device.index, num_slots, slot_bytes, staging, direct_min_bytes, max_peer_mappings
+            rank, self.device.index, num_slots, slot_bytes, staging, direct_min_bytes, max_peer_mappings, max_inflight
         )
         try:
             self._rendezvous(store, sorted(peers))
@@ -347,8 +358,13 @@ class CudaIpcTransport(Transport):
         """What the engine did: zero_copy_sends, staged_sends, zero_copy_recvs, staged_recvs,
         mem_handle_exports (one per exported segment), zero_copy_deferred (large sends staged while
         every export entry was in use), exports_released (segments released after the receiver
-        unmapped them), peer_mappings_opened, peer_mappings_closed, exports_leaked."""
+        unmapped them), peer_mappings_opened, peer_mappings_closed, exports_leaked, events_created (the
+        event pool's: made once, not per message), stream_waits (device counter waits enqueued), peers_died."""
         return dict(self._live_engine().stats())
+
+    def signal_mechanism(self) -> str:
+        """How the two processes' streams signal each other: "stream memory ops" or "spin kernels"."""
+        return str(self._live_engine().signal_mechanism)
 
     def _live_engine(self) -> Any:
         if self._engine is None:

@@ -632,6 +632,8 @@ def test_transport_without_gpu_gives_clear_error(monkeypatch: pytest.MonkeyPatch
         ({"direct_min_bytes": -1}, "direct_min_bytes must be an int >= 0"),
         ({"max_peer_mappings": 0}, r"max_peer_mappings must be an int in \[1, 64\]"),
         ({"max_peer_mappings": 65}, r"max_peer_mappings must be an int in \[1, 64\]"),
+        ({"max_inflight": 0}, r"max_inflight must be an int in \[1, 1024\]"),
+        ({"max_inflight": 1025}, r"max_inflight must be an int in \[1, 1024\]"),
     ],
 )
 def test_transport_rejects_bad_options(kwargs: dict[str, Any], match: str) -> None:
