@@ -502,6 +502,63 @@ class TestTritonInterpreter:
             unpack(got, layout, out=outs, backend="triton")
             _assert_same_bits(outs, unpack(got, layout, backend="torch"))
 
+    def test_a_repeated_call_is_one_launch_and_no_other_host_work(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A call repeated with the same tensors and buffer replays its launch: no re-planning, no new table, no
+        torch op (counted, not timed).  New addresses build a table but reuse the plan; a changed setting plans
+        again; a slot larger than the layout still gets the right bytes."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from dualpipe_kernels.kernels import pack_triton as pt
+        from dualpipe_kernels.kernels.layout import LayoutCache
+
+        pack_mod = sys.modules["dualpipe_kernels.kernels.pack"]  # (the package exports the function as ``pack``)
+        launches: list[tuple] = []  # (grid, the scalar arguments)
+
+        class NoLaunch:
+            def __getitem__(self, grid: tuple[int, ...]) -> object:
+                return lambda *args, **kwargs: launches.append((grid, args[2:]))
+
+        class CountOps(TorchDispatchMode):
+            ops = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                CountOps.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        monkeypatch.setattr(pt, "_pack_kernel", NoLaunch())
+        monkeypatch.setattr(pt, "_unpack_kernel", NoLaunch())
+        g = _gen(9)
+        ts = [_float((4100,), torch.float32, g) for _ in range(8)]
+        cache = LayoutCache()
+        layout = cache.get(ts, "fp8")
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+        outs = [torch.empty_like(t) for t in ts]
+
+        def counters() -> tuple[int, int, int]:
+            return pt.plan_builds, pt.table_builds, pack_mod.hot_builds
+
+        pack(ts, FP8, out=buf, cache=cache, backend="triton")
+        unpack(buf, layout, out=outs, backend="triton")
+        before, launched = counters(), len(launches)
+        with CountOps():
+            for _ in range(5):
+                got, lay = pack(ts, FP8, out=buf, cache=cache, backend="triton")
+                assert got is buf and lay is layout
+                assert unpack(buf, layout, out=outs, backend="triton") is outs
+        assert CountOps.ops == 0 and counters() == before and len(launches) == launched + 10
+        clones = [t.clone() for t in ts]  # same layout, new addresses: a new table, the same plan
+        pack(clones, FP8, out=buf, cache=cache, backend="triton")
+        assert counters() == (before[0], before[1] + 1, before[2] + 1)
+        monkeypatch.setattr(pt, "iters_override", 2)  # another launch shape: planned again, not replayed stale
+        pack(ts, FP8, out=buf, cache=cache, backend="triton")
+        assert pt.plan_builds == before[0] + 1 and launches[-1][1][1] == 2  # (n, iters, fast programs)
+        monkeypatch.undo()
+        slot = torch.full((layout.nbytes + 64,), 7, dtype=torch.uint8)  # a staging slot larger than the layout
+        for _ in range(2):
+            got = pack(ts, FP8, out=slot, cache=cache, backend="triton")[0]
+            assert got.numel() == layout.nbytes and torch.equal(got, pack(ts, FP8, backend="torch")[0])
+            assert (slot[layout.nbytes :] == 7).all()
+
     def test_property_triton_matches_fallback(self) -> None:
         from hypothesis import given, settings
         from hypothesis import strategies as st
