@@ -804,6 +804,23 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
     assert all(r <= 64 and fit_per_sm(r, 4) >= 8 for r in registers.values()), registers
 
 
+@pytest.mark.device_build
+@pytest.mark.skipif(INTERP, reason="compiles for a GPU target; the interpreter run has no compiler")
+@pytest.mark.timeout(120)
+def test_fast_path_reads_the_table_once_per_program() -> None:
+    """The fast path's loop over a program's blocks reads no table entry (all of a program's blocks belong to
+    one tensor, whose row is read before the loop); the masked path's loop does (the count sees loops)."""
+    pytest.importorskip("triton")
+    from dualpipe_kernels.kernels import offline
+    from dualpipe_kernels.kernels import pack_table as ptab
+
+    fast = offline.compile_variant(True, offline._constexprs(ptab.FP8_F32, False, True, 16, 16, tail=False))
+    outside, inside = offline.table_loads(fast["ttir"])
+    assert outside > 0 and inside == 0, (outside, inside)
+    both = offline.compile_variant(True, offline._constexprs(ptab.FP8_F32, False, True, 16, 16, tail=True))
+    assert offline.table_loads(both["ttir"])[1] > 0
+
+
 # ---------------------------------------------------------------- fp8 in place (large tensors)
 def _direct_case() -> list[torch.Tensor]:
     """fp8-cast tensors of at least DIRECT_MIN elements (quantised straight into the buffer) beside small ones."""
