@@ -297,11 +297,13 @@ def pack(
         buffer = out[: layout.nbytes]
         if key is not None:
             replay, launch = _prepare(tensors, layout, buffer, backend, True)
-            if replay:
-                _remember(_HOT_PACK, key, _Hot(cache, layout, launch, out.numel() == layout.nbytes))
+            if replay:  # (remembered once it ran)
                 if launch is not None:
                     launch(buffer)
-                    return buffer, layout
+                else:
+                    _pack_impl(tensors, layout, buffer, backend)
+                _remember(_HOT_PACK, key, _Hot(cache, layout, launch, out.numel() == layout.nbytes))
+                return buffer, layout
     _pack_impl(tensors, layout, buffer, backend)
     return buffer, layout
 
@@ -372,9 +374,11 @@ def unpack(
         if key is not None:
             replay, launch = _prepare(outs, layout, buffer, backend, False)
             if replay:
-                _remember(_HOT_UNPACK, key, _Hot(layout, layout, launch, True))
                 if launch is not None:
                     launch(buffer)
-                    return outs
+                else:
+                    _unpack_impl(buffer, layout, outs, backend)
+                _remember(_HOT_UNPACK, key, _Hot(layout, layout, launch, True))
+                return outs
     _unpack_impl(buffer, layout, outs, backend)
     return outs

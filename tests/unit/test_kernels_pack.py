@@ -639,6 +639,37 @@ def test_gpu_casts_equal_the_fallback_on_every_code_ties_subnormals_and_nonfinit
     _assert_same_values([t.cpu() for t in back], unpack(b_cpu, layout, backend="torch"))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_gpu_repeated_calls_replay_with_new_values_on_two_streams() -> None:
+    """Calls repeated into the same ``out`` replay their launch (see the interpreter's counting test): on a GPU
+    they still move the tensors' current values, on whichever stream is current (each stream gets a table of its
+    own), and a repeat on the same stream records nothing new."""
+    pack_mod = sys.modules["dualpipe_kernels.kernels.pack"]
+    g = _gen(12)
+    ts = [_float((5000,), torch.float32, g).cuda(), _float((300, 7), torch.float32, g).cuda().t()]
+    layout = pack(ts, FP8, backend="torch")[1]
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
+    outs = [torch.empty_like(t) for t in ts]
+    side = torch.cuda.Stream()
+    for step in range(4):
+        for t in ts:
+            t.copy_(_float(tuple(t.shape), torch.float32, g))
+        stream = side if step % 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            got, lay = pack(ts, FP8, out=buf, backend="triton")
+            unpack(got, lay, out=outs, backend="triton")
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), pack([t.cpu() for t in ts], FP8, backend="torch")[0]), step
+        _assert_same_bits([o.cpu() for o in outs], unpack(got.cpu(), lay, backend="torch"))
+    pack(ts, FP8, out=buf, backend="triton")
+    builds = pack_mod.hot_builds
+    pack(ts, FP8, out=buf, backend="triton")
+    torch.cuda.synchronize()
+    assert pack_mod.hot_builds == builds
+
+
 def _gpu_gbps(fn: object, moved: int, reps: int = 20) -> float:
     fn()  # type: ignore[operator]  # compiles
     torch.cuda.synchronize()
