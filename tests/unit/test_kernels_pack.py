@@ -758,6 +758,42 @@ def test_kernel_variant_follows_the_launch_table(monkeypatch: pytest.MonkeyPatch
     assert pt._variant(rows, block) == (ptab.COPY4, False, False)
 
 
+def test_repeated_calls_into_out_replay_and_new_arguments_are_still_checked() -> None:
+    """A call repeated with the same tensors and ``out`` replays (nothing recorded again) and moves the tensors'
+    current values; arguments that differ in anything the checks look at take the checked path again."""
+    from dualpipe_kernels.kernels.layout import LayoutCache
+
+    pack_mod = sys.modules["dualpipe_kernels.kernels.pack"]
+    g = _gen(13)
+    ts = [_float((300,), torch.float32, g), _float((20, 30), torch.float32, g).t()]
+    cache = LayoutCache()
+    layout = cache.get(ts, "bf16")
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    outs = [torch.empty_like(t) for t in ts]
+    pack(ts, torch.bfloat16, out=buf, cache=cache, backend="torch")
+    unpack(buf, layout, out=outs, backend="torch")
+    builds = pack_mod.hot_builds
+    for step in range(3):
+        for t in ts:
+            t.copy_(_float(tuple(t.shape), torch.float32, g))
+        got, lay = pack(ts, torch.bfloat16, out=buf, cache=cache, backend="torch")
+        assert got is buf and lay is layout and torch.equal(got, pack(ts, torch.bfloat16, backend="torch")[0]), step
+        assert unpack(buf, layout, out=outs, backend="torch") is outs
+        _assert_same_bits(outs, unpack(buf, layout, backend="torch"))
+    assert pack_mod.hot_builds == builds
+    with pytest.raises(ValueError, match="out has 10 bytes"):
+        pack(ts, torch.bfloat16, out=buf[:10], cache=cache, backend="torch")
+    with pytest.raises(ValueError, match=r"out\[1\] is torch.float64"):
+        unpack(buf, layout, out=[outs[0], outs[1].double()], backend="torch")
+    with pytest.raises(ValueError, match="unpack: buffer has"):
+        unpack(torch.empty(layout.nbytes + 16, dtype=torch.uint8), layout, out=outs, backend="torch")
+    with pytest.raises(ValueError, match="unknown backend"):
+        pack(ts, torch.bfloat16, out=buf, cache=cache, backend="cuda")
+    # an equal layout that is another object is checked (and then replayed) on its own
+    twin = PackLayout.decode(layout.encode())
+    _assert_same_bits(unpack(buf, twin, out=[torch.empty_like(t) for t in ts], backend="torch"), outs)
+
+
 def test_launch_tables_are_reused_for_the_same_addresses() -> None:
     """The table a launch reads is built once per (plan, buffer, tensors' addresses, stream): the same tensors
     packed again reuse it; another buffer, other tensors or another layout build a new one."""
