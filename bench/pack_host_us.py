@@ -2,9 +2,11 @@
 
 Runs ``pack`` / ``unpack`` through the Triton backend on CPU tensors
 (``TRITON_INTERPRET=1``) with the kernel launch replaced by a no-op, so what is
-timed is this library's own host work per call: checks, the layout cache, the
-launch plan and table.  On a GPU that work comes on top of Triton's launch and,
-for tensors at new addresses, the table's staging and copy.  Median of five
+timed is this library's own host work per call.  The same tensors and ``out``
+every call: after the first (checked) call each one replays its prepared launch
+(one look-up keyed on the arguments; docs/kernels.md, "Host work per call").
+On a GPU that work comes on top of Triton's launch and, for tensors at new
+addresses, the table's staging and copy.  Median of five
 rounds of 2000 calls, 1 / 8 / 64 tensors of 1024 fp32 each, lossless format, the
 same tensors every call (as ``bench kernels`` calls it).
 """

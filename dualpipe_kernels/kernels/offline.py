@@ -10,7 +10,8 @@ SASS instructions per element of the fast path: the kernel is built with the mas
 (``TAIL=False``) at one and two tiles per block, and the difference in instructions (``cuobjdump
 -sass``, NOPs not counted) is divided by the elements a thread converts in the extra tile, so the
 fixed cost (table reads, search, loop) cancels out.  Static counts: what the fast path issues per
-element, per block of a whole tensor.
+element, per block of a whole tensor.  ``fast_loop_table_loads``: reads of the launch table inside the fast
+path's loop over a program's blocks (TTIR; 0: the row is read once per program, before the loop).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "loop_body",
     "sass_instructions",
     "sass_listing",
+    "table_loads",
     "triton_dir",
     "main",
 ]
@@ -96,6 +98,26 @@ def loop_body(listing: list[tuple[int, str]]) -> list[str]:
     return [i for a, i in listing if best[0] <= a <= best[1]]
 
 
+def table_loads(ttir: str) -> tuple[int, int]:
+    """(scalar int64 loads, i.e. reads of the launch table, outside any loop, inside a loop) of a kernel's TTIR
+    (``asm["ttir"]``).  The kernels' only scalar int64 loads are table reads (the data moves in tiles)."""
+    outside = inside = depth = 0
+    loops: list[int] = []  # brace depth at which each enclosing scf.for opened
+    for line in ttir.splitlines():
+        if re.search(r"=\s*tt\.load\b.*:\s*!tt\.ptr<i64>", line):
+            if loops:
+                inside += 1
+            else:
+                outside += 1
+        opened = line.count("{") - line.count("}")
+        if re.search(r"\bscf\.for\b", line) and opened > 0:
+            loops.append(depth)
+        depth += opened
+        while loops and depth <= loops[-1]:
+            loops.pop()
+    return outside, inside
+
+
 def compile_variant(pack: bool, constexprs: dict[str, Any]) -> dict[str, Any]:
     """The compiled kernel's ``asm`` (``ptx``, ``cubin``, ...) for sm_90, without a GPU."""
     import triton
@@ -131,15 +153,18 @@ def _one(fmt: str, name: str, code: int, pow2: bool, pack: bool, contig: bool, t
     rows = pt.rows_per_block(gpu, code)
     tile = min(rows, pt.tile_rows(gpu))
     regs = registers_per_thread(compile_variant(pack, _constexprs(code, pow2, contig, rows, tile))["cubin"])
-    per_element = None
-    if contig and tool is not None:
+    per_element = loop_loads = None
+    if contig:
         # the fast path alone (the masked path left out), one tile per block: its loop runs once per tile
-        fast = compile_variant(pack, _constexprs(code, pow2, True, tile, tile, False))["cubin"]
-        body = loop_body(sass_listing(fast, tool))
+        fast = compile_variant(pack, _constexprs(code, pow2, True, tile, tile, False))
+        # a program's blocks are all of one tensor: its table row is read before the loop, never inside it
+        loop_loads = table_loads(fast["ttir"])[1]
+        body = loop_body(sass_listing(fast["cubin"], tool)) if tool is not None else []
         per_element = round(len(body) / (tile * 128 / (32 * NUM_WARPS)), 3) if body else None
     return {"kernel": "pack" if pack else "unpack", "format": fmt, "variant": name, "contiguous": contig,
             "triton_version": triton.__version__, "registers": regs, "programs_per_sm": fit_per_sm(regs, NUM_WARPS),
-            "sass_per_element": per_element, "rows_per_block": rows}  # fmt: skip
+            "sass_per_element": per_element, "rows_per_block": rows,
+            "fast_loop_table_loads": loop_loads}  # fmt: skip
 
 
 def analyse(formats: tuple[str, ...] = ("packed", "bf16", "fp8"), workers: int = 2) -> list[dict[str, Any]]:

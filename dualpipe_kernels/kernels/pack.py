@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -38,12 +39,17 @@ __all__ = ["pack", "unpack", "BACKENDS", "resolve_backend", "triton_module"]
 BACKENDS = ("auto", "torch", "triton")
 
 
+_TRITON: list[ModuleType | None] = []  # the import's outcome, once tried
+
+
 def triton_module() -> ModuleType | None:
     """The Triton implementation module, or None when Triton cannot be imported."""
-    try:
-        return importlib.import_module("dualpipe_kernels.kernels.pack_triton")
-    except ImportError:
-        return None
+    if not _TRITON:
+        try:
+            _TRITON.append(importlib.import_module("dualpipe_kernels.kernels.pack_triton"))
+        except ImportError:
+            _TRITON.append(None)
+    return _TRITON[0]
 
 
 def resolve_backend(device: torch.device, backend: str = "auto") -> str:
@@ -129,6 +135,67 @@ def _empty_outs(layout: PackLayout, device: torch.device) -> list[torch.Tensor]:
     return [torch.empty(e.shape, dtype=e.dtype, device=device) for e in layout.entries]
 
 
+# ---------------------------------------------------------------- the cached path of repeated calls
+class _Hot:
+    """A call to replay: its layout, and the Triton launch ready to go (None: the torch backend)."""
+
+    __slots__ = ("owner", "layout", "launch", "whole")
+
+    def __init__(self, owner: object, layout: PackLayout, launch: Any, whole: bool) -> None:
+        #: the cache (pack) or layout (unpack) whose id is in the key: held, so the id is not reused meanwhile
+        self.owner, self.layout, self.launch = owner, layout, launch
+        #: pack: ``out`` is exactly the layout's size (returned as it is, no slice)
+        self.whole = whole
+
+
+#: Calls repeated with the same arguments (the same tensors, or tensors of the same dtypes, shapes, strides and
+#: device at the same addresses, the same ``out`` buffer, format, cache and backend) skip the checks, the layout
+#: and plan look-ups and the table: the key guarantees that the first such call passed them, and a
+#: launch's table is a function of the key alone (addresses included).  Such a call is one dict look-up and
+#: the launch, no torch op (tests/unit/test_kernels_pack.py counts them).  Keys with ``out`` only.
+_HOT_PACK: dict[tuple, _Hot] = {}
+_HOT_UNPACK: dict[tuple, _Hot] = {}
+_MAX_HOT = 256
+#: replayable calls recorded (each after one full, checked call); a call that replays one adds none
+hot_builds = 0
+
+
+def _remember(hot: dict[tuple, _Hot], key: tuple, entry: _Hot) -> None:
+    global hot_builds
+    if len(hot) >= _MAX_HOT:
+        hot.clear()
+    hot[key] = entry
+    hot_builds += 1
+
+
+def _pack_key(
+    tensors: Sequence[torch.Tensor], dtype: object, out: torch.Tensor, pow2: bool, cache: object, backend: str
+) -> tuple | None:
+    try:
+        return (id(cache), dtype, pow2, backend, out.dtype, out.shape, out.stride(), out.device, out.data_ptr(),
+                *[(t.dtype, t.shape, t.stride(), t.device, t.data_ptr()) for t in tensors])  # fmt: skip
+    except (AttributeError, TypeError):  # not tensors: the checked path says what is wrong
+        return None
+
+
+def _unpack_key(buffer: torch.Tensor, layout: object, out: Sequence[torch.Tensor], backend: str) -> tuple | None:
+    try:
+        return (id(layout), backend, buffer.dtype, buffer.shape, buffer.stride(), buffer.device, buffer.data_ptr(),
+                *[(t.dtype, t.shape, t.stride(), t.device, t.data_ptr()) for t in out])  # fmt: skip
+    except (AttributeError, TypeError):
+        return None
+
+
+def _prepare(
+    tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor, backend: str, pack: bool
+) -> tuple[bool, Any]:
+    """(whether calls like this one can be replayed, the Triton launch or None for the torch backend)."""
+    if resolve_backend(buffer.device, backend) != "triton":
+        return True, None
+    launch = triton_module().prepare(tensors, layout, buffer, pack)  # type: ignore[union-attr]
+    return launch is not None, launch
+
+
 # ---------------------------------------------------------------- custom ops (torch.compile)
 @torch.library.custom_op("dualpipe_kernels::pack", mutates_args=())
 def _pack_op(tensors: list[torch.Tensor], layout: list[int], backend: str) -> torch.Tensor:
@@ -195,6 +262,22 @@ def pack(
     to look up (and keep) the layout by signature.  Returns ``(buffer, layout)``; the caller owns
     the buffer, and the inputs are only read.
     """
+    compiling = torch.compiler.is_compiling()
+    key = None
+    if out is not None and not compiling:
+        key = _pack_key(tensors, dtype, out, pow2_scales, cache, backend)
+        try:
+            hot = _HOT_PACK.get(key) if key is not None else None
+        except TypeError:  # an unhashable argument: the checked path says what is wrong
+            key = hot = None
+        if hot is not None and hot.owner is cache and (hot.launch is None or hot.launch.ready()):
+            buffer = out if hot.whole else out[: hot.layout.nbytes]
+            if hot.launch is None:
+                with torch.no_grad():
+                    pack_torch.pack_into(tensors, hot.layout, buffer)
+            else:
+                hot.launch(buffer)
+            return buffer, hot.layout
     device = _check_tensors(tensors)
     fmt = format_for(dtype, pow2_scales)
     layout = cache.get(tensors, fmt) if cache is not None else plan_layout([(t.dtype, t.shape) for t in tensors], fmt)
@@ -203,7 +286,6 @@ def pack(
         _check_buffer("pack: out", out, device)
         if out.numel() < layout.nbytes:
             raise ValueError(f"pack: out has {out.numel()} bytes, the layout needs {layout.nbytes}")
-    compiling = torch.compiler.is_compiling()
     if out is None:
         if compiling:
             return _pack_op(list(tensors), layout.encode(), backend), layout
@@ -213,6 +295,15 @@ def pack(
             _pack_into_op(list(tensors), layout.encode(), out, backend)
             return out[: layout.nbytes], layout
         buffer = out[: layout.nbytes]
+        if key is not None:
+            replay, launch = _prepare(tensors, layout, buffer, backend, True)
+            if replay:  # (remembered once it ran)
+                if launch is not None:
+                    launch(buffer)
+                else:
+                    _pack_impl(tensors, layout, buffer, backend)
+                _remember(_HOT_PACK, key, _Hot(cache, layout, launch, out.numel() == layout.nbytes))
+                return buffer, layout
     _pack_impl(tensors, layout, buffer, backend)
     return buffer, layout
 
@@ -245,6 +336,21 @@ def unpack(
     per entry, the entry's shape and dtype, any non-overlapping strides) they are written there and
     ``out`` is returned.  The buffer is only read.
     """
+    compiling = torch.compiler.is_compiling()
+    key = None
+    if out is not None and not compiling:
+        key = _unpack_key(buffer, layout, out, backend)
+        try:
+            hot = _HOT_UNPACK.get(key) if key is not None else None
+        except TypeError:  # an unhashable argument: the checked path says what is wrong
+            key = hot = None
+        if hot is not None and hot.layout is layout and (hot.launch is None or hot.launch.ready()):
+            if hot.launch is None:
+                with torch.no_grad():
+                    pack_torch.unpack_into(buffer, layout, out)
+            else:
+                hot.launch(buffer)
+            return out if isinstance(out, list) else list(out)
     if not isinstance(layout, PackLayout):
         raise TypeError(f"unpack: layout must be a PackLayout, got {type(layout).__name__}")
     _check_buffer("unpack: buffer", buffer, buffer.device if isinstance(buffer, torch.Tensor) else None)
@@ -256,7 +362,6 @@ def unpack(
     _check_backend_name(backend)
     if out is not None:
         _check_outs(out, layout, buffer.device)
-    compiling = torch.compiler.is_compiling()
     if out is None:
         if compiling:
             return _unpack_op(buffer, layout.encode(), backend)
@@ -265,6 +370,15 @@ def unpack(
         if compiling:
             _unpack_into_op(buffer, layout.encode(), list(out), backend)
             return list(out)
-        outs = list(out)
+        outs = out if isinstance(out, list) else list(out)
+        if key is not None:
+            replay, launch = _prepare(outs, layout, buffer, backend, False)
+            if replay:
+                if launch is not None:
+                    launch(buffer)
+                else:
+                    _unpack_impl(buffer, layout, outs, backend)
+                _remember(_HOT_UNPACK, key, _Hot(layout, layout, launch, True))
+                return outs
     _unpack_impl(buffer, layout, outs, backend)
     return outs

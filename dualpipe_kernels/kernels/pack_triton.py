@@ -63,15 +63,8 @@ from dualpipe_kernels.kernels.pack_table import (
 )
 from dualpipe_kernels.kernels.triton_casts import bf16_cast, bf16_value, fp8_value, quantize_e4m3
 
-__all__ = [
-    "INTERPRETED",
-    "pack_into",
-    "unpack_into",
-    "rows_per_block",
-    "registers_per_thread",
-    "fit_per_sm",
-    "host_only",
-]
+__all__ = ["INTERPRETED", "Launch", "prepare", "pack_into", "unpack_into", "rows_per_block", "registers_per_thread",
+           "fit_per_sm", "host_only"]  # fmt: skip
 
 #: True when the kernels run in Triton's interpreter (TRITON_INTERPRET=1 at import)
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -422,9 +415,10 @@ def _variant(static: np.ndarray, block: int) -> tuple[int, bool, bool]:
 
 class _Plan:
     """A layout's table for one set of strides and device: everything but the addresses and what follows from
-    them (which blocks take the fast path, the programs)."""
+    them (which blocks take the fast path, the programs), and the launch's scalar arguments and constexprs."""
 
-    __slots__ = ("layout", "table", "blocks", "iters", "rows", "tile", "contig", "whole", "code", "all_contig", "i32")
+    __slots__ = ("layout", "table", "blocks", "iters", "rows", "tile", "contig", "whole", "code", "all_contig", "i32",
+                 "n", "kw")  # fmt: skip
 
     def __init__(self, layout: PackLayout, table: np.ndarray, iters: int, rows: int, tile: int) -> None:
         block = rows * FP8_BLOCK
@@ -435,6 +429,11 @@ class _Plan:
         #: from the buffer)
         self.whole = np.where(self.contig, table[:, 1] // block, 0)
         self.code, self.all_contig, self.i32 = _variant(table, block)
+        self.n = len(table)
+        #: the constexprs of an unpack launch (a pack launch adds POW2)
+        self.kw = {"LOG_N": 0 if self.n == 1 else max(_MIN_LOG_N, math.ceil(math.log2(self.n))), "ROWS": tile,
+                   "SUB": rows // tile, "W": _WIDTH, "CODE": self.code, "CONTIG": self.all_contig, "I32": self.i32,
+                   "HW": not INTERPRETED, "TAIL": True}  # fmt: skip
 
 
 #: (id(layout), strides, device, the launch-shape settings) -> _Plan; the plan holds its layout, so an id is
@@ -442,6 +441,13 @@ class _Plan:
 _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 256
 _SM_COUNT: dict[int, int] = {}
+#: plans made (the per-layout host work: static table, launch shape, variant); a cached call makes none
+plan_builds = 0
+
+
+def _settings() -> tuple:
+    """The module settings a plan depends on (tests and ``bench kernels --variants`` change them)."""
+    return (iters_override, PROGRAMS_PER_SM, specialize, rows_override)
 
 
 def _iters(device: torch.device, blocks: int) -> int:
@@ -464,10 +470,11 @@ def _launch_code(layout: PackLayout) -> int:
 
 
 def _plan(tensors: Sequence[torch.Tensor], layout: PackLayout, device: torch.device) -> _Plan:
-    key = (id(layout), tuple(t.stride() for t in tensors), device, iters_override, PROGRAMS_PER_SM, specialize,
-           rows_override)  # fmt: skip
+    global plan_builds
+    key = (id(layout), tuple(t.stride() for t in tensors), device, *_settings())
     plan = _PLANS.get(key)
     if plan is None or plan.layout is not layout:
+        plan_builds += 1
         rows = rows_per_block(device, _launch_code(layout))
         static = _static_table(tensors, layout, rows * FP8_BLOCK)
         iters = _iters(device, int(static[:, _NBLK].sum()))
@@ -513,7 +520,11 @@ def _stream_key(device: torch.device) -> int:
     """The current stream of ``device`` as an int (0 on CPU)."""
     if device.type != "cuda":
         return 0
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return _stream_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _stream_of(idx: int) -> int:
+    """The current stream of GPU ``idx`` as an int."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return int(raw(idx)) if raw is not None else int(torch.cuda.current_stream(idx).cuda_stream)
 
@@ -546,23 +557,72 @@ def _device_table(plan: _Plan, tensors: Sequence[torch.Tensor], buffer: torch.Te
     return meta, nfast, programs
 
 
+class Launch:
+    """One call replayed: a plan's table on the device for one set of addresses (the tensors' and the buffer's)
+    and the kernel's arguments, so that a call with the same tensors, buffer and settings is one launch and no
+    other host work (:func:`prepare`).  Calling it launches; :meth:`ready` says whether it still applies."""
+
+    __slots__ = ("pack", "meta", "grid", "args", "kw", "settings", "device", "stream")
+
+    def __init__(self, plan: _Plan, meta: torch.Tensor | None, nfast: int, programs: int, pack: bool,
+                 device: torch.device, stream: int) -> None:  # fmt: skip
+        self.pack, self.meta, self.grid = pack, meta, (programs,)
+        self.args = (plan.n, plan.iters, nfast)
+        self.kw = {**plan.kw, "POW2": plan.layout.format == "fp8_pow2"} if pack else plan.kw
+        self.settings = _settings()
+        self.device = device.index if device.type == "cuda" else None
+        self.stream = stream
+
+    def ready(self) -> bool:
+        """Whether the settings, and on a GPU the current device and stream, are still those it was made for (and
+        no CUDA graph is being captured: a capture gets a table of its own)."""
+        if self.settings != (iters_override, PROGRAMS_PER_SM, specialize, rows_override):
+            return False
+        if self.device is None:
+            return True
+        return (
+            torch.cuda.current_device() == self.device
+            and not torch.cuda.is_current_stream_capturing()
+            and _stream_of(self.device) == self.stream
+        )
+
+    def __call__(self, buffer: torch.Tensor) -> None:
+        if self.meta is not None and not _host_only:  # None: no blocks (empty tensors), nothing to launch
+            kernel = _pack_kernel if self.pack else _unpack_kernel
+            kernel[self.grid](self.meta, buffer, *self.args, **self.kw)
+
+
+def prepare(tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor, pack: bool) -> Launch | None:
+    """The :class:`Launch` of ``pack_into(tensors, layout, buffer)`` (``pack``) or ``unpack_into(buffer, layout,
+    tensors)``, or None when such a call cannot be replayed (a tensor goes through a contiguous copy, a CUDA graph
+    is being captured, the buffer is on another GPU than the current one)."""
+    device = buffer.device  # (a CUDA tensor's device has an index)
+    if device.type == "cuda" and (
+        device.index != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing()
+    ):
+        return None
+    views = [_as_copyable(t) for t in tensors]
+    if any(v is not t and v.data_ptr() != t.data_ptr() for v, t in zip(views, tensors, strict=True)):
+        return None
+    plan = _plan(views, layout, device)
+    if plan.blocks == 0:
+        return Launch(plan, None, 0, 0, pack, device, _stream_key(device))
+    meta, nfast, programs = _device_table(plan, views, buffer)
+    return Launch(plan, meta, nfast, programs, pack, device, _stream_key(device))
+
+
 def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer: torch.Tensor, **kw) -> None:
     device = buffer.device
     plan = _plan(tensors, layout, device)
     if plan.blocks == 0:
         return
     meta, nfast, programs = _device_table(plan, tensors, buffer)
-    n = len(plan.table)
-    log_n = 0 if n == 1 else max(_MIN_LOG_N, math.ceil(math.log2(n)))
     # Triton launches on the current device; the buffer's may be another (switching costs microseconds)
     other = device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device()
     if _host_only:
         return
     with torch.cuda.device(device) if other else contextlib.nullcontext():
-        kernel[(programs,)](meta, buffer, n, plan.iters, nfast, LOG_N=log_n, ROWS=plan.tile, SUB=plan.rows // plan.tile,
-                            W=_WIDTH,
-                            CODE=plan.code, CONTIG=plan.all_contig, I32=plan.i32, HW=not INTERPRETED, TAIL=True,
-                            **kw)  # fmt: skip
+        kernel[(programs,)](meta, buffer, plan.n, plan.iters, nfast, **plan.kw, **kw)
 
 
 def _bit_view(t: torch.Tensor) -> torch.Tensor:

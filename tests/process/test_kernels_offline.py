@@ -3,7 +3,8 @@
 Every launch variant (:data:`dualpipe_kernels.kernels.offline.VARIANTS`, pack and unpack, contiguous and strided)
 compiles; a launch of one conversion on contiguous tensors holds at most 64 registers a thread (8 programs of 4
 warps per multiprocessor); the fast path's loop issues at most 4 SASS instructions per element for a copy, 6 for
-bf16, 12 for fp8 pack and 8 for fp8 unpack.  The GPU machine's Triton comes from a side directory
+bf16, 12 for fp8 pack and 8 for fp8 unpack, and reads no table entry inside its loop over a program's blocks.
+The GPU machine's Triton comes from a side directory
 (:func:`offline.triton_dir`: ``pip install --no-deps --target ~/.cache/dualpipe-kernels/triton-3.6.0 triton==3.6.0``,
 about 10 s, made on first use; ``DUALPIPE_TRITON_DIR`` points elsewhere).
 """
@@ -37,6 +38,8 @@ def _check(rows: list[dict], version: str) -> None:
             assert (
                 r["sass_per_element"] is not None and 0 < r["sass_per_element"] <= BOUNDS[(r["format"], r["kernel"])]
             ), r
+        if r["contiguous"]:  # a program's blocks are all of one tensor: its table row is read before the loop
+            assert r["fast_loop_table_loads"] == 0, r
 
 
 @pytest.mark.timeout(400)

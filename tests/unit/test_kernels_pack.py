@@ -502,6 +502,63 @@ class TestTritonInterpreter:
             unpack(got, layout, out=outs, backend="triton")
             _assert_same_bits(outs, unpack(got, layout, backend="torch"))
 
+    def test_a_repeated_call_is_one_launch_and_no_other_host_work(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A call repeated with the same tensors and buffer replays its launch: no re-planning, no new table, no
+        torch op (counted, not timed).  New addresses build a table but reuse the plan; a changed setting plans
+        again; a slot larger than the layout still gets the right bytes."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from dualpipe_kernels.kernels import pack_triton as pt
+        from dualpipe_kernels.kernels.layout import LayoutCache
+
+        pack_mod = sys.modules["dualpipe_kernels.kernels.pack"]  # (the package exports the function as ``pack``)
+        launches: list[tuple] = []  # (grid, the scalar arguments)
+
+        class NoLaunch:
+            def __getitem__(self, grid: tuple[int, ...]) -> object:
+                return lambda *args, **kwargs: launches.append((grid, args[2:]))
+
+        class CountOps(TorchDispatchMode):
+            ops = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                CountOps.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        monkeypatch.setattr(pt, "_pack_kernel", NoLaunch())
+        monkeypatch.setattr(pt, "_unpack_kernel", NoLaunch())
+        g = _gen(9)
+        ts = [_float((4100,), torch.float32, g) for _ in range(8)]
+        cache = LayoutCache()
+        layout = cache.get(ts, "fp8")
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+        outs = [torch.empty_like(t) for t in ts]
+
+        def counters() -> tuple[int, int, int]:
+            return pt.plan_builds, pt.table_builds, pack_mod.hot_builds
+
+        pack(ts, FP8, out=buf, cache=cache, backend="triton")
+        unpack(buf, layout, out=outs, backend="triton")
+        before, launched = counters(), len(launches)
+        with CountOps():
+            for _ in range(5):
+                got, lay = pack(ts, FP8, out=buf, cache=cache, backend="triton")
+                assert got is buf and lay is layout
+                assert unpack(buf, layout, out=outs, backend="triton") is outs
+        assert CountOps.ops == 0 and counters() == before and len(launches) == launched + 10
+        clones = [t.clone() for t in ts]  # same layout, new addresses: a new table, the same plan
+        pack(clones, FP8, out=buf, cache=cache, backend="triton")
+        assert counters() == (before[0], before[1] + 1, before[2] + 1)
+        monkeypatch.setattr(pt, "iters_override", 2)  # another launch shape: planned again, not replayed stale
+        pack(ts, FP8, out=buf, cache=cache, backend="triton")
+        assert pt.plan_builds == before[0] + 1 and launches[-1][1][1] == 2  # (n, iters, fast programs)
+        monkeypatch.undo()
+        slot = torch.full((layout.nbytes + 64,), 7, dtype=torch.uint8)  # a staging slot larger than the layout
+        for _ in range(2):
+            got = pack(ts, FP8, out=slot, cache=cache, backend="triton")[0]
+            assert got.numel() == layout.nbytes and torch.equal(got, pack(ts, FP8, backend="torch")[0])
+            assert (slot[layout.nbytes :] == 7).all()
+
     def test_property_triton_matches_fallback(self) -> None:
         from hypothesis import given, settings
         from hypothesis import strategies as st
@@ -580,6 +637,37 @@ def test_gpu_casts_equal_the_fallback_on_every_code_ties_subnormals_and_nonfinit
     assert torch.equal(b_gpu.cpu(), b_cpu)
     back = unpack(b_cpu.cuda(), layout, backend="triton")
     _assert_same_values([t.cpu() for t in back], unpack(b_cpu, layout, backend="torch"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_gpu_repeated_calls_replay_with_new_values_on_two_streams() -> None:
+    """Calls repeated into the same ``out`` replay their launch (see the interpreter's counting test): on a GPU
+    they still move the tensors' current values, on whichever stream is current (each stream gets a table of its
+    own), and a repeat on the same stream records nothing new."""
+    pack_mod = sys.modules["dualpipe_kernels.kernels.pack"]
+    g = _gen(12)
+    ts = [_float((5000,), torch.float32, g).cuda(), _float((300, 7), torch.float32, g).cuda().t()]
+    layout = pack(ts, FP8, backend="torch")[1]
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
+    outs = [torch.empty_like(t) for t in ts]
+    side = torch.cuda.Stream()
+    for step in range(4):
+        for t in ts:
+            t.copy_(_float(tuple(t.shape), torch.float32, g))
+        stream = side if step % 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            got, lay = pack(ts, FP8, out=buf, backend="triton")
+            unpack(got, lay, out=outs, backend="triton")
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), pack([t.cpu() for t in ts], FP8, backend="torch")[0]), step
+        _assert_same_bits([o.cpu() for o in outs], unpack(got.cpu(), lay, backend="torch"))
+    pack(ts, FP8, out=buf, backend="triton")
+    builds = pack_mod.hot_builds
+    pack(ts, FP8, out=buf, backend="triton")
+    torch.cuda.synchronize()
+    assert pack_mod.hot_builds == builds
 
 
 def _gpu_gbps(fn: object, moved: int, reps: int = 20) -> float:
@@ -670,6 +758,42 @@ def test_kernel_variant_follows_the_launch_table(monkeypatch: pytest.MonkeyPatch
     assert pt._variant(rows, block) == (ptab.COPY4, False, False)
 
 
+def test_repeated_calls_into_out_replay_and_new_arguments_are_still_checked() -> None:
+    """A call repeated with the same tensors and ``out`` replays (nothing recorded again) and moves the tensors'
+    current values; arguments that differ in anything the checks look at take the checked path again."""
+    from dualpipe_kernels.kernels.layout import LayoutCache
+
+    pack_mod = sys.modules["dualpipe_kernels.kernels.pack"]
+    g = _gen(13)
+    ts = [_float((300,), torch.float32, g), _float((20, 30), torch.float32, g).t()]
+    cache = LayoutCache()
+    layout = cache.get(ts, "bf16")
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    outs = [torch.empty_like(t) for t in ts]
+    pack(ts, torch.bfloat16, out=buf, cache=cache, backend="torch")
+    unpack(buf, layout, out=outs, backend="torch")
+    builds = pack_mod.hot_builds
+    for step in range(3):
+        for t in ts:
+            t.copy_(_float(tuple(t.shape), torch.float32, g))
+        got, lay = pack(ts, torch.bfloat16, out=buf, cache=cache, backend="torch")
+        assert got is buf and lay is layout and torch.equal(got, pack(ts, torch.bfloat16, backend="torch")[0]), step
+        assert unpack(buf, layout, out=outs, backend="torch") is outs
+        _assert_same_bits(outs, unpack(buf, layout, backend="torch"))
+    assert pack_mod.hot_builds == builds
+    with pytest.raises(ValueError, match="out has 10 bytes"):
+        pack(ts, torch.bfloat16, out=buf[:10], cache=cache, backend="torch")
+    with pytest.raises(ValueError, match=r"out\[1\] is torch.float64"):
+        unpack(buf, layout, out=[outs[0], outs[1].double()], backend="torch")
+    with pytest.raises(ValueError, match="unpack: buffer has"):
+        unpack(torch.empty(layout.nbytes + 16, dtype=torch.uint8), layout, out=outs, backend="torch")
+    with pytest.raises(ValueError, match="unknown backend"):
+        pack(ts, torch.bfloat16, out=buf, cache=cache, backend="cuda")
+    # an equal layout that is another object is checked (and then replayed) on its own
+    twin = PackLayout.decode(layout.encode())
+    _assert_same_bits(unpack(buf, twin, out=[torch.empty_like(t) for t in ts], backend="torch"), outs)
+
+
 def test_launch_tables_are_reused_for_the_same_addresses() -> None:
     """The table a launch reads is built once per (plan, buffer, tensors' addresses, stream): the same tensors
     packed again reuse it; another buffer, other tensors or another layout build a new one."""
@@ -745,6 +869,23 @@ def test_kernels_compile_for_sm90_with_vector_accesses() -> None:
             registers[(code, "pack" if pack_ else "unpack")] = registers_per_thread(asm["cubin"])
     print("sm_90 registers per thread:", registers)
     assert all(r <= 64 and fit_per_sm(r, 4) >= 8 for r in registers.values()), registers
+
+
+@pytest.mark.device_build
+@pytest.mark.skipif(INTERP, reason="compiles for a GPU target; the interpreter run has no compiler")
+@pytest.mark.timeout(120)
+def test_fast_path_reads_the_table_once_per_program() -> None:
+    """The fast path's loop over a program's blocks reads no table entry (all of a program's blocks belong to
+    one tensor, whose row is read before the loop); the masked path's loop does (the count sees loops)."""
+    pytest.importorskip("triton")
+    from dualpipe_kernels.kernels import offline
+    from dualpipe_kernels.kernels import pack_table as ptab
+
+    fast = offline.compile_variant(True, offline._constexprs(ptab.FP8_F32, False, True, 16, 16, tail=False))
+    outside, inside = offline.table_loads(fast["ttir"])
+    assert outside > 0 and inside == 0, (outside, inside)
+    both = offline.compile_variant(True, offline._constexprs(ptab.FP8_F32, False, True, 16, 16, tail=True))
+    assert offline.table_loads(both["ttir"])[1] > 0
 
 
 # ---------------------------------------------------------------- fp8 in place (large tensors)
