@@ -115,9 +115,7 @@ def sgd(params: Any) -> None:
                 p.grad = None
 
 
-def reference_run(
-    steps: int, rows: int, n: int, tied: bool, seed: int = 0, weighted: bool = False
-) -> dict[str, Any]:
+def reference_run(steps: int, rows: int, n: int, tied: bool, seed: int = 0, weighted: bool = False) -> dict[str, Any]:
     """One process: per step, each micro-batch's loss (seeded 1/n, or rows/B when ``weighted``) backward, SGD."""
     model = make_model(seed, tied)
     full = StageLayers(list(model), 0)
