@@ -140,11 +140,16 @@ class TiedGradients:
             ties.append(tie)
         out = cls(pipe.rank, ties, pipe.timeout_s)
         actions = pipe._loop.actions
-        for tie in ties:
+        for tie in out.reduced():
             # posted right after the last gradient action of this rank's stages holding a member
             at = max(last_grad_actions(actions, tie.stages).values(), default=len(actions) - 1)
             out.post_at.setdefault(at, []).append(tie)
         return out
+
+    def reduced(self) -> list[_Tie]:
+        """The ties with work to do: held on other ranks too, or as several objects here (one object on
+        one rank only, such as DualPipeV's two ends, is already summed by autograd)."""
+        return [t for t in self.ties if t.group is not None or len(t.params) > 1]
 
     def param_ids(self) -> set[int]:
         """ids of this rank's tied parameter objects (left out of DualPipe's mirror sum)."""
@@ -156,7 +161,7 @@ class TiedGradients:
 
     def begin(self, t0: float) -> _StepTies | None:
         """This step's reductions (None when there is no tie or inside ``no_sync``)."""
-        if not self.ties or self.paused:
+        if not self.post_at or self.paused:
             return None
         return _StepTies(self, t0)
 
@@ -201,7 +206,7 @@ class _StepTies:
 
     def finish(self, start_all: bool = False) -> None:
         """Post what is not posted yet (all of them with ``start_all``), wait, write the totals into ``.grad``."""
-        for t in self.owner.ties:
+        for t in self.owner.reduced():
             self._post(t)
         for x in self.posted:
             if x.work is not None:
