@@ -130,6 +130,8 @@ class TiedGradients:
                         stages.append(s)
             tie = _Tie(i, tuple(names), params, sorted(stages), holders)
             if len(holders) > 1:
+                if len(holders) == len(pp_globals):
+                    made.setdefault(holders, pipe.group)  # every pipeline rank holds it: the pipeline group
                 if holders not in made:
                     members = sorted(pp_globals[pipe.to_group_rank[r]] for r in holders)
                     pg = dist.new_group(members, backend=backend, use_local_synchronization=True)

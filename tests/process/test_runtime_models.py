@@ -158,12 +158,12 @@ def test_four_ranks_tied_global_loss_and_optimizer_state(tmp_path: Path) -> None
     one = mw.make_model(seed=9, tied=True)
     opt = torch.optim.Adam(one.parameters(), lr=0.5)
     load_model(one, ckpt, optimizer=opt)
-    assert opt.param_groups[0]["lr"] == 0.01
+    assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["eps"] == 1e-3  # restored from the checkpoint
     _adam_step(one, opt, 2)
     _close(four, mw.canonical_state(one), "Adam third step: 4 ranks vs one process")
 
     straight = mw.make_model(tied=True)
-    opt2 = torch.optim.Adam(straight.parameters(), lr=0.01)
+    opt2 = torch.optim.Adam(straight.parameters(), lr=0.01, eps=1e-3)
     for step in range(3):
         _adam_step(straight, opt2, step)
     _close(mw.canonical_state(one), mw.canonical_state(straight), "resumed vs uninterrupted", rel=1e-5)
