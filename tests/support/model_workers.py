@@ -286,7 +286,6 @@ def four_rank_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         _case(out, f"tied4:{name}", lambda name=name: tied(name, False), None)
     _case(out, "tied4_declared:zb1p", lambda: tied("zb1p", True), None)
 
-
     def ppdp() -> Any:
         pipe = Pipeline.from_sequential(build_schedule("1f1b", 2, 4), make_model(), group=pp, dp_group=dp, timeout_s=60)
         try:
