@@ -309,6 +309,7 @@ class _DualPipeBase(nn.Module):
             sync_mirror_grads=False,
             boundary_format=self.boundary_format,
             scale_grads=False,  # the reference sums the micro-batch losses' gradients
+            allow_uneven=True,  # the reference splits any batch (seeds stay 1 with the plain sum)
         )
         object.__setattr__(self, "_pipe", pipe)
         self._pipe_chunks = num_chunks

@@ -416,14 +416,17 @@ class Pipeline(PipelineConveniences, nn.Module):
             )
         uneven = self.model_options.allow_uneven
         bd = self.batch_dim
-        if pre_in is None and pre_lab is None:
+        # Inputs and labels of the same micro-batches (not DualPipe's two directions, whose callers may pass
+        # each end only its own half): their rows must match.
+        same_mbs = not first or not last or set(first) == set(last)
+        if pre_in is None and pre_lab is None and same_mbs:
             rows_in, rows_lab = batch_size_of(inputs, bd), batch_size_of(labels, bd)
             if rows_in is not None and rows_lab is not None and rows_in != rows_lab:
                 raise ValueError(
                     f"labels have {rows_lab} rows along batch_dim {bd} but the inputs have {rows_in}; "
                     "they must match (broadcasting would give a wrong loss)"
                 )
-        elif pre_in is not None and pre_lab is not None:
+        elif pre_in is not None and pre_lab is not None and same_mbs:
             for m, (mi, ml) in enumerate(zip(pre_in, pre_lab, strict=True)):
                 ri, rl = batch_size_of(mi, bd), batch_size_of(ml, bd)
                 if ri is not None and rl is not None and ri != rl:
