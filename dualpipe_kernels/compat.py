@@ -293,7 +293,7 @@ class _DualPipeBase(nn.Module):
     def _pipeline(self, num_chunks: int) -> Any:
         if self._pipe is not None and self._pipe_chunks == num_chunks:
             return self._pipe
-        from dualpipe_kernels.runtime import GradientOptions, LayoutOptions, Pipeline
+        from dualpipe_kernels.runtime import GradientOptions, LayoutOptions, ModelOptions, Pipeline
         from dualpipe_kernels.schedules.generators import build_schedule
 
         schedule = build_schedule(self._SCHEDULE, self.num_ranks, num_chunks)  # ValueError names the constraint
@@ -312,6 +312,7 @@ class _DualPipeBase(nn.Module):
             wire=self._wire,
             # the reference sums the micro-batch losses' gradients, and syncs no mirror copies
             gradients=GradientOptions(sync_mirror_grads=False, scale_grads=False),
+            model_options=ModelOptions(allow_uneven=True),  # the reference splits any batch (seeds stay 1)
         )
         object.__setattr__(self, "_pipe", pipe)
         self._pipe_chunks = num_chunks

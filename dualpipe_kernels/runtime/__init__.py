@@ -22,6 +22,7 @@ from dualpipe_kernels.runtime.executor import Pipeline
 from dualpipe_kernels.runtime.groups import pipeline_expert_groups
 from dualpipe_kernels.runtime.launch import RankOutcome, RanksFailed, free_port, spawn, spawn_outcomes
 from dualpipe_kernels.runtime.microbatch import merge_microbatches, split_microbatches
+from dualpipe_kernels.runtime.model_options import ModelOptions
 from dualpipe_kernels.runtime.options import (
     DiagnosticsOptions,
     GradientOptions,
@@ -36,6 +37,7 @@ from dualpipe_kernels.runtime.stages import StageLayers, build_stage_modules, la
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore, current_store, run_backward
 
 __all__ = [
+    "ModelOptions",
     "Pipeline",
     "StepResult",
     "PipelineOptions",

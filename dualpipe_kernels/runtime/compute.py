@@ -29,6 +29,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from dualpipe_kernels.runtime.checks import call_criterion
 from dualpipe_kernels.runtime.memory import ActivationMemory, StepMemory
+from dualpipe_kernels.runtime.stage_io import call_args, flatten_outputs
 from dualpipe_kernels.runtime.zero_bubble import (
     DeferredWeightGrad,
     ParamEdges,
@@ -65,6 +66,9 @@ class ComputeState:
     mb_labels: dict[int, tuple[Any, ...]]
     # Gradient seed of each micro-batch loss: 1/N with Pipeline(scale_grads=True), 1 for the sum.
     loss_scale: float = 1.0
+    # Per micro-batch seeds where they differ (allow_uneven: rows / batch rows), and the rows they weight.
+    loss_scales: dict[int, float] = field(default_factory=dict)
+    loss_rows: dict[int, int] = field(default_factory=dict)
     # Complete the receive of (RECV type, stage, mb) if the list reached it (set by the action loop).
     fetch: Callable[[ActionType, int, int], None] = field(default=lambda t, s, mb: None)
     inputs: dict[Key, list[Any]] = field(default_factory=dict)
@@ -82,12 +86,14 @@ class ComputeState:
     mem: StepMemory = field(default_factory=StepMemory)
 
 
-def _as_tuple(out: Any, stage: int) -> tuple[Any, ...]:
-    if isinstance(out, torch.Tensor):
-        return (out,)
-    if isinstance(out, (tuple, list)):
-        return tuple(out)
-    raise ValueError(f"stage {stage} returned {type(out).__name__}; a stage must return a tensor or a tuple of tensors")
+def _as_tuple(out: Any, stage: int, is_loss: bool = False) -> tuple[Any, ...]:
+    """A stage's output as a tuple of members (stage_io.py); a loss stage's go to the criterion positionally."""
+    if is_loss and isinstance(out, Mapping):
+        raise ValueError(
+            f"stage {stage} is a loss stage and returned a dict; return a tensor or a tuple "
+            "(criterion(*outputs, *labels) takes them positionally)"
+        )
+    return flatten_outputs(out, stage)
 
 
 @dataclass
@@ -157,19 +163,21 @@ class StageCompute:
         if is_loss:
             return
         for i, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor):
-                raise ValueError(f"stage {s} output {i} is a {type(o).__name__}; only tensors can cross a boundary")
+            if o is not None and not isinstance(o, torch.Tensor):
+                raise ValueError(
+                    f"stage {s} output {i} is a {type(o).__name__}; only tensors and None can cross a boundary"
+                )
         if not st.forward_only:
-            st.roots[key] = [(gradient_edge(o), i) for i, o in enumerate(outs) if o.requires_grad]
+            st.roots[key] = [(gradient_edge(o), i) for i, o in enumerate(outs) if o is not None and o.requires_grad]
         if self.overlap_hook and not st.forward_only:
             st.hook_outputs[key] = outs  # the hook's outputs1 for this stage's backward
         nxt = topo.consumer(DepKind.ACT, s, mb)
         if topo.stage_to_rank[nxt] == self.rank:
             # Same-rank handoff: cut the graph so each stage backward stays separate.
-            st.inputs[(nxt, mb)] = [o.detach().requires_grad_(o.requires_grad) for o in outs]
+            st.inputs[(nxt, mb)] = [None if o is None else o.detach().requires_grad_(o.requires_grad) for o in outs]
             return
         for i, o in enumerate(outs):
-            if o.requires_grad and o._base is not None:
+            if o is not None and o.requires_grad and o._base is not None:
                 raise ValueError(
                     f"stage {s} output {i} (micro-batch {mb}) is a view of another tensor (e.g. of its input); "
                     "a stage must return fresh tensors (use .clone() or .contiguous())"
@@ -180,8 +188,9 @@ class StageCompute:
         self, st: ComputeState, s: int, mb: int, ins: list[Any], module_out: Any, loss: Any, is_loss: bool
     ) -> tuple[Any, ...]:
         if module_out is None:
-            module_out = self.modules[s](*ins)
-        outs = _as_tuple(module_out, s)
+            args, kwargs = call_args(ins)
+            module_out = self.modules[s](*args, **kwargs)
+        outs = _as_tuple(module_out, s, is_loss)
         if is_loss:
             self._loss(st, s, mb, outs, loss)
         return outs
@@ -193,7 +202,8 @@ class StageCompute:
         module, criterion = self.modules[s], st.criterion
 
         def replay() -> None:
-            outs = _as_tuple(module(*ins), s)
+            args, kwargs = call_args(ins)
+            outs = _as_tuple(module(*args, **kwargs), s, is_loss)
             if is_loss and criterion is not None:
                 criterion(*outs, *labels)
 
@@ -221,7 +231,7 @@ class StageCompute:
         roots = st.roots.pop(key, [])
         if self.topo.is_loss_stage(s, mb):
             loss = st.loss_tensors.pop(key, None)
-            seed = None if loss is None else self._seed(loss, st.loss_scale)
+            seed = None if loss is None else self._seed(loss, st.loss_scales.get(mb, st.loss_scale))
             return [(e, seed) for e, _ in roots]
         grads = st.out_grads.pop(key, None)
         if grads is None:
@@ -310,8 +320,9 @@ class StageCompute:
         kb = (b.stage, b.microbatch)
         if topo.is_loss_stage(b.stage, b.microbatch):
             loss1 = st.loss_tensors.pop(kb, None)
-            if loss1 is not None and st.loss_scale != 1.0:
-                loss1 = loss1 * st.loss_scale  # the hook runs loss1.backward(): seed 1/N as _grad_roots does
+            scale1 = st.loss_scales.get(b.microbatch, st.loss_scale)
+            if loss1 is not None and scale1 != 1.0:
+                loss1 = loss1 * scale1  # the hook runs loss1.backward(): seed 1/N as _grad_roots does
             outputs1: list[torch.Tensor] = []
             grads1: list[torch.Tensor] = []
             st.roots.pop(kb, None)

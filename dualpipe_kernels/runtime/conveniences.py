@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dualpipe_kernels.runtime.model_options import ModelOptions
 from dualpipe_kernels.runtime.options import (
     DiagnosticsOptions,
     GradientOptions,
@@ -58,6 +59,8 @@ class PipelineConveniences:
     _watch: Any  # runtime.peer_watch.PeerWatch | None
     timeout_s: float
     _dp: Any
+    dp_group: Any
+    _ties: Any
     _boundary: Any
     _layouts: Any
     _loop: Any
@@ -75,6 +78,7 @@ class PipelineConveniences:
             gradients: GradientOptions | None = None,
             memory: MemoryOptions | None = None,
             diagnostics: DiagnosticsOptions | None = None,
+            model_options: ModelOptions | None = None,
         ) -> None: ...
 
     def _describe(self) -> str:
@@ -125,6 +129,7 @@ class PipelineConveniences:
         gradients: GradientOptions | None = None,
         memory: MemoryOptions | None = None,
         diagnostics: DiagnosticsOptions | None = None,
+        model_options: ModelOptions | None = None,
     ) -> _P:
         """A pipeline running this rank's share of the full ``model`` (every rank builds the same model).
 
@@ -139,8 +144,16 @@ class PipelineConveniences:
             model = nn.Sequential(*layers)  # same seed on every rank
             pipe = Pipeline.from_sequential(build_schedule("dualpipev", 2, 8), model, wire=WireOptions(timeout_s=60))
         """
+        from dualpipe_kernels.runtime.tied import find_ties
+
         mapping = layout.rank_mapping if layout is not None else None
         mods = build_stage_modules(schedule, model, partition=partition, group=group, rank_mapping=mapping)
+        # Parameters shared by identity (an embedding tied to the head) are tie groups: their gradient is
+        # summed across the ranks holding them.  Ties the caller declares are kept (found ones first).
+        opts = model_options if model_options is not None else ModelOptions()
+        found = find_ties(model)
+        taken = {n for g in found for n in g}
+        declared = tuple(g for g in opts.tied_parameters if not set(g) <= taken)
         return cls(
             schedule,
             mods,
@@ -150,6 +163,7 @@ class PipelineConveniences:
             gradients=gradients,
             memory=memory,
             diagnostics=diagnostics,
+            model_options=dataclasses.replace(opts, tied_parameters=found + declared),
         )
 
     def write_trace(self, path: str | os.PathLike[str], result: StepResult) -> str | None:
@@ -176,7 +190,8 @@ class PipelineConveniences:
         """This rank's parameters and buffers under the full model's names (``runtime.checkpoint``)."""
         from dualpipe_kernels.runtime.checkpoint import stage_state_dict
 
-        return stage_state_dict(self.schedule, self.stage_modules, full_name)
+        ties = self._ties.canonical() if getattr(self, "_ties", None) is not None else None
+        return stage_state_dict(self.schedule, self.stage_modules, full_name, ties)
 
     @classmethod
     def from_mesh(
@@ -235,14 +250,16 @@ class PipelineConveniences:
         """Gradient accumulation with a ``dp_group``: steps inside neither reduce over DP nor fold the mirror sum.
 
         Each reduction sums the whole ``.grad``, so accumulating over several
-        steps reduces only at the last one (as with DDP's ``no_sync``); without
-        a ``dp_group`` this changes nothing.
+        steps reduces only at the last one (as with DDP's ``no_sync``).  The
+        tied parameters' all-reduce (runtime/tied.py) pauses too; without a
+        ``dp_group`` or ties this changes nothing.
         """
-        if self._dp is None:
-            yield
-            return
-        with self._dp.pause():
-            yield
+        with self._ties.pause():
+            if self._dp is None:
+                yield
+                return
+            with self._dp.pause():
+                yield
 
     def boundary_bytes(self) -> dict[str, tuple[int, int]]:
         """``{"activations" | "gradients": (messages, data bytes)}`` this rank sent so far (metadata excluded)."""
@@ -255,27 +272,37 @@ class PipelineConveniences:
         pool = self._layouts.pool
         return pool.allocations, pool.free_bytes()
 
-    def _mean_loss(self, losses: Mapping[int, torch.Tensor], reduce: bool) -> torch.Tensor | None:
-        """Mean of ``losses`` (this rank's, or every rank's with ``reduce``) as a 0-d float32 tensor."""
+    def _mean_loss(
+        self, losses: Mapping[int, torch.Tensor], reduce: bool, rows: Mapping[int, int] | None = None
+    ) -> torch.Tensor | None:
+        """Mean of ``losses`` (this rank's, or every rank's with ``reduce``: with a ``dp_group`` every
+        replica's too, the global batch's) as a 0-d float32 tensor.  ``rows`` (allow_uneven): each
+        micro-batch's loss weighted by its rows, the mean over the batch's rows."""
         # Summed in float64, this rank's and the reduced mean alike (adding the zeros of ranks
         # without losses is exact), so the two agree bit for bit on a rank holding every loss.
-        total = _sum_f64(list(losses.values())) if losses else None
+        if losses and rows:
+            total: torch.Tensor | None = _sum_f64([losses[m].detach().double() * rows[m] for m in losses])
+            count = float(sum(rows[m] for m in losses))
+        else:
+            total, count = (_sum_f64(list(losses.values())) if losses else None), float(len(losses))
         if not reduce:
-            return None if total is None else (total / len(losses)).float()
+            return None if total is None else (total / count).float()
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         if total is not None:
-            acc[0], acc[1] = total, len(losses)
-        self._all_reduce_loss(acc)
+            acc[0], acc[1] = total, count
+        self._all_reduce_loss(acc, self.group)
+        if self.dp_group is not None:  # every replica's micro-batches: the global batch's mean
+            self._all_reduce_loss(acc, self.dp_group)
         if acc[1].item() == 0:  # no rank had a loss (no criterion, or inference without one)
             return None
         return (acc[0] / acc[1]).float()
 
 
-    def _all_reduce_loss(self, acc: torch.Tensor) -> None:
+    def _all_reduce_loss(self, acc: torch.Tensor, group: Any) -> None:
         """The step's loss all-reduce over the pipeline group.  Only ranks that pass ``reduce_loss=True``
         enter it, so a rank that does not leaves the others waiting: its failure names the likely cause, and
         (through the pipeline's PeerWatch) a peer's failure ends the wait at once, naming that peer."""
-        work = dist.all_reduce(acc, group=self.group, async_op=True)
+        work = dist.all_reduce(acc, group=group, async_op=True)
         deadline = time.monotonic() + self.timeout_s
         pause = 0.0
         try:

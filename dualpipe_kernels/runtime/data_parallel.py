@@ -141,7 +141,7 @@ class StepReduction:
     def start(self, stage: int) -> None:
         """Post the async all_reduce of ``stage``'s gradients on the DP group."""
         r = self.reducer
-        params = [p for p in r.modules[stage].parameters() if p.grad is not None]
+        params = [p for p in r.params_of[stage] if p.grad is not None]
         flats: list[torch.Tensor] = []
         works: list[Any] = []
         group = r.groups.get(stage, r.group)
@@ -215,6 +215,14 @@ class DataParallelReducer:
         self.paused = False
         #: stage -> index of the action after which its reduction starts
         self.trigger = last_grad_actions(actions, list(modules))
+        # A parameter object shared by two of this rank's stages (a weight tied within the rank) is reduced
+        # once, with the stage whose gradient work ends last (reducing it twice would double it).
+        owner: dict[int, int] = {}
+        for s in sorted(self.trigger, key=lambda st: self.trigger[st]):
+            for p in modules[s].parameters():
+                owner[id(p)] = s
+        #: stage -> the parameters its reduction covers
+        self.params_of = {s: [p for p in m.parameters() if owner.get(id(p), s) == s] for s, m in modules.items()}
         missing = sorted(set(modules) - set(self.trigger))
         if missing:
             raise ValueError(

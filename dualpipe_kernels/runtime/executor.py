@@ -48,8 +48,10 @@ from dualpipe_kernels.runtime.data_parallel import DataParallelReducer, mirror_d
 from dualpipe_kernels.runtime.fingerprint import Fingerprint, agree, fingerprint, resolved_transport
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.memory import ActivationMemory
-from dualpipe_kernels.runtime.microbatch import split_microbatches
+from dualpipe_kernels.runtime.microbatch import batch_size_of, split_microbatches
 from dualpipe_kernels.runtime.mirror import MirrorSync, mirrors
+from dualpipe_kernels.runtime.model_options import ModelOptions
+from dualpipe_kernels.runtime.model_options import model_options as model_options_of
 from dualpipe_kernels.runtime.options import (
     BoundaryFormatSpec,
     DiagnosticsOptions,
@@ -62,6 +64,7 @@ from dualpipe_kernels.runtime.options import (
 )
 from dualpipe_kernels.runtime.peer_watch import PeerWatch, WatchedTransport
 from dualpipe_kernels.runtime.result import StepResult
+from dualpipe_kernels.runtime.tied import TiedGradients
 from dualpipe_kernels.runtime.timeline import TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
 from dualpipe_kernels.schedules.deps import Program
@@ -161,6 +164,9 @@ class Pipeline(PipelineConveniences, nn.Module):
         dp_op: str | None = None,
         memory_policy: MemoryPolicySpec | None = None,
         record_timeline: bool | None = None,
+        model_options: ModelOptions | None = None,
+        tied_parameters: Sequence[Sequence[str]] | None = None,
+        allow_uneven: bool | None = None,
     ) -> None:
         """Check the arguments and options, lower the schedule, agree across ranks, set up the transport, build the
         subsystems (collective: every rank of the group builds its Pipeline)."""
@@ -185,6 +191,8 @@ class Pipeline(PipelineConveniences, nn.Module):
             },
         )
         nn.Module.__init__(self)  # the conveniences mixin has no state of its own
+        #: the model's ties and batch rule (runtime/model_options.py)
+        self.model_options = model_options_of(model_options, tied_parameters, allow_uneven)
         self._set_options(options)
         self.program = _lowered_program(schedule)  # validates: a broken schedule fails here, on every rank
         self._place(self.program.schedule, modules, group)
@@ -250,6 +258,8 @@ class Pipeline(PipelineConveniences, nn.Module):
         the placement, the transport and the options' shared fields (``PipelineOptions.agreed_fields``)."""
         schedule = self.schedule
         shared, stated = self.options.agreed_fields(schedule.num_stages, bool(mirrors(schedule)))
+        # how a batch is split into micro-batches (the loss weights depend on it)
+        shared = {**shared, "allow_uneven": str(self.model_options.allow_uneven)}
         transport = resolved_transport(self.options.wire.transport, self.device)
         mine = fingerprint(schedule, self.rank, self.rank_mapping, transport, extra=shared, partial=stated)
         agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
@@ -342,6 +352,14 @@ class Pipeline(PipelineConveniences, nn.Module):
                 self.timeout_s,
                 folded,
             )
+        # Tied parameters: found/declared names -> one gradient all-reduce per tie group (runtime/tied.py).
+        self._ties = TiedGradients.build(self, self.model_options.tied_parameters)
+        if self._ties.ties and self._dp is not None and self._dp.folds_mirrors:
+            raise ValueError(
+                "tied parameters with DualPipe's mirror copies and a dp_group are not supported "
+                "(the folded mirror reduction would sum them twice); use sync_mirror_grads=False or no dp_group"
+            )
+        self._mirrors.skip = self._ties.param_ids()  # a tied parameter's copies are summed by the tie group
 
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
@@ -390,8 +408,11 @@ class Pipeline(PipelineConveniences, nn.Module):
         t0 = rec.t0
         red = self._dp.begin(t0) if self._dp is not None and not cst.forward_only else None
         run = StepRun(self._loop, self._compute, self._boundary, cst, BoundaryState(cst.forward_only), rec)
+        ties = self._ties.begin(t0) if not cst.forward_only else None
         if red is not None:
             run.done_hooks = red.hooks()
+        elif ties is not None:
+            run.done_hooks = ties.hooks()  # posted as early as the DP reduction would be
         cst.mem = self.activation_memory.begin_step(training=not cst.forward_only)
         self.weight_grad_store.clear()
         try:
@@ -403,6 +424,8 @@ class Pipeline(PipelineConveniences, nn.Module):
                 if not cst.forward_only and self.sync_mirror_grads and self._mirrors and not folded:
                     # Not a schedule action, so not in the timeline (entries must parse as actions).
                     self._mirrors.run()
+                if ties is not None:
+                    ties.finish(start_all=red is not None)  # with DP: after it, on the replica-summed gradients
             self.activation_memory.end_step(cst.mem)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -412,7 +435,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         finally:
             self.weight_grad_store.clear()
         try:
-            loss = self._mean_loss(cst.losses, reduce_loss)
+            loss = self._mean_loss(cst.losses, reduce_loss, cst.loss_rows)
         except BaseException as exc:
             if self._watch is not None:
                 self._watch.publish(exc)
@@ -453,20 +476,72 @@ class Pipeline(PipelineConveniences, nn.Module):
                 f"pipeline rank {self.rank} holds loss stage(s) {sorted({sched.path(m)[-1] for m in last})}: "
                 "training needs a criterion"
             )
+        uneven = self.model_options.allow_uneven
+        bd = self.batch_dim
+        # Inputs and labels of the same micro-batches (not DualPipe's two directions, whose callers may pass
+        # each end only its own half): their rows must match.
+        same_mbs = not first or not last or set(first) == set(last)
+        if pre_in is None and pre_lab is None and same_mbs:
+            rows_in, rows_lab = batch_size_of(inputs, bd), batch_size_of(labels, bd)
+            if rows_in is not None and rows_lab is not None and rows_in != rows_lab:
+                raise ValueError(
+                    f"labels have {rows_lab} rows along batch_dim {bd} but the inputs have {rows_in}; "
+                    "they must match (broadcasting would give a wrong loss)"
+                )
+        elif pre_in is not None and pre_lab is not None and same_mbs:
+            for m, (mi, ml) in enumerate(zip(pre_in, pre_lab, strict=True)):
+                ri, rl = batch_size_of(mi, bd), batch_size_of(ml, bd)
+                if ri is not None and rl is not None and ri != rl:
+                    raise ValueError(f"micro-batch {m}: labels have {rl} rows along batch_dim {bd}, inputs {ri}")
         if pre_in is not None:
             split_in = pre_in if first else []
         else:
-            split_in = split_microbatches(inputs, n, self.batch_dim) if first else []
+            split_in = split_microbatches(inputs, n, bd, uneven) if first else []
         want_labels = bool(last) and criterion is not None
         if pre_lab is not None:
             split_lab = pre_lab if want_labels else []
         else:
-            split_lab = split_microbatches(labels, n, self.batch_dim) if want_labels else []
+            split_lab = split_microbatches(labels, n, bd, uneven) if want_labels else []
+        scale = 1.0 / n if self.scale_grads else 1.0
+        loss_scales: dict[int, float] = {}
+        loss_rows: dict[int, int] = {}
+        if uneven and last and criterion is not None:
+            # Each micro-batch's loss weighted by its rows: the gradient of one process's mean loss.
+            loss_rows, total = self._rows_of_loss_microbatches(inputs, labels, pre_in, pre_lab, last)
+            if self.scale_grads:
+                loss_scales = {m: r / total for m, r in loss_rows.items()}
         return ComputeState(
             forward_only=forward_only,
             return_outputs=return_outputs,
             criterion=criterion,
-            loss_scale=1.0 / n if self.scale_grads else 1.0,
+            loss_scale=scale,
+            loss_scales=loss_scales,
+            loss_rows=loss_rows,
             mb_inputs={m: split_in[m] for m in first},
             mb_labels={m: split_lab[m] for m in last} if split_lab else {},
         )
+
+    def _rows_of_loss_microbatches(
+        self,
+        inputs: tuple[Any, ...],
+        labels: tuple[Any, ...],
+        pre_in: list[tuple[Any, ...]] | None,
+        pre_lab: list[tuple[Any, ...]] | None,
+        last: list[int],
+    ) -> tuple[dict[int, int], int]:
+        """Rows of each micro-batch whose loss this rank computes (from its labels, else its inputs) and
+        the rows of the whole batch."""
+        n, bd = self.schedule.num_microbatches, self.batch_dim
+        pre = pre_lab if pre_lab is not None else pre_in
+        if pre is not None:
+            rows = [batch_size_of(mb, bd) for mb in pre]
+        else:
+            size = batch_size_of(labels, bd) or batch_size_of(inputs, bd)
+            rows = [size // n + (1 if m < size % n else 0) for m in range(n)] if size else [None] * n
+        known = [r for r in rows if r is not None]
+        if len(known) != len(rows):
+            raise ValueError(
+                f"pipeline rank {self.rank}: allow_uneven weights each loss by its micro-batch's rows; "
+                "pass the labels (or inputs) on this loss-stage rank"
+            )
+        return {m: known[m] for m in last}, sum(known)

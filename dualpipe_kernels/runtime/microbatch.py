@@ -25,12 +25,15 @@ def batch_size_of(values: Sequence[Any], batch_dim: int = 0) -> int | None:
     return None
 
 
-def split_microbatches(values: Sequence[Any], num_microbatches: int, batch_dim: int = 0) -> list[tuple[Any, ...]]:
+def split_microbatches(
+    values: Sequence[Any], num_microbatches: int, batch_dim: int = 0, uneven: bool = True
+) -> list[tuple[Any, ...]]:
     """Split ``values`` into ``num_microbatches`` tuples (one per micro-batch, same length as ``values``).
 
     Every tensor with at least one dimension must have the same size along
     ``batch_dim`` and at least ``num_microbatches`` rows (an empty micro-batch is
-    almost always a mistake).
+    almost always a mistake).  ``uneven=False``: a size ``num_microbatches`` does
+    not divide is an error naming both (``Pipeline`` passes its ``allow_uneven``).
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -49,6 +52,11 @@ def split_microbatches(values: Sequence[Any], num_microbatches: int, batch_dim: 
                 raise ValueError(
                     f"batch of {size} rows along batch_dim {batch_dim} is smaller than the schedule's "
                     f"{num_microbatches} micro-batches"
+                )
+            if not uneven and size % num_microbatches:
+                raise ValueError(
+                    f"batch of {size} rows along batch_dim {batch_dim} does not divide into {num_microbatches} "
+                    "micro-batches (pass allow_uneven=True to weight each micro-batch's loss by its rows)"
                 )
             pieces.append(list(torch.tensor_split(v, num_microbatches, dim=batch_dim)))
         else:

@@ -45,15 +45,20 @@ class MirrorSync:
     schedule: Schedule
     modules: Mapping[int, nn.Module]
     mirror_of: dict[int, int] = field(init=False)
+    #: ids of parameters left out (tied parameters: their tie group's all-reduce sums the copies)
+    skip: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.mirror_of = mirrors(self.schedule)
+
+    def _params(self, s: int) -> list[nn.Parameter]:
+        return [p for p in self.modules[s].parameters() if id(p) not in self.skip]
 
     def __bool__(self) -> bool:
         return bool(self.mirror_of)
 
     def _local(self, s: int, t: int) -> None:
-        params, other = list(self.modules[s].parameters()), list(self.modules[t].parameters())
+        params, other = self._params(s), self._params(t)
         if [tuple(p.shape) for p in params] != [tuple(q.shape) for q in other]:
             raise ValueError(f"stages {s} and {t} copy the same model stage but have different parameter shapes")
         for p, q in zip(params, other, strict=False):
@@ -81,7 +86,7 @@ class MirrorSync:
             recvs.append((s, self._recv(s, t, peer)))
         timeout = self.wire.timeout_s
         for s, recv in recvs:
-            theirs = _unpack_grads(list(self.modules[s].parameters()), recv.wait(timeout), s)
+            theirs = _unpack_grads(self._params(s), recv.wait(timeout), s)
             with torch.no_grad():
                 for param, grad in theirs:
                     # own + theirs on one side, theirs + own on the other: IEEE addition
@@ -96,7 +101,7 @@ class MirrorSync:
     def _send(self, s: int, t: int, peer: int) -> BoundarySend:
         """Post this copy's packed gradients to the rank of its mirror ``t``."""
         w = self.wire
-        packed = _pack_grads(list(self.modules[s].parameters()))
+        packed = _pack_grads(self._params(s))
         what = f"{self._what(s, t)} (to peer pipeline rank {peer})"
         flags = [False] * len(packed)
         return BoundarySend(

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 import torch.nn as nn
 
+from dualpipe_kernels.runtime.stage_io import run_layers
 from dualpipe_kernels.schedules.ir import Schedule
 
 __all__ = ["StageLayers", "build_stage_modules", "layer_partition", "pipeline_rank"]
@@ -31,11 +33,21 @@ LayerFactory = Callable[[int], nn.Module]
 
 
 class StageLayers(nn.Sequential):
-    """One stage module: layers ``first_layer .. first_layer + len(self) - 1`` of the full model, in order."""
+    """One stage module: layers ``first_layer .. first_layer + len(self) - 1`` of the full model, in order.
+
+    Each layer's output is the next layer's arguments (runtime/stage_io.py): a tensor is one
+    positional argument, a tuple its members, a dict keyword arguments; so a block taking
+    ``(hidden, attention_mask)`` returns that pair and the next block receives both.
+    ``StageLayers(list(model), 0)(*inputs)`` runs a whole model this way in one process.
+    """
 
     def __init__(self, layers: Sequence[nn.Module], first_layer: int) -> None:
         super().__init__(*layers)
         self.first_layer = first_layer
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the layers in order, each taking the previous one's output as its arguments."""
+        return run_layers(self, args, kwargs)
 
     def full_name(self, local_name: str) -> str:
         """The full model's name of this module's parameter/buffer ``local_name`` (``"0.weight"`` -> ``"4.weight"``)."""

@@ -29,6 +29,8 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "checks",
             "peer_watch",
+            "model_options",
+            "stage_io",
             "construction",
             "groups",
             "launch",
@@ -46,7 +48,7 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # what construction and the step are built of
     (
         "subsystems",
-        ("fingerprint", "stages", "memory", "reference", "mirror", "checkpoint", "compute", "data_parallel"),
+        ("fingerprint", "stages", "memory", "reference", "mirror", "compute", "data_parallel", "tied", "checkpoint"),
     ),  # fmt: skip
     ("step", ("loop", "result")),
     # the Pipeline: its conveniences mixin, then the class

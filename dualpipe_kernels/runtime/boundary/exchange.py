@@ -216,7 +216,7 @@ class Boundary:
             for t in hooked:
                 # The reference's memory trick: the hook path keeps output tensors
                 # (for outputs1), so drop their storage once sent.
-                if t.requires_grad and t._base is None:
+                if t is not None and t.requires_grad and t._base is None:
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
             n += 1
         if n:
