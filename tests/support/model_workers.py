@@ -24,8 +24,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dualpipe_kernels.runtime import Pipeline, StageLayers, build_stage_modules
+from dualpipe_kernels.runtime import (
+    GradientOptions,
+    ModelOptions,
+    Pipeline,
+    StageLayers,
+    WireOptions,
+    build_stage_modules,
+)
 from dualpipe_kernels.schedules import build_schedule
+
+W60 = WireOptions(timeout_s=60)
 
 V, D, T = 16, 8, 5
 LR = 0.1
@@ -190,7 +199,8 @@ def two_rank_cases(rank: int, world: int) -> dict[str, Any]:
     rows, n = 8, 4
 
     def multi(name: str, fmt: str, steps: int) -> Any:
-        pipe = Pipeline.from_sequential(build_schedule(name, 2, n), make_model(), boundary_format=fmt, timeout_s=60)
+        wire = WireOptions(boundary_format=fmt, timeout_s=60)
+        pipe = Pipeline.from_sequential(build_schedule(name, 2, n), make_model(), wire=wire)
         try:
             return _train(pipe, steps, rows, n)
         finally:
@@ -204,7 +214,8 @@ def two_rank_cases(rank: int, world: int) -> dict[str, Any]:
             _case(out, f"lossy:{name}:{fmt}", lambda name=name, fmt=fmt: multi(name, fmt, 1), None)
 
     def uneven(allow: bool) -> Any:
-        pipe = Pipeline.from_sequential(build_schedule("1f1b", 2, 8), make_model(), allow_uneven=allow, timeout_s=60)
+        opts = ModelOptions(allow_uneven=allow)
+        pipe = Pipeline.from_sequential(build_schedule("1f1b", 2, 8), make_model(), model_options=opts, wire=W60)
         try:
             ids, mask, labels = batch(0, 30)
             try:
@@ -224,7 +235,7 @@ def two_rank_cases(rank: int, world: int) -> dict[str, Any]:
     _case(out, "uneven:weighted", lambda: uneven(True), None)
 
     def short_labels() -> Any:
-        pipe = Pipeline.from_sequential(build_schedule("1f1b", 2, 4), make_model(), timeout_s=60)
+        pipe = Pipeline.from_sequential(build_schedule("1f1b", 2, 4), make_model(), wire=W60)
         try:
             ids, mask, labels = batch(0, 8)
             try:
@@ -244,7 +255,7 @@ def two_rank_cases(rank: int, world: int) -> dict[str, Any]:
             mods = build_stage_modules(sched, lambda i: copy.deepcopy(model[i]), num_layers=len(model))
             pipe = Pipeline(sched, mods, tied_parameters=[("0.emb.weight", "5.weight")], timeout_s=60)
         else:
-            pipe = Pipeline.from_sequential(sched, model, timeout_s=60)
+            pipe = Pipeline.from_sequential(sched, model, wire=W60)
         try:
             return _train(pipe, 3, rows, n)
         finally:
@@ -276,7 +287,7 @@ def four_rank_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
             mods = build_stage_modules(sched, lambda i: copy.deepcopy(model[i]), num_layers=len(model))
             pipe = Pipeline(sched, mods, tied_parameters=[("0.emb.weight", "5.weight")], timeout_s=60)
         else:
-            pipe = Pipeline.from_sequential(sched, model, timeout_s=60)
+            pipe = Pipeline.from_sequential(sched, model, wire=W60)
         try:
             return _train(pipe, 3, rows, n)
         finally:
@@ -287,7 +298,8 @@ def four_rank_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     _case(out, "tied4_declared:zb1p", lambda: tied("zb1p", True), None)
 
     def ppdp() -> Any:
-        pipe = Pipeline.from_sequential(build_schedule("1f1b", 2, 4), make_model(), group=pp, dp_group=dp, timeout_s=60)
+        grads = GradientOptions(dp_group=dp)
+        pipe = Pipeline.from_sequential(build_schedule("1f1b", 2, 4), make_model(), group=pp, gradients=grads, wire=W60)
         try:
             ids, mask, labels = batch(7, 16)  # the global batch; replica r takes rows 8r .. 8r+7
             r = rank // 2
@@ -303,7 +315,7 @@ def four_rank_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     def save_on_two() -> Any:
         if rank >= 2:
             return {"skipped": True}
-        pipe = Pipeline.from_sequential(build_schedule("1f1b", 2, 4), make_model(tied=True), group=pp, timeout_s=60)
+        pipe = Pipeline.from_sequential(build_schedule("1f1b", 2, 4), make_model(tied=True), group=pp, wire=W60)
         opt = torch.optim.Adam(pipe.parameters(), lr=0.01, eps=1e-3)  # eps: k-biases have ~0 gradients
         try:
             for step in range(2):
@@ -319,7 +331,7 @@ def four_rank_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     _case(out, "adam:save2", save_on_two, None)
 
     def load_on_four() -> Any:
-        pipe = Pipeline.from_sequential(build_schedule("1f1b", 4, 4), make_model(seed=9, tied=True), timeout_s=60)
+        pipe = Pipeline.from_sequential(build_schedule("1f1b", 4, 4), make_model(seed=9, tied=True), wire=W60)
         opt = torch.optim.Adam(pipe.parameters(), lr=0.5)  # the checkpoint's lr (0.01) replaces it
         try:
             load_pipeline(pipe, ckpt, optimizer=opt)
