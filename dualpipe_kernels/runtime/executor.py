@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,9 +34,10 @@ import torch.nn as nn
 
 from dualpipe_kernels.runtime.boundary.codec import BoundaryFormat
 from dualpipe_kernels.runtime.boundary.codec import boundary_format as parse_boundary_format
-from dualpipe_kernels.runtime.boundary.exchange import Boundary, BoundaryState, Wire
+from dualpipe_kernels.runtime.boundary.exchange import Boundary, BoundaryState, Wire, pair_order_digest
+from dualpipe_kernels.runtime.boundary.header import TagSpace
 from dualpipe_kernels.runtime.boundary.inline import INLINE_MAX_BYTES, inline_limit
-from dualpipe_kernels.runtime.boundary.transfer import LayoutMemory, TagSpace
+from dualpipe_kernels.runtime.boundary.layout_memory import LayoutMemory
 from dualpipe_kernels.runtime.checks import check_stage_devices, check_timeout
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.construction import (
@@ -56,7 +58,7 @@ from dualpipe_kernels.runtime.timeline import TimelineEntry, TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
 from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import Schedule
-from dualpipe_kernels.transport import Transport, make_transport
+from dualpipe_kernels.transport import Transport, TransportTimeout, make_transport
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -86,6 +88,26 @@ class StepResult:
     step_time_s: float
     dp_reductions: list[ReductionSpan] = field(default_factory=list)
     loss: torch.Tensor | None = None
+
+
+# ---- pipelines sharing a process group (named in a timeout's error) ----------------------------------------
+_PIPELINES: dict[int, weakref.WeakSet[Pipeline]] = {}
+
+
+def _on_group(pipe: Pipeline) -> None:
+    _PIPELINES.setdefault(id(pipe.group), weakref.WeakSet()).add(pipe)
+
+
+def _others_on_group(pipe: Pipeline) -> list[Pipeline]:
+    live = _PIPELINES.get(id(pipe.group), weakref.WeakSet())
+    return sorted((p for p in live if p is not pipe and p.group is pipe.group), key=lambda p: p.channel)
+
+
+def _describe(pipe: Pipeline) -> str:
+    return f"pipeline #{pipe.channel} (schedule {pipe.schedule.name!r}, pipeline rank {pipe.rank})"
+
+
+# -------------------------------------------------------------------------------------------------------------
 
 
 def _lowered_program(schedule: Schedule) -> Program:
@@ -230,9 +252,6 @@ class Pipeline(PipelineConveniences, nn.Module):
         if self.device.type == "cuda" and self.device.index is None:
             # Receive buffers may be allocated on a transport thread, whose current device differs.
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.tags = TagSpace(schedule.num_stages, schedule.num_microbatches)
-        # Message layouts of the previous step, so receives are posted before the metadata arrives (p2p.py).
-        self._layouts = LayoutMemory(inline_max_bytes=INLINE_MAX_BYTES)
         self.weight_grad_store = WeightGradStore()
         mine = fingerprint(
             schedule,
@@ -244,9 +263,17 @@ class Pipeline(PipelineConveniences, nn.Module):
                 "boundary_format": str(fmt),
                 # one policy for every stage must be the same everywhere; per-stage mappings may list only a rank's own
                 "memory_policy": memory_policy if isinstance(memory_policy, str) else "per-stage",
+                # the order both ends of each pair post its messages in, on an in-order (NCCL) channel
+                "pair order": pair_order_digest(self.program),
             },
         )
-        agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
+        # RanksDisagree on every rank: ranks, field.  The exchange's number is the pipeline's on its group, the
+        # same on every rank: its block of tags and its in-order channel (two pipelines' messages never match).
+        self.channel = agree(mine, self.group, self.timeout_s, self.rank_mapping)
+        self.tags = TagSpace(schedule.num_stages, schedule.num_microbatches, channel=self.channel)
+        # Message layouts of the previous step, so receives are posted before the metadata arrives (transfer.py).
+        self._layouts = LayoutMemory(inline_max_bytes=INLINE_MAX_BYTES, channel=self.channel)
+        _on_group(self)
         self._transport = make_transport(transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(transport, Transport)
         # A larger inline limit where the transport takes whole larger messages.  Both ends of a message must
@@ -352,6 +379,13 @@ class Pipeline(PipelineConveniences, nn.Module):
             self.activation_memory.end_step(cst.mem)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            others = _others_on_group(self)
+            if isinstance(exc, TransportTimeout) and others:
+                raise TransportTimeout(
+                    f"{exc}. {_describe(self)} shares its process group with {', '.join(map(_describe, others))} "
+                    "in this process: a rank running another pipeline's step waits for messages this step "
+                    "sends (every rank must step the pipelines of one group in the same order)"
+                ) from exc
             raise
         finally:
             self.weight_grad_store.clear()

@@ -67,6 +67,7 @@ class MirrorSync:
         sends: list[BoundarySend] = []
         recvs: list[tuple[int, BoundaryRecv]] = []
         local_done: set[int] = set()
+        remote: list[tuple[int, int, int]] = []
         for s in sorted(self.modules):
             t = self.mirror_of.get(s)
             if t is None:
@@ -77,8 +78,12 @@ class MirrorSync:
                     local_done.update((s, t))
                     self._local(s, t)
                 continue
-            sends.append(self._send(s, t, peer))
+            remote.append((s, t, peer))
+        # Receives in the order their senders send (by the sender's stage), so an in-order channel pairs them.
+        for s, t, peer in sorted(remote, key=lambda e: e[1]):
             recvs.append((s, self._recv(s, t, peer)))
+        for s, t, peer in remote:
+            sends.append(self._send(s, t, peer))
         timeout = self.wire.timeout_s
         for s, recv in recvs:
             theirs = _unpack_grads(list(self.modules[s].parameters()), recv.wait(timeout), s)

@@ -10,7 +10,7 @@ With stages of a few microseconds of compute that bookkeeping is most of a
 message's cost (issue 16: the per-action overhead of the runtime).
 
 So each end keeps, per message key, what the last such message was
-(:class:`~dualpipe_kernels.runtime.boundary.header.LayoutMemory`'s
+(:class:`~dualpipe_kernels.runtime.boundary.layout_memory.LayoutMemory`'s
 ``repeat_send`` / ``repeat_recv``):
 
 * the sender: the message's signature (dtype, shape and grad flag of each
@@ -45,8 +45,9 @@ from typing import Any
 import torch
 
 from dualpipe_kernels.runtime.boundary.codec import MessageCodec
-from dualpipe_kernels.runtime.boundary.header import Layout, LayoutMemory
+from dualpipe_kernels.runtime.boundary.header import Layout
 from dualpipe_kernels.runtime.boundary.inline import META_BYTES, InlinePlan, build, data_views, read
+from dualpipe_kernels.runtime.boundary.layout_memory import LayoutMemory
 from dualpipe_kernels.transport.base import Handle, Transport
 
 __all__ = [
