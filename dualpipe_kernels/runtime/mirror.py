@@ -129,7 +129,7 @@ class MirrorSync:
         send = BoundarySend(
             w.transport, packed, flags, w.to_group_rank[peer], w.tags, (_DIR_MIRROR, s, 0), what, w.layouts
         )
-        mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+        mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device="cpu")
         host = w.layouts.channels(w.transport).host
         tag = w.tags.tag(_DIR_MIRROR, s, 0, _MASK_SLOT)
         return send, _Holding(host.isend(mask, w.to_group_rank[peer], tag, f"{what} has-grad mask"), mask)
@@ -138,7 +138,7 @@ class MirrorSync:
         w = self.wire
         what = f"{self._what(s, t)} (from peer pipeline rank {peer})"
         recv = BoundaryRecv(w.transport, w.to_group_rank[peer], w.tags, (_DIR_MIRROR, t, 0), what, w.device, w.layouts)
-        mask = torch.empty(len(list(self.modules[s].parameters())), dtype=torch.uint8)
+        mask = torch.empty(len(list(self.modules[s].parameters())), dtype=torch.uint8, device="cpu")
         host = w.layouts.channels(w.transport).host
         tag = w.tags.tag(_DIR_MIRROR, t, 0, _MASK_SLOT)
         return recv, mask, host.irecv(mask, w.to_group_rank[peer], tag, f"{what} has-grad mask")

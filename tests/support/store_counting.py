@@ -16,10 +16,23 @@ import torch.distributed as dist
 class CountingStore(dist.Store):
     """Delegates to ``inner``; ``ops`` counts every set / get / add / compare_set / wait / check / delete."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, counter: list[int] | None = None) -> None:
         super().__init__()
         self.inner = inner
-        self.ops = 0
+        self._counter = counter if counter is not None else [0]
+
+    @property
+    def ops(self) -> int:
+        return self._counter[0]
+
+    @ops.setter
+    def ops(self, value: int) -> None:
+        self._counter[0] = value
+
+    def clone(self) -> CountingStore:
+        """A client of its own (as ``Store.clone``) that counts into the same total."""
+        self.ops += 1
+        return CountingStore(self.inner.clone(), self._counter)
 
     def set(self, key: str, value: Any) -> None:
         self.ops += 1

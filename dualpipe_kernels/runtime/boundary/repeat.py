@@ -120,7 +120,7 @@ def _handed_over(buf: torch.Tensor, layout: Layout, plan: InlinePlan) -> list[to
         for d in reversed(shape):  # contiguous strides
             strides.append(n)
             n *= d
-        t = torch.empty(0, dtype=e[0])
+        t = torch.empty(0, dtype=e[0], device="cpu")
         out.append(t.set_(buf.untyped_storage(), (META_BYTES + off) // e[0].itemsize, shape, strides[::-1]))
     return out
 
@@ -291,5 +291,5 @@ def post_repeat(
     memory: LayoutMemory, entry: RepeatRecv, transport: Transport, peer: int, tag: int, what: str
 ) -> RepeatRecvOp:
     """Post the inline receive of a message expected in ``entry``'s layout."""
-    buf = torch.empty(entry.nbytes, dtype=torch.uint8) if entry.handover else memory.pool.take(entry.nbytes)
+    buf = torch.empty(entry.nbytes, dtype=torch.uint8, device="cpu") if entry.handover else memory.pool.take(entry.nbytes)
     return RepeatRecvOp(entry, transport.irecv(buf, peer, tag, what), buf)
