@@ -58,7 +58,7 @@ from dualpipe_kernels.runtime.timeline import TimelineEntry, TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
 from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import Schedule
-from dualpipe_kernels.transport import Transport, TransportTimeout, make_transport
+from dualpipe_kernels.transport import Transport, TransportError, make_transport
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -380,8 +380,8 @@ class Pipeline(PipelineConveniences, nn.Module):
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             others = _others_on_group(self)
-            if isinstance(exc, TransportTimeout) and others:
-                raise TransportTimeout(
+            if isinstance(exc, TransportError) and others:  # a timeout, or a peer that gave up on one
+                raise type(exc)(
                     f"{exc}. {_describe(self)} shares its process group with {', '.join(map(_describe, others))} "
                     "in this process: a rank running another pipeline's step waits for messages this step "
                     "sends (every rank must step the pipelines of one group in the same order)"

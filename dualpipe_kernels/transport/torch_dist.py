@@ -436,7 +436,8 @@ class TorchDistTransport(Transport):
                 pass
         if self._side is not None:
             try:
-                self._side.backend.recv([torch.empty(1, device="cpu")], peer, _CANCEL_TAG).wait(timedelta(milliseconds=1))
+                cancel = self._side.backend.recv([torch.empty(1, device="cpu")], peer, _CANCEL_TAG)
+                cancel.wait(timedelta(milliseconds=1))
             except RuntimeError:
                 pass
 

@@ -37,7 +37,8 @@ def _reference_loss(seed: int) -> float:
     """One process, the whole model: the mean over micro-batches of the per-micro-batch loss."""
     model = _model(seed)
     x, y = _data()
-    losses = [_criterion(model(xm), ym) for xm, ym in zip(x.chunk(MBS), y.chunk(MBS), strict=True)]
+    with torch.no_grad():
+        losses = [_criterion(model(xm), ym) for xm, ym in zip(x.chunk(MBS), y.chunk(MBS), strict=True)]
     return float(torch.stack(losses).double().mean())
 
 
@@ -66,7 +67,7 @@ def _crossed(rank: int, world: int, kind: str) -> dict[str, Any]:
             errors.append(f"{type(exc).__name__}: {exc}")
             break
         losses[k] = None if res.loss is None else float(res.loss)
-    names = [f"pipeline #{p.channel}" for p in pipes]
+    names = [f"pipeline #{getattr(p, 'channel', '?')}" for p in pipes]
     for p in pipes:
         p.close()
     for t in transports:

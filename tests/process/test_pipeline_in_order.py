@@ -34,7 +34,7 @@ def _run(rank: int, world: int, name: str, ordered: bool, counting: Any) -> dict
     y = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
     store_ops = []
     losses = []
-    for step in range(STEPS):
+    for _ in range(STEPS):
         before = counting.ops
         res = pipe.step(x, labels=(y,), criterion=lambda out, t: ((out - t) ** 2).sum())
         store_ops.append(counting.ops - before)

@@ -291,5 +291,8 @@ def post_repeat(
     memory: LayoutMemory, entry: RepeatRecv, transport: Transport, peer: int, tag: int, what: str
 ) -> RepeatRecvOp:
     """Post the inline receive of a message expected in ``entry``'s layout."""
-    buf = torch.empty(entry.nbytes, dtype=torch.uint8, device="cpu") if entry.handover else memory.pool.take(entry.nbytes)
+    if entry.handover:
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8, device="cpu")
+    else:
+        buf = memory.pool.take(entry.nbytes)
     return RepeatRecvOp(entry, transport.irecv(buf, peer, tag, what), buf)
