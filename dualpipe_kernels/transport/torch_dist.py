@@ -223,8 +223,8 @@ class TorchDistTransport(Transport):
         self.device_native = nccl or self.device.type == "cpu"
         # The waiters' own limit is generous: a caller's wait enforces its timeout.
         self.waiters = WaiterPool(max(timeout_s, 1.0) * 4)
-        if split_directions and (nccl or ordered):
-            raise ValueError("split_directions applies to unordered gloo transfers (not NCCL, not ordered=True)")
+        if split_directions and nccl:
+            raise ValueError("split_directions applies to gloo transfers (not NCCL)")
         self._nccl = nccl
         self._ordered_mode = bool(nccl or ordered)
         # The store-sequenced tag layer (ordered.py) for callers that post by tag in any order: made at its first
@@ -234,7 +234,7 @@ class TorchDistTransport(Transport):
         self._side: _SideChannel | None = None
         self._in_order: dict[int, _InOrder] = {}
         if split_directions is None:
-            split_directions = not self._ordered_mode and self._size > 1
+            split_directions = not nccl and self._size > 1
         # Transfers to a lower group rank (None: everything over ``group``).
         self._down: Any = _direction_group(self.group, timeout_s) if split_directions else None
         # Transfers posted and not seen finished (one whose handle was dropped unwaited stays counted).
@@ -290,7 +290,7 @@ class TorchDistTransport(Transport):
         cycle F, I, W: 1.4-1.6 of 8).  Measured, not derived: which point of a cycle gloo dislikes is
         read off these runs, not off gloo's code.  With :attr:`early_small_receives` (on over gloo) the
         window places only the receives of messages above the inline size."""
-        return DEFAULT_RECV_LOOKAHEAD if self._ordered_mode else GLOO_RECV_LOOKAHEAD
+        return DEFAULT_RECV_LOOKAHEAD if self._nccl else GLOO_RECV_LOOKAHEAD
 
     @property
     def early_small_receives(self) -> bool:
@@ -302,7 +302,7 @@ class TorchDistTransport(Transport):
         same change measured 0.98-1.06, so it stays off there).  The buffers are the inline ones (at most
         33 KiB each), so the memory is bounded by the step's message count.  Over NCCL (ordered posting),
         False."""
-        return not self._ordered_mode
+        return not self._nccl
 
     @property
     def ordered(self) -> bool:
@@ -318,7 +318,7 @@ class TorchDistTransport(Transport):
 
         Over gloo (``ordered=True``) every transfer of ``channel`` carries the tag ``channel + 1`` (0 is the
         sequencing layer's), so gloo matches a channel's transfers in posting order as NCCL does, and two
-        channels never meet.  Over NCCL, channel 0 is ``group`` and each other channel a communicator of its
+        channels never meet; transfers to a lower rank go over the second gloo group, as unordered ones do.  Over NCCL, channel 0 is ``group`` and each other channel a communicator of its
         own over the same ranks; transfers to a lower rank go over a second communicator, so a send blocked
         on its receiver never holds back the opposite direction (each communicator carries one direction of
         a pair)."""
@@ -514,8 +514,9 @@ class _InOrder(Transport):
             group = self._backend(peer > o.rank)
             return _NcclHandle(group.send([tensor], peer, 0), o, peer, what)
         buf, keep = o._stage_send(tensor)
+        group = o.group if o._down is None or peer > o.rank else o._down
         try:
-            work = o.group.send([buf], peer, self._tag)
+            work = group.send([buf], peer, self._tag)
         except RuntimeError as exc:
             raise TransportError(f"rank {o.rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
         return _WorkHandle(work, o, peer, what, keep=keep)
@@ -527,8 +528,9 @@ class _InOrder(Transport):
             group = self._backend(peer < o.rank)  # the sender's direction: to the higher rank of the pair
             return _NcclHandle(group.recv([tensor], peer, 0), o, peer, what)
         buf, finish = o._stage_recv(tensor)
+        group = o.group if o._down is None or peer < o.rank else o._down
         try:
-            work = o.group.recv([buf], peer, self._tag)
+            work = group.recv([buf], peer, self._tag)
         except RuntimeError as exc:
             raise TransportError(f"rank {o.rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
         return _WorkHandle(work, o, peer, what, finish)

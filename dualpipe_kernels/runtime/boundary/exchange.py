@@ -197,15 +197,19 @@ class Boundary:
         if i in st.recvs:
             return
         if self._place is not None:
-            if repeats_only:
-                return  # the order decides when a receive is posted
             src, n = self._place[i]
             done = st.cursor.get(src, 0)
             if n < done:
                 return  # posted already (and maybe consumed)
-            for j in self._by_sender[src][done : n + 1]:
-                if not (st.forward_only and self.actions[j].type is T_RECV_B):  # no gradients in forward-only
-                    self._post_one(st, j, False)
+            order = self._by_sender[src]
+            for m in range(done, n + 1):
+                j = order[m]
+                if st.forward_only and self.actions[j].type is T_RECV_B:  # no gradients in forward-only
+                    continue
+                if repeats_only and self.wire.layouts.repeat_recv.get(self._route(j).key) is None:
+                    st.cursor[src] = m  # the order stops at the first message that does not repeat
+                    return
+                self._post_one(st, j, False)
             st.cursor[src] = n + 1
             return
         self._post_one(st, i, repeats_only)
