@@ -5,9 +5,9 @@ micro-batch (activations forward, input gradients backward).  The receiver
 does not know their shapes in advance, so every message is
 
 1. one fixed-size int64 metadata tensor (shapes, dtypes, grad flags, the
-   boundary format: boundary_meta.py);
+   boundary format: header.py);
 2. its data: one transfer per tensor of non-zero size (format ``none``), or
-   one packed uint8 buffer (``packed``, ``bf16``, ``fp8``: boundary_codec.py,
+   one packed uint8 buffer (``packed``, ``bf16``, ``fp8``: codec.py,
    sent with :meth:`Transport.isend_packed`).
 
 Speculative receives (why: latency).  Over gloo a transfer only moves once its
@@ -44,11 +44,23 @@ without decoding its metadata when the header bytes are the same; anything
 else falls back to the protocol above (the receiver hands it the buffer that
 arrived).  The bytes on the wire are the same.
 
-Devices: every tensor handed to the transport lives on the transport's
-device (:func:`wire_device`): the metadata, the placeholders and payloads
-that come from elsewhere (e.g. a CPU mask) are staged there first, and
-received data is allocated on the receiver's device.  A CUDA transport
-rejects host tensors, so nothing may be created on the default device.
+Devices: the header is host memory on every wire, built and read on the
+host.  On a host wire it travels on the wire (alone, or at the head of an
+inline message); on a device wire (CUDA IPC, NCCL: ``Transport.host_wire``
+False) on the transport's host channel, so reading it never waits for the
+device, and nothing posted to or received from the wire is read on the host
+(tests/process/test_wire_host_read.py).  Every data tensor handed to the wire
+lives on its device (:func:`wire_device`): placeholders and payloads that
+come from elsewhere are staged there first, and received data is allocated
+on the receiver's device.  A CUDA transport rejects host tensors, so nothing
+may be created on the default device.
+
+In-order wires (NCCL, or gloo with ``ordered=True``: ``Transport.matches_tags``
+False): the speculative slots (data of a layout both ends remember, placeholders,
+inline messages) go over the pipeline's in-order channel, which both ends post
+in the order of the program (exchange.py); the header and the fresh data (a
+layout the receiver did not know, posted once its header is in) over the
+tag-matched host channel (layout_memory.py ``Channels``).
 """
 
 from __future__ import annotations
