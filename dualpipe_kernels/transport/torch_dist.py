@@ -32,10 +32,12 @@ directions apart they do not.  DualPipeV 2 x 16 of tiny stages: 32-33 ms per
 step -> 21 ms (torch's ``ScheduleDualPipeV`` on the same gloo: 36-42 ms); 1F1B:
 19-22 ms -> 14-15 ms, the loop thread's CPU time halved (torch: 12-15 ms).
 
-CUDA tensors over a backend that cannot move them (gloo) are staged through a
-host buffer: the send copies to the host before posting, the receive copies to
-the device when it is waited on.  That path blocks the host; it exists so that
-the runtime works on one GPU with several ranks, not for speed.
+CUDA tensors over a backend that cannot move them (gloo) are staged through
+pinned host buffers: the send copies to the host without blocking the stream
+and waits for that copy's event before posting; the receive copies to the
+device, without blocking the host, on the stream current when it is waited on.
+"auto" never picks this path (an NCCL group does); it is for ``transport="torch"``
+on a gloo group, which works on one GPU with several ranks, not for speed.
 
 Shutdown: a waiter thread still blocked in gloo when the interpreter finalizes
 would, once its wait returns (the peer exits), be stopped by Python while it
@@ -240,6 +242,7 @@ class TorchDistTransport(Transport):
         # Transfers posted and not seen finished (one whose handle was dropped unwaited stays counted).
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
+        self._pinned: list[tuple[Any, torch.Tensor]] = []  # host staging buffers of copies still running
         self._closed = False
         # A transport left open at exit is closed before the interpreter finalizes (see the module doc).
         self._exit_hook = _exit_hook(weakref.ref(self))
@@ -318,7 +321,8 @@ class TorchDistTransport(Transport):
 
         Over gloo (``ordered=True``) every transfer of ``channel`` carries the tag ``channel + 1`` (0 is the
         sequencing layer's), so gloo matches a channel's transfers in posting order as NCCL does, and two
-        channels never meet; transfers to a lower rank go over the second gloo group, as unordered ones do.  Over NCCL, channel 0 is ``group`` and each other channel a communicator of its
+        channels never meet; transfers to a lower rank go over the second gloo group, as unordered ones do.
+        Over NCCL, channel 0 is ``group`` and each other channel a communicator of its
         own over the same ranks; transfers to a lower rank go over a second communicator, so a send blocked
         on its receiver never holds back the opposite direction (each communicator carries one direction of
         a pair)."""
@@ -351,22 +355,42 @@ class TorchDistTransport(Transport):
             raise TransportError(f"rank {self._rank}: transport closed; cannot post {what!r}")
 
     def _stage_send(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the buffer the backend sends, a host staging copy to keep alive until the send completes or None)."""
+        """(the buffer the backend sends, a host staging copy to keep alive until the send completes or None).
+
+        A CUDA tensor over gloo (host staging, only when asked for): copied into pinned host memory without
+        blocking the stream, then the host waits for that copy's event alone (gloo reads the bytes at once)."""
         if tensor.device.type == "cpu" or self.device_native:
             return tensor, None
-        buf = tensor.to("cpu")
+        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        buf.copy_(tensor, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(tensor.device))
+        copied.synchronize()
         return buf, buf
 
     def _stage_recv(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """(the buffer the backend receives into, the copy into ``tensor`` to run on completion or None)."""
+        """(the buffer the backend receives into, the copy into ``tensor`` to run on completion or None).
+
+        A CUDA tensor over gloo: received into pinned host memory, then copied to the device without blocking
+        the host, on the stream current when the receive is waited for (what reads the tensor next); the
+        pinned buffer is kept until that copy's event has passed."""
         if tensor.device.type == "cpu" or self.device_native:
             return tensor, None
-        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
 
         def finish() -> None:
-            tensor.copy_(buf)
+            tensor.copy_(buf, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(tensor.device))
+            self._keep_until(done, buf)
 
         return buf, finish
+
+    def _keep_until(self, event: Any, buf: torch.Tensor) -> None:
+        """Hold ``buf`` until ``event`` has passed (drops the pinned buffers whose copies are done)."""
+        with self._in_flight_lock:
+            self._pinned = [(e, b) for e, b in self._pinned if not e.query()]
+            self._pinned.append((event, buf))
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
         self._check_peer(peer, what)
@@ -374,7 +398,7 @@ class TorchDistTransport(Transport):
             raise ValueError(f"rank {self._rank}: isend needs a contiguous tensor ({what})")
         if self._ordered_mode:
             return self._sequencer().isend(tensor, peer, tag, what)
-        buf = tensor if (tensor.device.type == "cpu" or self.device_native) else tensor.to("cpu")
+        buf, keep = self._stage_send(tensor)
         group = self.group if self._down is None or peer > self._rank else self._down
         try:
             # The group's own send (what dist.isend calls after its per-call argument checks).
@@ -382,7 +406,7 @@ class TorchDistTransport(Transport):
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
-        return _WorkHandle(work, self, peer, what, keep=None if buf is tensor else buf)
+        return _WorkHandle(work, self, peer, what, keep=keep)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
         self._check_peer(peer, what)
@@ -390,8 +414,7 @@ class TorchDistTransport(Transport):
             raise ValueError(f"rank {self._rank}: irecv needs a contiguous tensor ({what})")
         if self._ordered_mode:
             return self._sequencer().irecv(tensor, peer, tag, what)
-        staged = not (tensor.device.type == "cpu" or self.device_native)
-        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if staged else tensor
+        buf, finish = self._stage_recv(tensor)
         # The sender's choice: a transfer to the higher of the two ranks goes over ``group``.
         group = self.group if self._down is None or peer < self._rank else self._down
         try:
@@ -399,11 +422,7 @@ class TorchDistTransport(Transport):
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
-
-        def finish() -> None:
-            tensor.copy_(buf)
-
-        return _WorkHandle(work, self, peer, what, finish if staged else None)
+        return _WorkHandle(work, self, peer, what, finish)
 
     def close(self) -> None:
         """Idempotent.  Transfers still in flight (a failed step) are cancelled: the group's gloo pairs close,
