@@ -26,6 +26,10 @@
 #              cuda_ipc --quick (IPC at >= 64 MiB vs a same-GPU copy, us per message, overlap)
 #   runtime    the demo on the GPU: two processes on GPU 0, --device cuda, transport auto (the torch transport on
 #              GPUs unless DUALPIPE_KERNELS_CUDA_IPC=1: the CUDA IPC engine crashed at set-up on the first H200)
+#   wire       the GPU wire (benchmarks/wire_check.py): 2 ranks on GPU 0 over the CUDA IPC engine and over auto,
+#              step 1 bit-exact against one process, and a profiled step's cudaStreamSynchronize /
+#              cudaDeviceSynchronize / cudaEventSynchronize / D2H copies, in the step and on the message path
+#              (report.json: bench.wire)
 #   transport  pytest tests/process/test_cuda_ipc.py (per-test timeouts below the step's; JUnit XML)
 #   compat     pytest -m gpu tests/process/test_compat.py (the reference's API on CUDA; JUnit XML)
 #   hostcpu    dualpipe-kernels bench schedules --short-chunks-only: the short-chunk row (DualPipeV 4 x 16,
@@ -48,7 +52,7 @@ mkdir -p "$LOGDIR"
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
 BUDGET_S="${DEVICE_CHECK_BUDGET_S:-475}"
-ALL_STEPS="smoke build gpu bench runtime transport compat hostcpu"
+ALL_STEPS="smoke build gpu bench runtime wire transport compat hostcpu"
 WANTED=" ${DEVICE_CHECK_STEPS:-$ALL_STEPS} "
 DRY="${DEVICE_CHECK_DRY:-0}"
 T_START=$(date +%s)
@@ -66,6 +70,7 @@ LIMIT_GPU=150
 # bench: kernels 100 + memory_gpu 70 (twice if the engine fails) + cuda_ipc 25 s; variants 120 s more when on
 LIMIT_BENCH=280
 LIMIT_RUNTIME=60
+LIMIT_WIRE=115
 LIMIT_TRANSPORT=185
 LIMIT_COMPAT=55
 # hostcpu: about 48 s on the 2-core machine (three launches, each: calibration, 4 spawned ranks, 22 steps of
@@ -234,6 +239,14 @@ run_step bench "$LIMIT_BENCH" bash -c "$(declare -f bench); PY='$PY' WORK='$WORK
 run_step runtime "$LIMIT_RUNTIME" bash -c "set -o pipefail; rc=0; for t in native auto; do \
   '$PY' -m dualpipe_kernels demo --device cuda --ranks 2 --steps 2 --json --transport \$t | tee '$WORK/demo-'\$t.json || rc=1; \
   done; cp '$WORK/demo-native.json' '$WORK/demo.json' 2>/dev/null; exit \$rc"
+# the GPU wire: synchronizing calls on the message path after step 1 (dry run: the arguments only)
+wire() {
+  local dry=""
+  [[ "$DRY" == 1 ]] && dry="--dry"
+  timeout 110 "$PY" -m dualpipe_kernels.benchmarks.wire_check --transports native,auto $dry \
+    >"$WORK/bench/wire.stdout.json"
+}
+run_step wire "$LIMIT_WIRE" bash -c "$(declare -f wire); PY='$PY' WORK='$WORK' DRY='$DRY' wire"
 run_step transport "$LIMIT_TRANSPORT" "$PY" -m pytest tests/process/test_cuda_ipc.py -v -rA -p no:cacheprovider \
   --timeout 60 --junitxml="$OUTDIR/junit-transport.xml"
 run_step compat "$LIMIT_COMPAT" "$PY" -m pytest -m gpu tests/process/test_compat.py -v -rA -p no:cacheprovider \
