@@ -204,7 +204,7 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
 
     sched = build_schedule(schedule, cfg.ranks, cfg.microbatches)
     k = chunks_per_stage(sched)
-    owned = None
+    owned: Any = None
     if transport == "native-prev":
         from dualpipe_kernels.transport.native import NativeTransport
 

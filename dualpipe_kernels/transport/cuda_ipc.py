@@ -331,7 +331,7 @@ class CudaIpcTransport(Transport):
         """Message headers are host bytes: they travel on a torch.distributed transport over the same group
         (gloo: itself, host memory; NCCL: its gloo side group), made at the first call (collective: a pipeline
         asks at construction, on every rank).  Needs the process group (not an explicit rank/store)."""
-        side = getattr(self, "_host_channel", None)
+        side: tuple[Transport, Transport] | None = getattr(self, "_host_channel", None)
         if side is None:
             if not dist.is_initialized():
                 raise TransportError("CudaIpcTransport: message headers need a torch.distributed group beside it")
@@ -339,7 +339,8 @@ class CudaIpcTransport(Transport):
 
             owner = TorchDistTransport(self._group, device=self.device, timeout_s=self.timeout_s,
                                        split_directions=False)  # fmt: skip
-            side = self._host_channel = (owner, owner.host_channel())
+            side = (owner, owner.host_channel())
+            self._host_channel: tuple[Transport, Transport] | None = side
         return side[1]
 
     @property

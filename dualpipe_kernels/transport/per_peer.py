@@ -68,6 +68,7 @@ class RoutedTransport(Transport):
         if missing:
             raise ValueError(f"rank {rank}: routes name transports {missing} that were not built")
         self._rank, self.routes, self.transports = rank, dict(routes), dict(transports)
+        self._owns = True  # close() closes the transports (False for an in-order view of them)
         self.local_peers = tuple(sorted(p for p, k in self.routes.items() if k != "torch"))
         first = next((k for k in self.routes.values() if k != "torch"), "torch")
         inner = self.transports.get(first) or next(iter(self.transports.values()))
@@ -103,7 +104,7 @@ class RoutedTransport(Transport):
         the transport itself (a tag-matched one takes the program's order as well as any)."""
         inner = {k: t if t.matches_tags else t.in_order(channel) for k, t in self.transports.items()}
         routed = RoutedTransport(self._rank, self.routes, inner, self.timeout_s)
-        routed._owns = False
+        routed._owns = False  # a view: the transports are this one's
         return routed
 
     def host_channel(self) -> Transport:
@@ -126,6 +127,6 @@ class RoutedTransport(Transport):
         return self._route(peer, what).irecv(tensor, peer, tag, what)
 
     def close(self) -> None:
-        if getattr(self, "_owns", True):
+        if self._owns:
             for t in self.transports.values():
                 t.close()

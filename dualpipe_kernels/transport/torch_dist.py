@@ -601,7 +601,9 @@ def _nccl_backend(group: dist.ProcessGroup, name: str, timeout_s: float) -> Any:
     ``group``'s store."""
     gname = getattr(group, "group_name", "") or "world"
     store = dist.PrefixStore(f"{_NCCL_PREFIX}{gname}/{name}/", group_store(group))
-    return dist.ProcessGroupNCCL(store, dist.get_rank(group), dist.get_world_size(group))
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timedelta(seconds=max(timeout_s, 30.0))
+    return dist.ProcessGroupNCCL(store, dist.get_rank(group), dist.get_world_size(group), options)
 
 
 #: id(group) -> (the group, its second gloo backend): one per group and process, shared by its transports.
