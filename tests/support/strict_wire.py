@@ -117,7 +117,7 @@ class HostReadGuard(TorchFunctionMode):
             original = getattr(owner, attr)
             self._saved.append((owner, attr, original))
             setattr(owner, attr, self._counting(f"{getattr(owner, '__name__', owner)}.{attr}", original))
-        return super().__enter__()  # type: ignore[return-value]
+        return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         for owner, attr, original in reversed(self._saved):
