@@ -322,7 +322,7 @@ class TorchDistTransport(Transport):
         Over gloo (``ordered=True``) every transfer of ``channel`` carries the tag ``channel + 1`` (0 is the
         sequencing layer's), so gloo matches a channel's transfers in posting order as NCCL does, and two
         channels never meet; transfers to a lower rank go over the second gloo group, as unordered ones do.
-        Over NCCL, channel 0 is ``group`` and each other channel a communicator of its
+        Over NCCL, the first channel made on this transport is ``group`` and each other a communicator of its
         own over the same ranks; transfers to a lower rank go over a second communicator, so a send blocked
         on its receiver never holds back the opposite direction (each communicator carries one direction of
         a pair)."""
@@ -518,8 +518,8 @@ class _InOrder(Transport):
         """NCCL: the communicator of this channel and direction (``up``: to the higher rank of a pair)."""
         backend = self._backends.get(up)
         if backend is None:
-            if up and self.channel == 0:
-                backend = self._owner.group
+            if up and self.channel == min(self._owner._in_order):
+                backend = self._owner.group  # the first channel made on this transport: the group itself
             else:
                 backend = _nccl_backend(self._owner.group, f"c{self.channel}/{'up' if up else 'down'}",
                                         self._owner.timeout_s)  # fmt: skip
