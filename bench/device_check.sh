@@ -30,6 +30,10 @@
 #   transport  pytest tests/process/test_cuda_ipc.py: every two-process scenario, the error paths among them (size/dtype
 #              mismatch, timeout, a killed peer) (per-test timeouts below the step's; JUnit XML)
 #   runtime    the demo on the GPU: two processes on GPU 0, --device cuda, over the CUDA IPC engine, then auto
+#   wire       the GPU wire (benchmarks/wire_check.py): 2 ranks on GPU 0 over the CUDA IPC engine and over auto,
+#              step 1 bit-exact against one process, and a profiled step's cudaStreamSynchronize /
+#              cudaDeviceSynchronize / cudaEventSynchronize / D2H copies, in the step and on the message path
+#              (report.json: bench.wire)
 #   compat     pytest -m gpu tests/process/test_compat.py (the reference's API on CUDA; JUnit XML)
 #   hostcpu    dualpipe-kernels bench schedules --short-chunks-only: the short-chunk row (DualPipeV 4 x 16,
 #              1/2/1 ms sleep chunks, CPU tensors) on this host's CPUs, a core per rank (the row's target,
@@ -51,7 +55,7 @@ mkdir -p "$LOGDIR"
 STEPS="$WORK/steps.tsv"
 : >"$STEPS"
 BUDGET_S="${DEVICE_CHECK_BUDGET_S:-475}"
-ALL_STEPS="smoke build gpu bench transport runtime compat hostcpu"
+ALL_STEPS="smoke build gpu bench transport runtime wire compat hostcpu"
 WANTED=" ${DEVICE_CHECK_STEPS:-$ALL_STEPS} "
 DRY="${DEVICE_CHECK_DRY:-0}"
 T_START=$(date +%s)
@@ -69,6 +73,7 @@ LIMIT_GPU=150
 # bench: kernels 60 (2 sizes x 2 dtypes) + cuda_ipc 60 + its fake-device row 15 + memory_gpu 70 (twice if the
 # engine fails); variants 120 s more when on
 LIMIT_BENCH=240
+LIMIT_WIRE=115
 LIMIT_TRANSPORT=185
 LIMIT_RUNTIME=60
 LIMIT_COMPAT=55
@@ -252,6 +257,14 @@ run_step transport "$LIMIT_TRANSPORT" "$PY" -m pytest tests/process/test_cuda_ip
 run_step runtime "$LIMIT_RUNTIME" bash -c "set -o pipefail; rc=0; for t in native auto; do \
   '$PY' -m dualpipe_kernels demo --device cuda --ranks 2 --steps 2 --json --transport \$t | tee '$WORK/demo-'\$t.json || rc=1; \
   done; cp '$WORK/demo-native.json' '$WORK/demo.json' 2>/dev/null; exit \$rc"
+# the GPU wire: synchronizing calls on the message path after step 1 (dry run: the arguments only)
+wire() {
+  local dry=""
+  [[ "$DRY" == 1 ]] && dry="--dry"
+  timeout 110 "$PY" -m dualpipe_kernels.benchmarks.wire_check --transports native,auto $dry \
+    >"$WORK/bench/wire.stdout.json"
+}
+run_step wire "$LIMIT_WIRE" bash -c "$(declare -f wire); PY='$PY' WORK='$WORK' DRY='$DRY' wire"
 run_step compat "$LIMIT_COMPAT" "$PY" -m pytest -m gpu tests/process/test_compat.py -v -rA -p no:cacheprovider \
   --timeout 40 --junitxml="$OUTDIR/junit-compat.xml"
 run_step hostcpu "$LIMIT_HOSTCPU" bash -c "$(declare -f hostcpu); PY='$PY' WORK='$WORK' hostcpu"

@@ -4,7 +4,8 @@ Every stage chunk is one ``nn.Linear(8, 8)`` and every micro-batch one 1x8
 row, so a step is almost all framework cost plus the latency of the transfers
 on the critical path.  Each case runs on the same 2 ranks (spawned, gloo on
 127.0.0.1, one thread per rank): our runtime for each schedule on each
-transport (``native``, ``torch`` = gloo; ``native-prev``: the native transport
+transport (``native``, ``torch`` = gloo; ``ordered``: gloo paired in posting order as NCCL is, which the
+runtime drives in its program's order; ``native-prev``: the native transport
 as the engine was before its small-message paths, with ``recv_poll_ms=0``, whose
 receive worker watches every posted receive, ``gather_sends=False`` and the waiters'
 old 50 us spin), and
@@ -46,8 +47,8 @@ from typing import Any
 from dualpipe_kernels.benchmarks.overhead_report import add_floor, add_ratios, case_row, combine_launches, to_markdown
 
 NAME = "overhead"
-TRANSPORTS = ("native", "native-prev", "torch")
-DEFAULT_TRANSPORTS = TRANSPORTS
+TRANSPORTS = ("native", "native-prev", "torch", "ordered")
+DEFAULT_TRANSPORTS = ("native", "native-prev", "torch")
 FULL_SCHEDULES = ("dualpipev", "1f1b", "zb1p", "zbv", "interleaved1f1b", "gpipe", "dualpipe")
 QUICK_SCHEDULES = ("dualpipev", "1f1b", "zb1p")
 #: torch.distributed.pipelining class -> (its rows' schedule label, our schedule whose selection runs it).  When
@@ -78,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--transports",
         default=",".join(DEFAULT_TRANSPORTS),
         help="our transports, comma list (default native,native-prev,torch; native-prev: the native transport as "
-        "before its small-message paths, recv_poll_ms=0 and gather_sends=False)",
+        "before its small-message paths, recv_poll_ms=0 and gather_sends=False; ordered: gloo paired in posting "
+        "order as NCCL is, driven in the program's order)",
     )
     p.add_argument("--microbatches", type=int, default=None, help="micro-batches (default 16; quick 8)")
     p.add_argument("--steps", type=int, default=None, help="measured steps (default 15; quick 5)")
@@ -208,11 +210,15 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
 
     sched = build_schedule(schedule, cfg.ranks, cfg.microbatches)
     k = chunks_per_stage(sched)
-    owned = None
+    owned: Any = None
     if transport == "native-prev":
         from dualpipe_kernels.transport.native import NativeTransport
 
         owned = NativeTransport(recv_poll_ms=0.0, gather_sends=False, spin_us=50.0)
+    elif transport == "ordered":
+        from dualpipe_kernels.transport.torch_dist import TorchDistTransport
+
+        owned = TorchDistTransport(ordered=True)  # gloo paired in posting order, as NCCL is: program order
     pipe = Pipeline(sched, {s: _chunk_stack(k) for s in sched.stages_of_rank(rank)}, transport=owned or transport)
 
     def close() -> None:

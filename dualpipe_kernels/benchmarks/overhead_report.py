@@ -61,18 +61,25 @@ def case_row(
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """``ratio_to_torch`` on our gloo rows: our step / torch's step of the same schedule (both on gloo);
-    ``ratio_to_prev`` on our native rows: our step / ours on native-prev of the same schedule."""
+    ``ratio_to_prev`` on our native rows: our step / ours on native-prev of the same schedule;
+    ``ratio_to_tags`` on our ordered rows (gloo paired in posting order, as NCCL): our step / ours on the
+    tag-matched torch transport of the same schedule."""
     torch_step = {r["schedule"]: r["step_s"] for r in rows if r["impl"] == "torch" and r["step_s"]}
     prev_step = {
         r["schedule"]: r["step_s"]
         for r in rows
         if r["impl"] == "ours" and r["transport"] == "native-prev" and r["step_s"]
     }
+    tags_step = {
+        r["schedule"]: r["step_s"] for r in rows if r["impl"] == "ours" and r["transport"] == "torch" and r["step_s"]
+    }
     for r in rows:
         if r["impl"] == "ours" and r["transport"] == "torch" and r["step_s"] and r["schedule"] in torch_step:
             r["ratio_to_torch"] = r["step_s"] / torch_step[r["schedule"]]
         if r["impl"] == "ours" and r["transport"] == "native" and r["step_s"] and r["schedule"] in prev_step:
             r["ratio_to_prev"] = r["step_s"] / prev_step[r["schedule"]]
+        if r["impl"] == "ours" and r["transport"] == "ordered" and r["step_s"] and r["schedule"] in tags_step:
+            r["ratio_to_tags"] = r["step_s"] / tags_step[r["schedule"]]
 
 
 def add_floor(rows: list[dict[str, Any]]) -> None:
@@ -116,6 +123,10 @@ def combine_launches(launches: list[list[dict[str, Any]]]) -> list[dict[str, Any
                 ratio_to_prev_min=min(prev),
                 ratio_to_prev_max=max(prev),
             )
+        tags = [r["ratio_to_tags"] for r in rows if r.get("ratio_to_tags") is not None]
+        if tags:
+            row.update(ratio_to_tags=float(statistics.median(tags)), ratio_to_tags_min=min(tags),
+                       ratio_to_tags_max=max(tags))  # fmt: skip
         out.append(row)
     return out
 
@@ -160,6 +171,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("ratio_to_prev", "native/prev"),
         ("ratio_to_prev_min", "min"),
         ("ratio_to_prev_max", "max"),
+        ("ratio_to_tags", "ordered/torch"),
         ("error", "error"),
     ]
     parts = [head, "", markdown_table(result["rows"], [k for k, _ in cols], [h for _, h in cols])]

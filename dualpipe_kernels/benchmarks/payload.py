@@ -90,6 +90,21 @@ class PayloadSwitch(Transport):
     def message_inline_bytes(self) -> int:
         return self.inner.message_inline_bytes
 
+    @property
+    def host_wire(self) -> bool:
+        return self.inner.host_wire
+
+    @property
+    def matches_tags(self) -> bool:
+        return self.inner.matches_tags
+
+    def in_order(self, channel: int) -> Transport:
+        """The inner transport's in-order channel (not switched: an ordered wire carries whole messages)."""
+        return self.inner.in_order(channel)
+
+    def host_channel(self) -> Transport:
+        return self.inner.host_channel() if not (self.inner.host_wire and self.inner.matches_tags) else self
+
     def _large(self, tensor: torch.Tensor) -> bool:
         return tensor.numel() * tensor.element_size() > _KEPT
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -32,9 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dualpipe_kernels.runtime.boundary.exchange import Boundary, BoundaryState, Wire
+from dualpipe_kernels.runtime.boundary.exchange import Boundary, BoundaryState, Wire, pair_order_digest
+from dualpipe_kernels.runtime.boundary.header import TagSpace
 from dualpipe_kernels.runtime.boundary.inline import INLINE_MAX_BYTES, inline_limit
-from dualpipe_kernels.runtime.boundary.transfer import LayoutMemory, TagSpace
+from dualpipe_kernels.runtime.boundary.layout_memory import LayoutMemory
 from dualpipe_kernels.runtime.checks import check_stage_devices
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.construction import (
@@ -69,12 +71,32 @@ from dualpipe_kernels.runtime.timeline import TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
 from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import Schedule
-from dualpipe_kernels.transport import Transport, make_transport
+from dualpipe_kernels.transport import Transport, TransportError, make_transport
 from dualpipe_kernels.transport.base import group_store
 
 __all__ = ["Pipeline", "StepResult"]
 
 _log = logging.getLogger(__name__)  # under "dualpipe_kernels": what each pipeline chose, at debug level
+
+
+# ---- pipelines sharing a process group (named in a timeout's error) ----------------------------------------
+_PIPELINES: dict[int, weakref.WeakSet[Pipeline]] = {}
+
+
+def _on_group(pipe: Pipeline) -> None:
+    _PIPELINES.setdefault(id(pipe.group), weakref.WeakSet()).add(pipe)
+
+
+def _others_on_group(pipe: Pipeline) -> list[Pipeline]:
+    live = _PIPELINES.get(id(pipe.group), weakref.WeakSet())
+    return sorted((p for p in live if p is not pipe and p.group is pipe.group), key=lambda p: p.channel)
+
+
+def _describe(pipe: Pipeline) -> str:
+    return f"pipeline #{pipe.channel} (schedule {pipe.schedule.name!r}, pipeline rank {pipe.rank})"
+
+
+# -------------------------------------------------------------------------------------------------------------
 
 
 def _lowered_program(schedule: Schedule) -> Program:
@@ -261,15 +283,20 @@ class Pipeline(PipelineConveniences, nn.Module):
         # how a batch is split into micro-batches (the loss weights depend on it)
         shared = {**shared, "allow_uneven": str(self.model_options.allow_uneven)}
         transport = resolved_transport(self.options.wire.transport, self.device)
+        # the order both ends of each pair post its messages in, on an in-order (NCCL) channel
+        shared["pair order"] = pair_order_digest(self.program)
         mine = fingerprint(schedule, self.rank, self.rank_mapping, transport, extra=shared, partial=stated)
-        agree(mine, self.group, self.timeout_s, self.rank_mapping)  # RanksDisagree on every rank: ranks, field
+        # RanksDisagree on every rank: ranks, field.  The exchange's number is the pipeline's on its group, the
+        # same on every rank: its block of tags and its in-order channel (two pipelines' messages never match).
+        self.channel = agree(mine, self.group, self.timeout_s, self.rank_mapping)
 
     def _connect(self) -> None:
         """Set up the transport (collective), the message tags and layouts, and the receive window."""
         wire = self.options.wire
-        self.tags = TagSpace(self.schedule.num_stages, self.schedule.num_microbatches)
+        self.tags = TagSpace(self.schedule.num_stages, self.schedule.num_microbatches, channel=self.channel)
         # Message layouts of the previous step, so receives are posted before the metadata arrives.
-        self._layouts = LayoutMemory(inline_max_bytes=INLINE_MAX_BYTES)
+        self._layouts = LayoutMemory(inline_max_bytes=INLINE_MAX_BYTES, channel=self.channel)
+        _on_group(self)
         self._transport = make_transport(wire.transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(wire.transport, Transport)
         self._watch: PeerWatch | None = None
@@ -431,6 +458,13 @@ class Pipeline(PipelineConveniences, nn.Module):
             self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if self._watch is not None:
                 self._watch.publish(exc)  # the peers' waits end now, naming this rank and its error
+            others = _others_on_group(self)
+            if isinstance(exc, TransportError) and others:  # a timeout, or a peer that gave up on one
+                raise type(exc)(
+                    f"{exc}. {_describe(self)} shares its process group with {', '.join(map(_describe, others))} "
+                    "in this process: a rank running another pipeline's step waits for messages this step "
+                    "sends (every rank must step the pipelines of one group in the same order)"
+                ) from exc
             raise
         finally:
             self.weight_grad_store.clear()

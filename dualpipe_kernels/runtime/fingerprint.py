@@ -44,6 +44,7 @@ __all__ = [
     "resolved_transport",
     "disagreement",
     "exchange",
+    "exchange_numbered",
     "agree",
 ]
 
@@ -155,6 +156,14 @@ def exchange(
     ``rank_mapping[g]``: the pipeline rank of group rank ``g`` (identity when None), used to name a peer
     that never publishes (TransportTimeout after ``timeout_s``).
     """
+    return exchange_numbered(mine, group, timeout_s, rank_mapping)[0]
+
+
+def exchange_numbered(
+    mine: Fingerprint, group: dist.ProcessGroup, timeout_s: float, rank_mapping: Sequence[int] | None = None
+) -> tuple[list[Fingerprint], int]:
+    """:func:`exchange`, and the exchange's generation: its number among the exchanges on the store, the same
+    on every rank that made the same exchanges in the same order (a pipeline's number on its group)."""
     store = group_store(group)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     mapping = list(rank_mapping) if rank_mapping is not None else list(range(size))
@@ -171,16 +180,20 @@ def exchange(
         peer = f"peer pipeline rank {mapping[g]} (group rank {g})"
         wait_store_key(store, key, timeout_s, who, f"{peer} to build its Pipeline (did it fail?)")
         out.append(Fingerprint.from_json(store.get(key)))
-    return out
+    return out, int(generation)
 
 
 def agree(
     mine: Fingerprint, group: dist.ProcessGroup, timeout_s: float, rank_mapping: Sequence[int] | None = None
-) -> None:
-    """Exchange fingerprints over ``group``; raise :class:`RanksDisagree` on every rank if any differ."""
-    err = disagreement(exchange(mine, group, timeout_s, rank_mapping))
+) -> int:
+    """Exchange fingerprints over ``group``; raise :class:`RanksDisagree` on every rank if any differ.
+
+    Returns the exchange's generation (:func:`exchange_numbered`)."""
+    prints, generation = exchange_numbered(mine, group, timeout_s, rank_mapping)
+    err = disagreement(prints)
     if err is not None:
         raise err
+    return generation
 
 
 def resolved_transport(kind: Any, device: Any) -> str:

@@ -17,10 +17,25 @@ import torch.nn as nn
 from dualpipe_kernels.runtime.boundary.exchange import Wire
 from dualpipe_kernels.runtime.boundary.transfer import BoundaryRecv, BoundarySend
 from dualpipe_kernels.schedules.ir import Schedule
+from dualpipe_kernels.transport.base import Handle, TransportError
 
 __all__ = ["MirrorSync", "mirrors"]
 
 _DIR_MIRROR = 2  # TagSpace direction of end-of-step exchanges (0 and 1 are the data kinds ACT and GRAD)
+_MASK_SLOT = 63  # the TagSpace slot of a mirror exchange's has-grad mask (the message itself uses 0..62)
+
+
+class _Holding(Handle):
+    """A send handle that keeps its host buffer alive until waited for."""
+
+    def __init__(self, inner: Handle, buf: torch.Tensor) -> None:
+        self._inner, self._buf = inner, buf
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._inner.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
 
 
 def mirrors(schedule: Schedule) -> dict[int, int]:
@@ -69,9 +84,10 @@ class MirrorSync:
 
     def run(self) -> None:
         """Sum the gradients of the two copies of each duplicated model stage (both copies end equal)."""
-        sends: list[BoundarySend] = []
-        recvs: list[tuple[int, BoundaryRecv]] = []
+        sends: list[tuple[BoundarySend, Handle]] = []
+        recvs: list[tuple[int, tuple[BoundaryRecv, torch.Tensor, Handle]]] = []
         local_done: set[int] = set()
+        remote: list[tuple[int, int, int]] = []
         for s in sorted(self.modules):
             t = self.mirror_of.get(s)
             if t is None:
@@ -82,36 +98,55 @@ class MirrorSync:
                     local_done.update((s, t))
                     self._local(s, t)
                 continue
-            sends.append(self._send(s, t, peer))
+            remote.append((s, t, peer))
+        # Receives in the order their senders send (by the sender's stage), so an in-order channel pairs them.
+        for s, t, peer in sorted(remote, key=lambda e: e[1]):
             recvs.append((s, self._recv(s, t, peer)))
+        for s, t, peer in remote:
+            sends.append(self._send(s, t, peer))
         timeout = self.wire.timeout_s
-        for s, recv in recvs:
-            theirs = _unpack_grads(self._params(s), recv.wait(timeout), s)
+        for s, (recv, mask, mask_handle) in recvs:
+            try:
+                mask_handle.wait(timeout)
+            except TransportError as exc:
+                raise ValueError(f"stage {s}: its mirror copy has different parameters ({exc})") from exc
+            theirs = _unpack_grads(self._params(s), mask.tolist(), recv.wait(timeout), s)
             with torch.no_grad():
                 for param, grad in theirs:
                     # own + theirs on one side, theirs + own on the other: IEEE addition
                     # commutes, so both copies end bit-identical.
                     param.grad = grad if param.grad is None else param.grad + grad
-        for send in sends:
+        for send, mask_send in sends:
             send.wait(timeout)
+            mask_send.wait(timeout)
 
     def _what(self, s: int, t: int) -> str:
         return f"pipeline rank {self.wire.rank}: mirror-gradient exchange of stage {s} with stage {t}"
 
-    def _send(self, s: int, t: int, peer: int) -> BoundarySend:
-        """Post this copy's packed gradients to the rank of its mirror ``t``."""
+    def _send(self, s: int, t: int, peer: int) -> tuple[BoundarySend, Handle]:
+        """Post this copy's packed gradients to the rank of its mirror ``t``, and which parameters have one
+        (host bytes, over the host channel: the receiver reads them on the host)."""
         w = self.wire
-        packed = _pack_grads(self._params(s))
+        params = self._params(s)
+        packed = _pack_grads(params)
         what = f"{self._what(s, t)} (to peer pipeline rank {peer})"
         flags = [False] * len(packed)
-        return BoundarySend(
+        send = BoundarySend(
             w.transport, packed, flags, w.to_group_rank[peer], w.tags, (_DIR_MIRROR, s, 0), what, w.layouts
         )
+        mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device="cpu")
+        host = w.layouts.channels(w.transport).host
+        tag = w.tags.tag(_DIR_MIRROR, s, 0, _MASK_SLOT)
+        return send, _Holding(host.isend(mask, w.to_group_rank[peer], tag, f"{what} has-grad mask"), mask)
 
-    def _recv(self, s: int, t: int, peer: int) -> BoundaryRecv:
+    def _recv(self, s: int, t: int, peer: int) -> tuple[BoundaryRecv, torch.Tensor, Handle]:
         w = self.wire
         what = f"{self._what(s, t)} (from peer pipeline rank {peer})"
-        return BoundaryRecv(w.transport, w.to_group_rank[peer], w.tags, (_DIR_MIRROR, t, 0), what, w.device, w.layouts)
+        recv = BoundaryRecv(w.transport, w.to_group_rank[peer], w.tags, (_DIR_MIRROR, t, 0), what, w.device, w.layouts)
+        mask = torch.empty(len(self._params(s)), dtype=torch.uint8, device="cpu")
+        host = w.layouts.channels(w.transport).host
+        tag = w.tags.tag(_DIR_MIRROR, t, 0, _MASK_SLOT)
+        return recv, mask, host.irecv(mask, w.to_group_rank[peer], tag, f"{what} has-grad mask")
 
 
 def _or_zeros(p: torch.Tensor) -> torch.Tensor:
@@ -119,28 +154,25 @@ def _or_zeros(p: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    """``[has-grad mask (uint8), one flat buffer per dtype (zeros where no grad)]``: a few tensors per stage."""
-    # On the parameters' device, not the default one: a GPU transport refuses host tensors.
-    dev = params[0].device if params else torch.device("cpu")
-    mask = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=dev)
-    out: list[torch.Tensor | None] = [mask]
+    """``[one flat buffer per dtype (zeros where no grad)]``: a few tensors per stage (on the parameters'
+    device; which parameters have a gradient travels apart, as host bytes)."""
+    out: list[torch.Tensor | None] = []
     for dtype in sorted({p.dtype for p in params}, key=str):
         out.append(torch.cat([_or_zeros(p).reshape(-1) for p in params if p.dtype == dtype]))
     return out
 
 
 def _unpack_grads(
-    params: Sequence[torch.Tensor], packed: Sequence[torch.Tensor | None], stage: int
+    params: Sequence[torch.Tensor], has: Sequence[int], packed: Sequence[torch.Tensor | None], stage: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Inverse of :func:`_pack_grads` against this copy's parameters: ``(param, its mirror's grad)`` pairs."""
+    """Inverse of :func:`_pack_grads` against this copy's parameters (``has``: which of the mirror's have a
+    gradient): ``(param, its mirror's grad)`` pairs."""
     dtypes = sorted({p.dtype for p in params}, key=str)
-    mask = packed[0]
     sizes = {d: sum(p.numel() for p in params if p.dtype == d) for d in dtypes}
-    flats = dict(zip(dtypes, packed[1:], strict=False))
+    flats = dict(zip(dtypes, packed, strict=False))
     if (
-        mask is None
-        or mask.numel() != len(params)
-        or len(packed) != len(dtypes) + 1
+        len(has) != len(params)
+        or len(packed) != len(dtypes)
         or any(f is None or f.dtype != d or f.numel() != sizes[d] for d, f in flats.items())
     ):
         raise ValueError(
@@ -148,7 +180,6 @@ def _unpack_grads(
             "must be the same module"
         )
     offsets = dict.fromkeys(dtypes, 0)
-    has = mask.tolist()
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     for p, h in zip(params, has, strict=True):
         flat = flats[p.dtype]

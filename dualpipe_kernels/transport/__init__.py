@@ -91,6 +91,13 @@ def make_transport(
     import torch
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    built = _make(kind, group, dev, timeout_s)
+    if kind == "auto":
+        _log_auto(built, group, dev)
+    return built
+
+
+def _make(kind: str, group: dist.ProcessGroup | None, dev: torch.device, timeout_s: float) -> Transport:
     if kind == "auto" and auto_kind(dev) == "torch":
         kind = "torch"
     if kind in ("auto", "native") and dev.type == "cuda" and native_available(dev):
@@ -121,6 +128,31 @@ def make_transport(
     raise ValueError(
         f"unknown transport {kind!r}; expected one of {', '.join(TRANSPORT_NAMES)} or a Transport instance"
     )
+
+
+def _log_auto(built: Transport, group: dist.ProcessGroup | None, dev: torch.device) -> None:
+    """The debug line per peer of what "auto" gave it and why (auto.py's rule, read off what was built: the
+    peers a transport serves on this host are the ones it lists as local; no further exchange)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from dualpipe_kernels.transport.auto import CUDA_IPC_OFF_REASON, auto_routes, log_routes
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    local = getattr(built, "local_peers", None)
+    kinds = set(getattr(built, "routes", {}).values())
+    if local is None and str(getattr(built, "name", "")) == "cuda_ipc":
+        local = tuple(p for p in range(world) if p != rank)
+    local_set = set(local) if local is not None else set(range(world))  # none listed: one host assumed
+    hosts = ["this" if p == rank or p in local_set else f"host of rank {p}" for p in range(world)]
+    ipc = dev.type == "cuda" and (str(getattr(built, "name", "")) == "cuda_ipc" or "cuda_ipc" in kinds)
+    native = native_available(dev)
+    routes = auto_routes(hosts, rank, dev.type, str(dist.get_backend(group)), native_built=native,
+                         cuda_ipc_allowed=ipc)  # fmt: skip
+    log_routes(rank, routes)
+    if dev.type == "cuda" and native and not ipc and any(p in local_set for p in routes):
+        warnings.warn(f"rank {rank}: {CUDA_IPC_OFF_REASON}", stacklevel=3)
 
 
 def _routed_by_host(

@@ -179,6 +179,38 @@ class Transport(abc.ABC):
         pack_as(tensors, layout, buffer, what)
         return _HoldingHandle(self.isend(buffer, peer, tag, what), buffer)
 
+    @property
+    def host_wire(self) -> bool:
+        """Whether the buffers posted to this transport are host memory, which the runtime may read on the host
+        without waiting for a device (a message's header inside its data buffer, small messages built and read
+        on the host).  Default: the transport declares no ``device``, or its device is the CPU, or it moves host
+        memory and stages device tensors (``device_native`` False).  A device wire (CUDA IPC, NCCL) is False: the
+        runtime then never reads what it posts or receives on the host, and sends headers over
+        :meth:`host_channel`."""
+        dev = getattr(self, "device", None)
+        return dev is None or not getattr(self, "device_native", True) or torch.device(dev).type == "cpu"
+
+    @property
+    def matches_tags(self) -> bool:
+        """Whether transfers are matched by tag (gloo, the native engine).  False: the backend pairs a directed
+        pair's transfers in posting order (NCCL); a pipeline then posts through :meth:`in_order` in the order its
+        program gives both ends, and ``isend`` / ``irecv`` with tags go through a slower sequencing layer."""
+        return True
+
+    def in_order(self, channel: int) -> Transport:
+        """A transport posting straight to the backend, matched per directed pair in posting order (tags are
+        ignored), kept apart from every other ``channel`` number (one per pipeline on the group).  Only for
+        transports whose :attr:`matches_tags` is False."""
+        raise NotImplementedError(f"{type(self).__name__} matches transfers by tag; it has no in-order channel")
+
+    def host_channel(self) -> Transport:
+        """A tag-matched transport of host tensors to the same peers (group ranks): how message headers travel
+        when the wire is not host memory or does not match tags (a CPU side channel beside the wire).  Its tags
+        are its own.  Default: this transport itself when it is a tag-matched host wire."""
+        if self.host_wire and self.matches_tags:
+            return self
+        raise NotImplementedError(f"{type(self).__name__} has no host channel for message headers")
+
     def close(self) -> None:
         """Release buffers, threads and shared segments. Idempotent."""
         return None

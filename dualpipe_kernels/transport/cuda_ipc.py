@@ -250,6 +250,7 @@ class CudaIpcTransport(Transport):
         if not torch.cuda.is_available():
             raise TransportError("CudaIpcTransport needs a CUDA device, but torch.cuda.is_available() is False")
 
+        self._group = group
         if rank is None or world_size is None:
             if not dist.is_initialized():
                 raise ValueError("pass rank=, world_size= and store=, or initialise torch.distributed first")
@@ -337,6 +338,22 @@ class CudaIpcTransport(Transport):
     def rank(self) -> int:
         return self._rank
 
+    def host_channel(self) -> Transport:
+        """Message headers are host bytes: they travel on a torch.distributed transport over the same group
+        (gloo: itself, host memory; NCCL: its gloo side group), made at the first call (collective: a pipeline
+        asks at construction, on every rank).  Needs the process group (not an explicit rank/store)."""
+        side: tuple[Transport, Transport] | None = getattr(self, "_host_channel", None)
+        if side is None:
+            if not dist.is_initialized():
+                raise TransportError("CudaIpcTransport: message headers need a torch.distributed group beside it")
+            from dualpipe_kernels.transport.torch_dist import TorchDistTransport
+
+            owner = TorchDistTransport(self._group, device=self.device, timeout_s=self.timeout_s,
+                                       split_directions=False)  # fmt: skip
+            side = (owner, owner.host_channel())
+            self._host_channel: tuple[Transport, Transport] | None = side
+        return side[1]
+
     @property
     def peers(self) -> frozenset[int]:
         return self._peers
@@ -394,6 +411,10 @@ class CudaIpcTransport(Transport):
 
     def close(self) -> None:
         """Fail unfinished transfers, wait (bounded) for peers to detach, free rings, events and streams."""
+        side = getattr(self, "_host_channel", None)
+        if side is not None:
+            self._host_channel = None
+            side[0].close()
         eng, self._engine = self._engine, None
         if eng is not None:
             eng.close(min(self.timeout_s, _CLOSE_TIMEOUT_S))

@@ -68,6 +68,7 @@ class RoutedTransport(Transport):
         if missing:
             raise ValueError(f"rank {rank}: routes name transports {missing} that were not built")
         self._rank, self.routes, self.transports = rank, dict(routes), dict(transports)
+        self._owns = True  # close() closes the transports (False for an in-order view of them)
         self.local_peers = tuple(sorted(p for p, k in self.routes.items() if k != "torch"))
         first = next((k for k in self.routes.values() if k != "torch"), "torch")
         inner = self.transports.get(first) or next(iter(self.transports.values()))
@@ -90,6 +91,29 @@ class RoutedTransport(Transport):
         """When any of its transports wants them (posting early elsewhere costs little: native 0.98-1.06)."""
         return any(t.early_small_receives for t in self.transports.values())
 
+    @property
+    def host_wire(self) -> bool:
+        return all(t.host_wire for t in self.transports.values())
+
+    @property
+    def matches_tags(self) -> bool:
+        return all(t.matches_tags for t in self.transports.values())
+
+    def in_order(self, channel: int) -> Transport:
+        """Per peer: its transport's in-order channel where it pairs transfers in posting order (NCCL), else
+        the transport itself (a tag-matched one takes the program's order as well as any)."""
+        inner = {k: t if t.matches_tags else t.in_order(channel) for k, t in self.transports.items()}
+        routed = RoutedTransport(self._rank, self.routes, inner, self.timeout_s)
+        routed._owns = False  # a view: the transports are this one's
+        return routed
+
+    def host_channel(self) -> Transport:
+        """The torch transport's (a gloo group of every rank of the group: it reaches every peer)."""
+        torch_t = self.transports.get("torch")
+        if torch_t is not None:
+            return torch_t.host_channel()
+        return next(iter(self.transports.values())).host_channel()
+
     def _route(self, peer: int, what: str) -> Transport:
         kind = self.routes.get(peer)
         if kind is None:
@@ -103,5 +127,6 @@ class RoutedTransport(Transport):
         return self._route(peer, what).irecv(tensor, peer, tag, what)
 
     def close(self) -> None:
-        for t in self.transports.values():
-            t.close()
+        if self._owns:
+            for t in self.transports.values():
+                t.close()

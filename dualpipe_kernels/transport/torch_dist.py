@@ -32,10 +32,12 @@ directions apart they do not.  DualPipeV 2 x 16 of tiny stages: 32-33 ms per
 step -> 21 ms (torch's ``ScheduleDualPipeV`` on the same gloo: 36-42 ms); 1F1B:
 19-22 ms -> 14-15 ms, the loop thread's CPU time halved (torch: 12-15 ms).
 
-CUDA tensors over a backend that cannot move them (gloo) are staged through a
-host buffer: the send copies to the host before posting, the receive copies to
-the device when it is waited on.  That path blocks the host; it exists so that
-the runtime works on one GPU with several ranks, not for speed.
+CUDA tensors over a backend that cannot move them (gloo) are staged through
+pinned host buffers: the send copies to the host without blocking the stream
+and waits for that copy's event before posting; the receive copies to the
+device, without blocking the host, on the stream current when it is waited on.
+"auto" never picks this path (an NCCL group does); it is for ``transport="torch"``
+on a gloo group, which works on one GPU with several ranks, not for speed.
 
 Shutdown: a waiter thread still blocked in gloo when the interpreter finalizes
 would, once its wait returns (the peer exits), be stopped by Python while it
@@ -223,22 +225,35 @@ class TorchDistTransport(Transport):
         self.device_native = nccl or self.device.type == "cpu"
         # The waiters' own limit is generous: a caller's wait enforces its timeout.
         self.waiters = WaiterPool(max(timeout_s, 1.0) * 4)
-        if split_directions and (nccl or ordered):
-            raise ValueError("split_directions applies to unordered gloo transfers (not NCCL, not ordered=True)")
+        if split_directions and nccl:
+            raise ValueError("split_directions applies to gloo transfers (not NCCL)")
+        self._nccl = nccl
+        self._ordered_mode = bool(nccl or ordered)
+        # The store-sequenced tag layer (ordered.py) for callers that post by tag in any order: made at its first
+        # use, so a pipeline that posts in program order (in_order) costs no store traffic and no worker thread.
         self._ordered: OrderedP2P | None = None
-        if nccl or ordered:
-            self._ordered = self._make_ordered(nccl)
+        self._ordered_lock = threading.Lock()
+        self._side: _SideChannel | None = None
+        self._in_order: dict[int, _InOrder] = {}
         if split_directions is None:
-            split_directions = self._ordered is None and self._size > 1
+            split_directions = not nccl and self._size > 1
         # Transfers to a lower group rank (None: everything over ``group``).
         self._down: Any = _direction_group(self.group, timeout_s) if split_directions else None
         # Transfers posted and not seen finished (one whose handle was dropped unwaited stays counted).
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
+        self._pinned: list[tuple[Any, torch.Tensor]] = []  # host staging buffers of copies still running
         self._closed = False
         # A transport left open at exit is closed before the interpreter finalizes (see the module doc).
         self._exit_hook = _exit_hook(weakref.ref(self))
         atexit.register(self._exit_hook)
+
+    def _sequencer(self) -> OrderedP2P:
+        """The store-sequenced tag layer (built at the first tagged transfer of an ordered transport)."""
+        with self._ordered_lock:
+            if self._ordered is None:
+                self._ordered = self._make_ordered(self._nccl)
+            return self._ordered
 
     def _make_ordered(self, nccl: bool) -> OrderedP2P:
         group = self.group
@@ -278,7 +293,7 @@ class TorchDistTransport(Transport):
         cycle F, I, W: 1.4-1.6 of 8).  Measured, not derived: which point of a cycle gloo dislikes is
         read off these runs, not off gloo's code.  With :attr:`early_small_receives` (on over gloo) the
         window places only the receives of messages above the inline size."""
-        return DEFAULT_RECV_LOOKAHEAD if self._ordered is not None else GLOO_RECV_LOOKAHEAD
+        return DEFAULT_RECV_LOOKAHEAD if self._nccl else GLOO_RECV_LOOKAHEAD
 
     @property
     def early_small_receives(self) -> bool:
@@ -290,12 +305,44 @@ class TorchDistTransport(Transport):
         same change measured 0.98-1.06, so it stays off there).  The buffers are the inline ones (at most
         33 KiB each), so the memory is bounded by the step's message count.  Over NCCL (ordered posting),
         False."""
-        return self._ordered is None
+        return not self._nccl
 
     @property
     def ordered(self) -> bool:
         """Whether transfers are sequenced per pair (NCCL), not matched by tag."""
-        return self._ordered is not None
+        return self._ordered_mode
+
+    @property
+    def matches_tags(self) -> bool:
+        return not self._ordered_mode
+
+    def in_order(self, channel: int) -> Transport:
+        """Posting straight to the backend in call order, per directed pair (see :meth:`Transport.in_order`).
+
+        Over gloo (``ordered=True``) every transfer of ``channel`` carries the tag ``channel + 1`` (0 is the
+        sequencing layer's), so gloo matches a channel's transfers in posting order as NCCL does, and two
+        channels never meet; transfers to a lower rank go over the second gloo group, as unordered ones do.
+        Over NCCL, the first channel made on this transport is ``group`` and each other a communicator of its
+        own over the same ranks; transfers to a lower rank go over a second communicator, so a send blocked
+        on its receiver never holds back the opposite direction (each communicator carries one direction of
+        a pair)."""
+        if not self._ordered_mode:
+            raise ValueError("in_order applies to an ordered transport (NCCL, or gloo with ordered=True)")
+        if channel < 0 or channel + 1 >= _CANCEL_TAG:
+            raise ValueError(f"in_order: channel must be in 0..{_CANCEL_TAG - 2}, got {channel}")
+        view = self._in_order.get(channel)
+        if view is None:
+            view = self._in_order[channel] = _InOrder(self, channel)
+        return view
+
+    def host_channel(self) -> Transport:
+        """This transport when it is a tag-matched host wire; else a gloo group of the same ranks beside it
+        (headers and the rare message whose layout the receiver did not know, staged through the host)."""
+        if self.host_wire and self.matches_tags:
+            return self
+        if self._side is None:
+            self._side = _SideChannel(self)
+        return self._side
 
     def _track(self, delta: int) -> None:
         with self._in_flight_lock:
@@ -307,13 +354,51 @@ class TorchDistTransport(Transport):
         if self._closed:
             raise TransportError(f"rank {self._rank}: transport closed; cannot post {what!r}")
 
+    def _stage_send(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the buffer the backend sends, a host staging copy to keep alive until the send completes or None).
+
+        A CUDA tensor over gloo (host staging, only when asked for): copied into pinned host memory without
+        blocking the stream, then the host waits for that copy's event alone (gloo reads the bytes at once)."""
+        if tensor.device.type == "cpu" or self.device_native:
+            return tensor, None
+        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        buf.copy_(tensor, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(tensor.device))
+        copied.synchronize()
+        return buf, buf
+
+    def _stage_recv(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """(the buffer the backend receives into, the copy into ``tensor`` to run on completion or None).
+
+        A CUDA tensor over gloo: received into pinned host memory, then copied to the device without blocking
+        the host, on the stream current when the receive is waited for (what reads the tensor next); the
+        pinned buffer is kept until that copy's event has passed."""
+        if tensor.device.type == "cpu" or self.device_native:
+            return tensor, None
+        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+
+        def finish() -> None:
+            tensor.copy_(buf, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(tensor.device))
+            self._keep_until(done, buf)
+
+        return buf, finish
+
+    def _keep_until(self, event: Any, buf: torch.Tensor) -> None:
+        """Hold ``buf`` until ``event`` has passed (drops the pinned buffers whose copies are done)."""
+        with self._in_flight_lock:
+            self._pinned = [(e, b) for e, b in self._pinned if not e.query()]
+            self._pinned.append((event, buf))
+
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
         self._check_peer(peer, what)
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self._rank}: isend needs a contiguous tensor ({what})")
-        if self._ordered is not None:
-            return self._ordered.isend(tensor, peer, tag, what)
-        buf = tensor if (tensor.device.type == "cpu" or self.device_native) else tensor.to("cpu")
+        if self._ordered_mode:
+            return self._sequencer().isend(tensor, peer, tag, what)
+        buf, keep = self._stage_send(tensor)
         group = self.group if self._down is None or peer > self._rank else self._down
         try:
             # The group's own send (what dist.isend calls after its per-call argument checks).
@@ -321,16 +406,15 @@ class TorchDistTransport(Transport):
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
-        return _WorkHandle(work, self, peer, what, keep=None if buf is tensor else buf)
+        return _WorkHandle(work, self, peer, what, keep=keep)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
         self._check_peer(peer, what)
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self._rank}: irecv needs a contiguous tensor ({what})")
-        if self._ordered is not None:
-            return self._ordered.irecv(tensor, peer, tag, what)
-        staged = not (tensor.device.type == "cpu" or self.device_native)
-        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if staged else tensor
+        if self._ordered_mode:
+            return self._sequencer().irecv(tensor, peer, tag, what)
+        buf, finish = self._stage_recv(tensor)
         # The sender's choice: a transfer to the higher of the two ranks goes over ``group``.
         group = self.group if self._down is None or peer < self._rank else self._down
         try:
@@ -338,11 +422,7 @@ class TorchDistTransport(Transport):
         except RuntimeError as exc:
             raise TransportError(f"rank {self._rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
-
-        def finish() -> None:
-            tensor.copy_(buf)
-
-        return _WorkHandle(work, self, peer, what, finish if staged else None)
+        return _WorkHandle(work, self, peer, what, finish)
 
     def close(self) -> None:
         """Idempotent.  Transfers still in flight (a failed step) are cancelled: the group's gloo pairs close,
@@ -373,29 +453,182 @@ class TorchDistTransport(Transport):
                 self._down.recv([torch.empty(1)], peer, _CANCEL_TAG).wait(timedelta(milliseconds=1))
             except RuntimeError:
                 pass
+        if self._side is not None:
+            try:
+                cancel = self._side.backend.recv([torch.empty(1, device="cpu")], peer, _CANCEL_TAG)
+                cancel.wait(timedelta(milliseconds=1))
+            except RuntimeError:
+                pass
+
+
+class _NcclHandle(Handle):
+    """An NCCL transfer: completion is polled on the work itself; a wait orders the stream after it."""
+
+    def __init__(self, work: Any, owner: TorchDistTransport, peer: int, what: str) -> None:
+        self._work: Any = work
+        self._owner, self._peer, self._what = owner, peer, what
+
+    def is_completed(self) -> bool:
+        return self._work is None or bool(self._work.is_completed())
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.wait_stream(None)
+
+    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
+        if self._work is None:
+            return
+        try:
+            if stream is None:
+                self._work.wait()
+            else:
+                with torch.cuda.stream(stream):
+                    self._work.wait()
+        except RuntimeError as exc:
+            who = f"rank {self._owner.rank} <-> peer rank {self._peer}"
+            raise TransportError(f"{who}: {self._what} failed: {exc}") from exc
+        self._work = None
+
+
+class _InOrder(Transport):
+    """One in-order channel of an ordered :class:`TorchDistTransport` (see its ``in_order``)."""
+
+    name = "torch-in-order"
+
+    def __init__(self, owner: TorchDistTransport, channel: int) -> None:
+        super().__init__(owner.timeout_s)
+        self._owner = owner
+        self.channel = channel
+        self.device = owner.device
+        self.device_native = owner.device_native
+        self._tag = channel + 1  # gloo: the channel's own tag (0 is the sequencing layer's)
+        self._backends: dict[bool, Any] = {}
+
+    @property
+    def rank(self) -> int:
+        return self._owner.rank
+
+    @property
+    def matches_tags(self) -> bool:
+        return False
+
+    def host_channel(self) -> Transport:
+        return self._owner.host_channel()
+
+    def _backend(self, up: bool) -> Any:
+        """NCCL: the communicator of this channel and direction (``up``: to the higher rank of a pair)."""
+        backend = self._backends.get(up)
+        if backend is None:
+            if up and self.channel == min(self._owner._in_order):
+                backend = self._owner.group  # the first channel made on this transport: the group itself
+            else:
+                backend = _nccl_backend(self._owner.group, f"c{self.channel}/{'up' if up else 'down'}",
+                                        self._owner.timeout_s)  # fmt: skip
+            self._backends[up] = backend
+        return backend
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+        o = self._owner
+        o._check_peer(peer, what)
+        if o._nccl:
+            group = self._backend(peer > o.rank)
+            return _NcclHandle(group.send([tensor], peer, 0), o, peer, what)
+        buf, keep = o._stage_send(tensor)
+        group = o.group if o._down is None or peer > o.rank else o._down
+        try:
+            work = group.send([buf], peer, self._tag)
+        except RuntimeError as exc:
+            raise TransportError(f"rank {o.rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
+        return _WorkHandle(work, o, peer, what, keep=keep)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+        o = self._owner
+        o._check_peer(peer, what)
+        if o._nccl:
+            group = self._backend(peer < o.rank)  # the sender's direction: to the higher rank of the pair
+            return _NcclHandle(group.recv([tensor], peer, 0), o, peer, what)
+        buf, finish = o._stage_recv(tensor)
+        group = o.group if o._down is None or peer < o.rank else o._down
+        try:
+            work = group.recv([buf], peer, self._tag)
+        except RuntimeError as exc:
+            raise TransportError(f"rank {o.rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
+        return _WorkHandle(work, o, peer, what, finish)
+
+
+class _SideChannel(Transport):
+    """A tag-matched gloo group of an ordered or device transport's ranks, for host tensors (message headers;
+    device tensors, rarely sent here, are staged through the host)."""
+
+    name = "torch-side"
+
+    def __init__(self, owner: TorchDistTransport) -> None:
+        super().__init__(owner.timeout_s)
+        self._owner = owner
+        self.backend = _direction_group(owner.group, owner.timeout_s, _SIDE_PREFIX)
+
+    @property
+    def rank(self) -> int:
+        return self._owner.rank
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+        o = self._owner
+        o._check_peer(peer, what)
+        buf = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
+        try:
+            work = self.backend.send([buf], peer, tag)
+        except RuntimeError as exc:
+            raise TransportError(f"rank {o.rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
+        return _WorkHandle(work, o, peer, what, keep=None if buf is tensor else buf)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+        o = self._owner
+        o._check_peer(peer, what)
+        staged = tensor.device.type != "cpu"
+        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if staged else tensor
+        try:
+            work = self.backend.recv([buf], peer, tag)
+        except RuntimeError as exc:
+            raise TransportError(f"rank {o.rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
+
+        def finish() -> None:
+            tensor.copy_(buf)
+
+        return _WorkHandle(work, o, peer, what, finish if staged else None)
+
+
+def _nccl_backend(group: dist.ProcessGroup, name: str, timeout_s: float) -> Any:
+    """A further NCCL communicator over ``group``'s ranks (numbered as in ``group``), rendezvousing under
+    ``group``'s store."""
+    gname = getattr(group, "group_name", "") or "world"
+    store = dist.PrefixStore(f"{_NCCL_PREFIX}{gname}/{name}/", group_store(group))
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timedelta(seconds=max(timeout_s, 30.0))
+    return dist.ProcessGroupNCCL(store, dist.get_rank(group), dist.get_world_size(group), options)
 
 
 #: id(group) -> (the group, its second gloo backend): one per group and process, shared by its transports.
-_DOWN_GROUPS: dict[int, tuple[weakref.ReferenceType[dist.ProcessGroup], Any]] = {}
+_DOWN_GROUPS: dict[tuple[int, str], tuple[weakref.ReferenceType[dist.ProcessGroup], Any]] = {}
 _DOWN_PREFIX = "dualpipe_kernels_p2p_down/"
+_SIDE_PREFIX = "dualpipe_kernels_p2p_side/"
+_NCCL_PREFIX = "dualpipe_kernels_p2p_nccl/"
 
 
-def _direction_group(group: dist.ProcessGroup, timeout_s: float) -> Any:
+def _direction_group(group: dist.ProcessGroup, timeout_s: float, prefix: str = _DOWN_PREFIX) -> Any:
     """The second gloo group of ``group``'s ranks, numbered as in ``group``: a gloo backend of its own
     (its own pairs and TCP loop thread) that rendezvouses under ``group``'s store, so only the members take
     part and no group name or count of torch's changes.  Made once per group in this process and shared
     by every transport on ``group`` (as ``group`` itself is); dropped at exit."""
-    hit = _DOWN_GROUPS.get(id(group))
+    hit = _DOWN_GROUPS.get((id(group), prefix))
     if hit is not None and hit[0]() is group:
         return hit[1]
     name = getattr(group, "group_name", "") or "world"
-    store = dist.PrefixStore(f"{_DOWN_PREFIX}{name}/", group_store(group))
+    store = dist.PrefixStore(f"{prefix}{name}/", group_store(group))
     down = dist.ProcessGroupGloo(
         store, dist.get_rank(group), dist.get_world_size(group), timedelta(seconds=max(timeout_s, 30.0))
     )
     if not _DOWN_GROUPS:
         atexit.register(_DOWN_GROUPS.clear)  # gloo's threads stop while the interpreter still runs
-    _DOWN_GROUPS[id(group)] = (weakref.ref(group), down)
+    _DOWN_GROUPS[(id(group), prefix)] = (weakref.ref(group), down)
     return down
 
 

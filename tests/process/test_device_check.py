@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["smoke", "build", "gpu", "bench", "transport", "runtime", "compat", "hostcpu"]
+STEPS = ["smoke", "build", "gpu", "bench", "transport", "runtime", "wire", "compat", "hostcpu"]
 
 
 @pytest.mark.timeout(480)

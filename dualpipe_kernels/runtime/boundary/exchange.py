@@ -15,19 +15,43 @@ action and the micro-batch.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from dualpipe_kernels.runtime.boundary.codec import BoundaryFormat
+from dualpipe_kernels.runtime.boundary.header import TagSpace
+from dualpipe_kernels.runtime.boundary.layout_memory import Channels, LayoutMemory, MessageKey
 from dualpipe_kernels.runtime.boundary.repeat import RepeatRecvOp, SmallSend, post_repeat, same_signature
-from dualpipe_kernels.runtime.boundary.transfer import BoundaryRecv, BoundarySend, LayoutMemory, TagSpace
-from dualpipe_kernels.schedules.deps import Program
-from dualpipe_kernels.schedules.ir import T_SEND_B, T_SEND_F, Action
-from dualpipe_kernels.transport import Transport
+from dualpipe_kernels.runtime.boundary.transfer import BoundaryRecv, BoundarySend
+from dualpipe_kernels.schedules.deps import ROLE_RECV, Program
+from dualpipe_kernels.schedules.ir import T_RECV_B, T_SEND_B, T_SEND_F, Action
+from dualpipe_kernels.transport.base import Transport
 
-__all__ = ["Boundary", "BoundaryState", "Wire"]
+__all__ = ["Boundary", "BoundaryState", "Wire", "pair_orders", "pair_order_digest"]
+
+
+def pair_orders(program: Program) -> dict[tuple[int, int], tuple[MessageKey, ...]]:
+    """(sender, receiver) pipeline ranks -> the keys of the messages the sender sends the receiver in a step,
+    in the order its action list sends them: the order both ends of a pair post them in on an in-order
+    channel (the receiver's receives of one sender, whatever their place in its own list, are posted in it)."""
+    out: dict[tuple[int, int], list[MessageKey]] = {}
+    for r, actions in enumerate(program.schedule.actions):
+        for i, a in enumerate(actions):
+            if a.type in (T_SEND_F, T_SEND_B):
+                key, dest = program.sends[r][i][0]
+                out.setdefault((r, dest), []).append(program.tag_key(key))
+    return {pair: tuple(keys) for pair, keys in out.items()}
+
+
+def pair_order_digest(program: Program) -> str:
+    """A short digest of :func:`pair_orders` (compared across ranks at construction)."""
+    h = hashlib.blake2b(digest_size=8)
+    for pair, keys in sorted(pair_orders(program).items()):
+        h.update(repr((pair, keys)).encode())
+    return h.hexdigest()
 
 
 @dataclass
@@ -50,6 +74,9 @@ class BoundaryState:
     watch: list[BoundaryRecv] = field(default_factory=list)
     sends: list[tuple[BoundarySend, tuple[torch.Tensor, ...]]] = field(default_factory=list)
     small_sends: list[BoundarySend | SmallSend] = field(default_factory=list)
+    #: in-order channels: per sender (pipeline rank), how many of its messages this step's receives took
+    #: their place for (:func:`pair_orders`)
+    cursor: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -59,7 +86,7 @@ class _Route:
 
     key: tuple[int, int, int]
     peer: int
-    fmt: str
+    fmt: BoundaryFormat
     what: str
     meta_tag: int  # the tag of the message's metadata (slot 0), which an inline message travels under
 
@@ -98,6 +125,41 @@ class Boundary:
     bytes_sent: list[int] = field(default_factory=lambda: [0, 0])
     messages_sent: list[int] = field(default_factory=lambda: [0, 0])
     _routes: dict[int, _Route] = field(default_factory=dict)
+    #: in-order channels (None on a tag-matched wire): RECV action -> (sender, its place in the pair's order),
+    #: and per sender this rank's RECV actions in the pair's order
+    _place: dict[int, tuple[int, int]] | None = field(default=None, init=False)
+    _by_sender: dict[int, list[int]] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.channels: Channels = self.wire.layouts.channels(self.wire.transport)
+        if self.channels.ordered is not None:
+            self._order_receives()
+
+    def _order_receives(self) -> None:
+        """Place each RECV action of this rank in its sender's order (:func:`pair_orders`)."""
+        orders = pair_orders(self.program)
+        place: dict[int, tuple[int, int]] = {}
+        by_sender: dict[int, list[int]] = {}
+        index = {src: {k: n for n, k in enumerate(keys)} for (src, dst), keys in orders.items() if dst == self.rank}
+        for i, a in enumerate(self.actions):
+            if self.program.role[self.rank][i] != ROLE_RECV:
+                continue
+            key, src = self._recv_source(i)
+            n = index.get(src, {}).get(self.program.tag_key(key))
+            if n is None:
+                raise ValueError(
+                    f"pipeline rank {self.rank}: {a} receives a message that pipeline rank {src} never sends"
+                )
+            place[i] = (src, n)
+            by_sender.setdefault(src, []).append(i)
+        for src, recvs in by_sender.items():
+            recvs.sort(key=lambda i: place[i][1])
+            if len(recvs) != len(index[src]):
+                raise ValueError(
+                    f"pipeline rank {self.rank}: receives {len(recvs)} messages from pipeline rank {src}, "
+                    f"which sends it {len(index[src])}"
+                )
+        self._place, self._by_sender = place, by_sender
 
     @property
     def rank(self) -> int:
@@ -118,8 +180,7 @@ class Boundary:
             what = f"pipeline rank {self.rank}: {a} (micro-batch {a.microbatch}) {arrow} peer pipeline rank {peer}"
             tag = self.program.tag_key(key)
             w = self.wire
-            fmt = w.boundary_format.for_direction(tag[0])
-            route = self._routes[i] = _Route(tag, w.to_group_rank[peer], fmt, what, w.tags.tag(*tag, 0))
+            route = self._routes[i] = _Route(tag, w.to_group_rank[peer], w.boundary_format, what, w.tags.tag(*tag, 0))
         return route
 
     def _recv_source(self, i: int) -> tuple[int, int]:
@@ -129,14 +190,36 @@ class Boundary:
     # ---- receives -------------------------------------------------------------
     def post_recv(self, st: BoundaryState, i: int, repeats_only: bool = False) -> None:
         """Post the receive of RECV action ``i`` (once); ``repeats_only``: only if its message repeats the last
-        step's small layout (one inline transfer from the buffer pool)."""
+        step's small layout (one inline transfer from the buffer pool).
+
+        On an in-order channel, the receives of the same sender that come before ``i`` in its order are
+        posted first (each once), so both ends post the pair's transfers in the same order."""
         if i in st.recvs:
             return
+        if self._place is not None:
+            src, n = self._place[i]
+            done = st.cursor.get(src, 0)
+            if n < done:
+                return  # posted already (and maybe consumed)
+            order = self._by_sender[src]
+            for m in range(done, n + 1):
+                j = order[m]
+                if st.forward_only and self.actions[j].type is T_RECV_B:  # no gradients in forward-only
+                    continue
+                if repeats_only and self.wire.layouts.repeat_recv.get(self._route(j).key) is None:
+                    st.cursor[src] = m  # the order stops at the first message that does not repeat
+                    return
+                self._post_one(st, j, False)
+            st.cursor[src] = n + 1
+            return
+        self._post_one(st, i, repeats_only)
+
+    def _post_one(self, st: BoundaryState, i: int, repeats_only: bool) -> None:
         r = self._route(i)
         w = self.wire
         repeat = w.layouts.repeat_recv.get(r.key)
         if repeat is not None:  # the layout of the last step's message, inline (repeat.py)
-            st.recvs[i] = post_repeat(w.layouts, repeat, w.transport, r.peer, r.meta_tag, r.what)
+            st.recvs[i] = post_repeat(w.layouts, repeat, self.channels.data, r.peer, r.meta_tag, r.what)
             return
         if repeats_only:
             return
@@ -190,7 +273,7 @@ class Boundary:
         repeat = None if keep else w.layouts.repeat_send.get(r.key)
         if repeat is not None and same_signature(repeat.sig, tensors, grad_flags):
             # The layout of the last step's message, which the receiver posted inline (repeat.py).
-            st.small_sends.append(repeat.post(w.transport, tensors, r.peer, r.meta_tag, r.what))
+            st.small_sends.append(repeat.post(self.channels.data, tensors, r.peer, r.meta_tag, r.what))
             nbytes = repeat.plan.nbytes
         else:
             send = BoundarySend(w.transport, tensors, grad_flags, r.peer, w.tags, r.key, r.what, w.layouts, r.fmt)

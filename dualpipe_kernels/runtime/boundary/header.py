@@ -1,4 +1,4 @@
-"""Stage-boundary metadata: the fixed-size int64 header sent ahead of a message's data, tags, layout memory.
+"""Stage-boundary metadata: the fixed-size int64 header sent ahead of a message's data, and tags.
 
 The receiver of a boundary message does not know its shapes in advance, so
 every message starts with one int64 tensor of ``META_LEN`` entries (fixed
@@ -14,25 +14,24 @@ against the receiver's own.
 
 Tags: :class:`TagSpace` gives every (direction, consumer stage, micro-batch,
 slot) its own tag, so transfers between one pair of ranks never mix: slot 0 is
-the metadata, slots 1..31 the speculative and 32..62 the fresh data transfers.
+the metadata, slots 1..31 the speculative and 32..62 the fresh data transfers;
+each pipeline on a process group has its own block of tags (``channel``), so
+the messages of two pipelines never match.
+
+The header is host memory on every wire: it is built and read on the host,
+and travels over the transport's host channel where the wire is a device's
+(layout_memory.py ``Channels``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from dualpipe_kernels.runtime.boundary.pool import BufferPool
 from dualpipe_kernels.transport.base import Transport, TransportError
 from dualpipe_kernels.wire_dtypes import WIRE_DTYPE_CODE, WIRE_DTYPES
-
-if TYPE_CHECKING:
-    from dualpipe_kernels.runtime.boundary.codec import MessageCodec
-    from dualpipe_kernels.runtime.boundary.inline import InlinePlan
-    from dualpipe_kernels.runtime.boundary.repeat import RepeatRecv, RepeatSend
 
 __all__ = [
     "META_LEN",
@@ -42,7 +41,6 @@ __all__ = [
     "TagSpace",
     "TensorMeta",
     "Layout",
-    "LayoutMemory",
     "encode_meta",
     "decode_meta",
     "meta_signature",
@@ -72,26 +70,33 @@ class TensorMeta:
 
 
 class TagSpace:
-    """Tags for one pipeline: ``((direction * stages + stage) * microbatches + mb) * 64 + index``.
+    """Tags for one pipeline: ``base + ((direction * stages + stage) * microbatches + mb) * 64 + index``.
 
     direction 0: activations (keyed by the consuming stage), 1: gradients
     (keyed by the stage whose inputs they are, i.e. the same consumer stage),
     2: end-of-step exchanges (mirror gradients), keyed by the sender's stage.
+    ``channel``: the pipeline's number on its process group (every rank numbers it the same): ``base`` is
+    ``channel`` (modulo the blocks that fit below 2**31 - 1) times the size of one pipeline's block, so the
+    messages of two pipelines on one group never match.
     """
 
     DIRECTIONS = 3
 
-    def __init__(self, num_stages: int, num_microbatches: int) -> None:
+    def __init__(self, num_stages: int, num_microbatches: int, channel: int = 0) -> None:
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         top = self.DIRECTIONS * num_stages * max(num_microbatches, 1) * _SLOTS
-        if top >= 2**31:
+        if top >= 2**31 - 1:
             raise ValueError(
                 f"{num_stages} stages x {num_microbatches} micro-batches exceed the 31-bit tag space of the transport"
             )
+        if channel < 0:
+            raise ValueError(f"TagSpace: channel must be >= 0, got {channel}")
+        self.channel = channel
+        self.base = (channel % ((2**31 - 1) // top)) * top
 
     def tag(self, direction: int, stage: int, microbatch: int, index: int) -> int:
-        return ((direction * self.num_stages + stage) * self.num_microbatches + microbatch) * _SLOTS + index
+        return self.base + ((direction * self.num_stages + stage) * self.num_microbatches + microbatch) * _SLOTS + index
 
     @staticmethod
     def is_metadata(tag: int) -> bool:
@@ -105,77 +110,6 @@ Layout = tuple[tuple[torch.dtype, tuple[int, ...], bool] | None, ...]
 ``exact``: the tensor is carried bit for bit under a lossy boundary format
 (boundary_codec.py); always False under ``none`` and ``packed``.
 """
-
-
-class LayoutMemory:
-    """Per pipeline and per direction of use: message key -> layout of the last message with that key.
-
-    The sender's memory holds what it sent, the receiver's what it received;
-    they agree because every message sent in a step is received in that step
-    (a failed step breaks the pipeline for good).
-    """
-
-    #: at most this many cached metadata tensors (and inline plans)
-    MAX_ENCODED = 512
-
-    def __init__(self, inline_max_bytes: int = 0) -> None:
-        self.sent: dict[tuple[int, int, int], Layout] = {}
-        self.received: dict[tuple[int, int, int], Layout] = {}
-        # Encoded metadata tensors by signature: a send only reads its metadata
-        # tensor, so messages with the same layout share one (never written after
-        # creation).  At most ``MAX_ENCODED`` entries.
-        self.encoded: dict[tuple[object, ...], torch.Tensor] = {}
-        #: remembered layouts whose data is at most this many bytes travel as one transfer
-        #: (runtime/boundary/inline.py; 0: never).  Both ends of a message must use the same value.
-        self.inline_max_bytes = inline_max_bytes
-        self.pool = BufferPool()  # inline receive buffers
-        self.inline_plans: dict[tuple[object, ...], InlinePlan] = {}  # (format code, direction, layout) -> plan
-        self.codecs: dict[tuple[str, int], MessageCodec] = {}  # (format, direction) -> codec
-        # Repeats (runtime/boundary/repeat.py): per message key, what the last inline message with the
-        # remembered layout looked like, so the next one with the same layout skips the protocol's
-        # bookkeeping.  Dropped whenever a message of that key takes the general path.
-        self.repeat_send: dict[tuple[int, int, int], RepeatSend] = {}
-        self.repeat_recv: dict[tuple[int, int, int], RepeatRecv] = {}
-        self._wire: tuple[Transport, torch.device] | None = None
-
-    def wire_device(self, transport: Transport) -> torch.device:
-        """:func:`wire_device` of ``transport``, worked out once (a pipeline has one transport)."""
-        if self._wire is None or self._wire[0] is not transport:
-            self._wire = (transport, wire_device(transport))
-        return self._wire[1]
-
-    def codec(self, fmt: str, direction: int) -> MessageCodec:
-        """The (stateless, shared) codec of messages of ``fmt`` in ``direction``."""
-        codec = self.codecs.get((fmt, direction))
-        if codec is None:
-            from dualpipe_kernels.runtime.boundary.codec import MessageCodec
-
-            codec = self.codecs[(fmt, direction)] = MessageCodec(fmt, direction)
-        return codec
-
-    def inline(self, codec: MessageCodec, layout: Layout | None) -> InlinePlan | None:
-        """The inline plan of a message of remembered ``layout``, or None when it does not travel inline."""
-        if layout is None or self.inline_max_bytes <= 0:
-            return None
-        key = (codec.code, codec.direction, layout)
-        plan = self.inline_plans.get(key)
-        if plan is None:
-            from dualpipe_kernels.runtime.boundary.inline import inline_plan
-
-            if len(self.inline_plans) >= self.MAX_ENCODED:
-                self.inline_plans.clear()
-            plan = self.inline_plans[key] = inline_plan(codec, layout)
-        return plan if plan.nbytes <= self.inline_max_bytes else None
-
-    def clear(self) -> None:
-        """Forget everything (the pipeline is closed): layouts, caches, pooled buffers."""
-        self.sent.clear()
-        self.received.clear()
-        self.encoded.clear()
-        self.inline_plans.clear()
-        self.repeat_send.clear()
-        self.repeat_recv.clear()
-        self.pool.clear()
 
 
 def wire_device(transport: Transport) -> torch.device:

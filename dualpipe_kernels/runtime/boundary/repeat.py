@@ -10,7 +10,7 @@ With stages of a few microseconds of compute that bookkeeping is most of a
 message's cost (the runtime's own overhead per action).
 
 So each end keeps, per message key, what the last such message was
-(:class:`~dualpipe_kernels.runtime.boundary.header.LayoutMemory`'s
+(:class:`~dualpipe_kernels.runtime.boundary.layout_memory.LayoutMemory`'s
 ``repeat_send`` / ``repeat_recv``):
 
 * the sender: the message's signature (dtype, shape and grad flag of each
@@ -45,8 +45,9 @@ from typing import Any
 import torch
 
 from dualpipe_kernels.runtime.boundary.codec import MessageCodec
-from dualpipe_kernels.runtime.boundary.header import Layout, LayoutMemory
+from dualpipe_kernels.runtime.boundary.header import Layout
 from dualpipe_kernels.runtime.boundary.inline import META_BYTES, InlinePlan, build, data_views, read
+from dualpipe_kernels.runtime.boundary.layout_memory import LayoutMemory
 from dualpipe_kernels.transport.base import Handle, Transport
 
 __all__ = [
@@ -119,7 +120,7 @@ def _handed_over(buf: torch.Tensor, layout: Layout, plan: InlinePlan) -> list[to
         for d in reversed(shape):  # contiguous strides
             strides.append(n)
             n *= d
-        t = torch.empty(0, dtype=e[0])
+        t = torch.empty(0, dtype=e[0], device="cpu")
         out.append(t.set_(buf.untyped_storage(), (META_BYTES + off) // e[0].itemsize, shape, strides[::-1]))
     return out
 
@@ -290,5 +291,8 @@ def post_repeat(
     memory: LayoutMemory, entry: RepeatRecv, transport: Transport, peer: int, tag: int, what: str
 ) -> RepeatRecvOp:
     """Post the inline receive of a message expected in ``entry``'s layout."""
-    buf = torch.empty(entry.nbytes, dtype=torch.uint8) if entry.handover else memory.pool.take(entry.nbytes)
+    if entry.handover:
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8, device="cpu")
+    else:
+        buf = memory.pool.take(entry.nbytes)
     return RepeatRecvOp(entry, transport.irecv(buf, peer, tag, what), buf)

@@ -5,9 +5,9 @@ micro-batch (activations forward, input gradients backward).  The receiver
 does not know their shapes in advance, so every message is
 
 1. one fixed-size int64 metadata tensor (shapes, dtypes, grad flags, the
-   boundary format: boundary_meta.py);
+   boundary format: header.py);
 2. its data: one transfer per tensor of non-zero size (format ``none``), or
-   one packed uint8 buffer (``packed``, ``bf16``, ``fp8``: boundary_codec.py,
+   one packed uint8 buffer (``packed``, ``bf16``, ``fp8``: codec.py,
    sent with :meth:`Transport.isend_packed`).
 
 Speculative receives (why: latency).  Over gloo a transfer only moves once its
@@ -44,11 +44,23 @@ without decoding its metadata when the header bytes are the same; anything
 else falls back to the protocol above (the receiver hands it the buffer that
 arrived).  The bytes on the wire are the same.
 
-Devices: every tensor handed to the transport lives on the transport's
-device (:func:`wire_device`): the metadata, the placeholders and payloads
-that come from elsewhere (e.g. a CPU mask) are staged there first, and
-received data is allocated on the receiver's device.  A CUDA transport
-rejects host tensors, so nothing may be created on the default device.
+Devices: the header is host memory on every wire, built and read on the
+host.  On a host wire it travels on the wire (alone, or at the head of an
+inline message); on a device wire (CUDA IPC, NCCL: ``Transport.host_wire``
+False) on the transport's host channel, so reading it never waits for the
+device, and nothing posted to or received from the wire is read on the host
+(tests/process/test_wire_host_read.py).  Every data tensor handed to the wire
+lives on its device (:func:`wire_device`): placeholders and payloads that
+come from elsewhere are staged there first, and received data is allocated
+on the receiver's device.  A CUDA transport rejects host tensors, so nothing
+may be created on the default device.
+
+In-order wires (NCCL, or gloo with ``ordered=True``: ``Transport.matches_tags``
+False): the speculative slots (data of a layout both ends remember, placeholders,
+inline messages) go over the pipeline's in-order channel, which both ends post
+in the order of the program (exchange.py); the header and the fresh data (a
+layout the receiver did not know, posted once its header is in) over the
+tag-matched host channel (layout_memory.py ``Channels``).
 """
 
 from __future__ import annotations
@@ -59,14 +71,13 @@ from collections.abc import Sequence
 
 import torch
 
-from dualpipe_kernels.runtime.boundary.codec import BOUNDARY_FORMATS, MessageCodec
+from dualpipe_kernels.runtime.boundary.codec import BOUNDARY_FORMATS, BoundaryFormat, MessageCodec
 from dualpipe_kernels.runtime.boundary.header import (
     FRESH_BASE,
     MAX_TENSORS,
     META_LEN,
     SPEC_BASE,
     Layout,
-    LayoutMemory,
     TagSpace,
     TensorMeta,
     decode_meta,
@@ -75,10 +86,24 @@ from dualpipe_kernels.runtime.boundary.header import (
     wire_device,
 )
 from dualpipe_kernels.runtime.boundary.inline import META_BYTES, build, read
+from dualpipe_kernels.runtime.boundary.layout_memory import Channels, LayoutMemory
 from dualpipe_kernels.runtime.boundary.repeat import RepeatRecv, RepeatSend, handover, header_bytes, signature
 from dualpipe_kernels.transport.base import Handle, Transport, TransportError
 
+_HOST = torch.device("cpu")
+
+
+def _codec(memory: LayoutMemory | None, fmt: BoundaryFormat | str, direction: int) -> MessageCodec:
+    if memory is not None:
+        return memory.codec(fmt, direction)
+    return MessageCodec(fmt.for_direction(direction) if isinstance(fmt, BoundaryFormat) else fmt, direction)
+
+
+def _channels(memory: LayoutMemory | None, transport: Transport) -> Channels:
+    return memory.channels(transport) if memory is not None else Channels.of(transport)
+
 __all__ = [
+    "Channels",
     "META_LEN",
     "MAX_TENSORS",
     "TagSpace",
@@ -100,7 +125,7 @@ def _metadata(
     code: int,
     wire: torch.device,
 ) -> torch.Tensor:
-    """The message's metadata tensor, from the memory's cache when it has one."""
+    """The message's metadata tensor (host memory), from the memory's cache when it has one."""
     if memory is None:
         return encode_meta(tensors, grad_flags, hit, wire, code)
     sig = meta_signature(tensors, grad_flags, hit, code)
@@ -134,28 +159,29 @@ class BoundarySend:
         key: tuple[int, int, int],
         what: str,
         memory: LayoutMemory | None = None,
-        fmt: str = "none",
+        fmt: BoundaryFormat | str = "none",
     ) -> None:
         direction, stage, mb = key
         self.what = what
-        codec = memory.codec(fmt, direction) if memory is not None else MessageCodec(fmt, direction)
-        wire = memory.wire_device(transport) if memory is not None else wire_device(transport)
+        codec = _codec(memory, fmt, direction)
+        ch = _channels(memory, transport)
+        wire = ch.device
         layout = codec.layout(tensors, grad_flags)
         guess = memory.sent.get(key) if memory is not None else None
         hit = guess is not None and guess == layout
         if memory is not None:
             memory.sent[key] = layout
             memory.repeat_send.pop(key, None)  # remade below when this message repeats (repeat.py)
-        meta = _metadata(memory, tensors, grad_flags, hit, codec.code, wire)
+        meta = _metadata(memory, tensors, grad_flags, hit, codec.code, _HOST)
         self.data_bytes = 0
         #: the whole message is one small copy (inline): nothing the caller owns is held until completion
         self.small = False
-        inline = memory.inline(codec, guess) if memory is not None and wire.type == "cpu" else None
+        inline = memory.inline(codec, guess) if memory is not None and ch.host_wire else None
         if inline is not None:
             # The receiver posted one buffer for metadata and data (inline.py): fill it.
             buf = build(meta, tensors, codec, layout if hit else None, inline)
             self._payload: list[torch.Tensor] = [buf]
-            self._handles: list[Handle] = [transport.isend(buf, peer, tags.tag(direction, stage, mb, 0), what)]
+            self._handles: list[Handle] = [ch.data.isend(buf, peer, tags.tag(direction, stage, mb, 0), what)]
             if hit:
                 self.data_bytes = inline.nbytes
                 self.small = True
@@ -163,18 +189,20 @@ class BoundarySend:
                 memory.repeat_send[key] = RepeatSend(signature(tensors, grad_flags), meta, codec, layout, inline)
                 return
         else:
+            # The header: host bytes, over the host channel (the wire itself on a tag-matched host wire).
             self._payload = [meta]
-            self._handles = [transport.isend(meta, peer, tags.tag(direction, stage, mb, 0), what)]
+            self._handles = [ch.host.isend(meta, peer, tags.tag(direction, stage, mb, 0), what)]
             if guess is not None and not hit:
                 # The receiver posted receives of the remembered layout: satisfy them with placeholders.
                 for slot, dtype, shape in codec.wire_specs(guess):
                     dummy = torch.zeros(shape, dtype=dtype, device=wire)
                     self._payload.append(dummy)
                     tag = tags.tag(direction, stage, mb, SPEC_BASE + slot)
-                    self._handles.append(transport.isend(dummy, peer, tag, f"{what} placeholder {slot}"))
+                    self._handles.append(ch.data.isend(dummy, peer, tag, f"{what} placeholder {slot}"))
         base = SPEC_BASE if hit else FRESH_BASE
+        out = ch.data if hit else ch.fresh
         if codec.packed:
-            self._send_packed(codec, transport, tensors, layout, wire, peer, tags.tag(direction, stage, mb, base))
+            self._send_packed(codec, out, tensors, layout, wire, peer, tags.tag(direction, stage, mb, base))
             return
         for i, t in enumerate(tensors):
             if t is not None and t.numel() > 0:
@@ -182,7 +210,7 @@ class BoundarySend:
                 self._payload.append(t)
                 self.data_bytes += t.numel() * t.element_size()
                 tag = tags.tag(direction, stage, mb, base + i)
-                self._handles.append(transport.isend(t, peer, tag, f"{what} tensor {i}"))
+                self._handles.append(out.isend(t, peer, tag, f"{what} tensor {i}"))
 
     def _send_packed(
         self,
@@ -235,17 +263,18 @@ class BoundaryRecv:
         what: str,
         device: torch.device,
         memory: LayoutMemory | None = None,
-        fmt: str = "none",
+        fmt: BoundaryFormat | str = "none",
         posted: tuple[Handle, torch.Tensor] | None = None,
     ) -> None:
         self.what = what
         self._transport = transport
+        ch = self._channels = _channels(memory, transport)
         self._peer = peer
         self._tags = tags
         self._key = key
         self._device = device
         self._memory = memory
-        self._codec = memory.codec(fmt, key[0]) if memory is not None else MessageCodec(fmt, key[0])
+        self._codec = _codec(memory, fmt, key[0])
         self._metas: list[TensorMeta | None] | None = None
         self._layout: Layout = ()
         self._tensors: list[torch.Tensor | None] = []
@@ -258,9 +287,8 @@ class BoundaryRecv:
         self._spec_handles: list[Handle] = []
         #: the data receives wait for the metadata and for :meth:`progress` calls to post them
         self.needs_progress = False
-        wire = memory.wire_device(transport) if memory is not None else wire_device(transport)
         meta_tag = tags.tag(key[0], key[1], key[2], 0)
-        self._inline = memory.inline(self._codec, self._guess) if memory is not None and wire.type == "cpu" else None
+        self._inline = memory.inline(self._codec, self._guess) if memory is not None and ch.host_wire else None
         if self._inline is not None:
             # One transfer brings the metadata and the data of the remembered layout (inline.py).
             assert memory is not None
@@ -270,15 +298,16 @@ class BoundaryRecv:
                 assert buf.numel() == META_BYTES + self._inline.nbytes
             else:
                 buf = memory.pool.take(META_BYTES + self._inline.nbytes)
-                self._meta_handle = transport.irecv(buf, peer, meta_tag, what)
+                self._meta_handle = ch.data.irecv(buf, peer, meta_tag, what)
             self._inline_buf: torch.Tensor | None = buf
             self._meta_buf = buf[:META_BYTES].view(torch.int64)
             return
         if posted is not None:
             raise AssertionError(f"{what}: a posted inline buffer, but this message's layout does not travel inline")
         self._inline_buf = None
-        self._meta_buf = torch.empty(META_LEN, dtype=torch.int64, device=wire)
-        self._meta_handle = transport.irecv(self._meta_buf, peer, meta_tag, what)
+        # The header: host bytes, over the host channel (never a device tensor: it is read on the host).
+        self._meta_buf = torch.empty(META_LEN, dtype=torch.int64, device=_HOST)
+        self._meta_handle = ch.host.irecv(self._meta_buf, peer, meta_tag, what)
         if self._guess is not None:
             self._spec = self._codec.alloc(self._guess, device)
             self._spec_handles = self._post(self._spec[1], SPEC_BASE)
@@ -294,8 +323,9 @@ class BoundaryRecv:
 
     def _post(self, buffers: Sequence[tuple[int, torch.Tensor]], base: int) -> list[Handle]:
         direction, stage, mb = self._key
+        to = self._channels.data if base == SPEC_BASE else self._channels.fresh
         return [
-            self._transport.irecv(
+            to.irecv(
                 buf, self._peer, self._tags.tag(direction, stage, mb, base + slot), f"{self.what} data {slot}"
             )
             for slot, buf in buffers
@@ -323,9 +353,6 @@ class BoundaryRecv:
         with self._lock:
             if self._metas is not None:
                 return
-            if self._meta_buf.is_cuda:
-                # Reading it on the host goes through the current stream: order it after the transfer's copy.
-                self._meta_handle.wait_stream(torch.cuda.current_stream(self._meta_buf.device))
             metas, speculative = self._read_meta()
             layout = self._codec.layout_of(metas)
             if self._memory is not None:
