@@ -9,6 +9,7 @@ written out here, since a pair of positions says more than a stuck key.
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 from .deps import ROLE_COMPUTE, ROLE_RECV, ROLE_SEND, Program, ProgramError, Topology
@@ -177,12 +178,13 @@ def program_of(schedule: Schedule) -> Program:
 def entry_problem(entry: object) -> str | None:
     """What is wrong with one entry of an action list as an :class:`Action` (None: well formed).
 
-    The type must be an :class:`ActionType`, ``stage`` and ``microbatch`` integers >= 0 (not bool), ``peer``
+    The type must be an :class:`ActionType` (or another enum's member: a new action kind, whose dependency
+    rule the program reports if missing), ``stage`` and ``microbatch`` integers >= 0 (not bool), ``peer``
     None or an integer, and an OVERLAP_F_B's ``sub_actions`` two well-formed actions.
     """
     if not isinstance(entry, Action):
         return f"the entry is a {type(entry).__name__} ({entry!r:.60}), not an Action"
-    if not isinstance(entry.type, ActionType):
+    if not isinstance(entry.type, (ActionType, enum.Enum)):  # a new kind is an enum member with a dependency rule
         return f"the action's type must be an ActionType (e.g. ActionType.F), got {entry.type!r}"
     for name in ("stage", "microbatch"):
         v = getattr(entry, name)
