@@ -25,7 +25,7 @@ PARALLEL = 25  # all at once: the runs mostly wait, and the machine may be share
 
 @pytest.mark.timeout(600)
 def test_fifty_failing_runs_exit_without_a_signal():
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
     proc = subprocess.run(
         [sys.executable, os.path.join(here, "failing_exits.py"), str(RUNS), str(PARALLEL)],
         capture_output=True,
