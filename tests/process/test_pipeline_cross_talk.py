@@ -43,7 +43,7 @@ def _reference_loss(seed: int) -> float:
 
 
 def _crossed(rank: int, world: int, kind: str) -> dict[str, Any]:
-    from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.runtime import Pipeline, WireOptions
     from dualpipe_kernels.schedules import build_schedule
     from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
@@ -55,7 +55,9 @@ def _crossed(rank: int, world: int, kind: str) -> dict[str, Any]:
         if kind == "ordered":
             transport = TorchDistTransport(timeout_s=TIMEOUT_S, ordered=True)
             transports.append(transport)
-        pipes.append(Pipeline.from_sequential(schedule, _model(seed), transport=transport, timeout_s=TIMEOUT_S))
+        pipes.append(Pipeline.from_sequential(
+                schedule, _model(seed), wire=WireOptions(transport=transport, timeout_s=TIMEOUT_S)
+            ))
     x, y = _data()
     order = [0, 1] if rank == 0 else [1, 0]
     losses: dict[int, float | None] = {}

@@ -21,7 +21,7 @@ STEPS = 3
 def _run(rank: int, world: int, name: str, ordered: bool, counting: Any) -> dict[str, Any]:
     from torch import nn
 
-    from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.runtime import Pipeline, WireOptions
     from dualpipe_kernels.schedules import build_schedule
     from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
@@ -29,7 +29,7 @@ def _run(rank: int, world: int, name: str, ordered: bool, counting: Any) -> dict
     schedule = build_schedule(name, world, 4)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(schedule.num_stages)])
     transport: Any = TorchDistTransport(timeout_s=30.0, ordered=True) if ordered else "torch"
-    pipe = Pipeline.from_sequential(schedule, model, transport=transport, timeout_s=30.0)
+    pipe = Pipeline.from_sequential(schedule, model, wire=WireOptions(transport=transport, timeout_s=30.0))
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     y = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
     store_ops = []

@@ -24,7 +24,7 @@ def _run(rank: int, world: int, name: str, fmt: str, strict: bool, ordered: bool
     from strict_wire import HostReadGuard, StrictWire
     from torch import nn
 
-    from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.runtime import Pipeline, WireOptions
     from dualpipe_kernels.schedules import build_schedule
     from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
@@ -33,7 +33,9 @@ def _run(rank: int, world: int, name: str, fmt: str, strict: bool, ordered: bool
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(schedule.num_stages)])
     inner = TorchDistTransport(timeout_s=30.0, ordered=ordered)
     transport: Any = StrictWire(inner) if strict else inner
-    pipe = Pipeline.from_sequential(schedule, model, transport=transport, timeout_s=30.0, boundary_format=fmt)
+    pipe = Pipeline.from_sequential(
+        schedule, model, wire=WireOptions(transport=transport, timeout_s=30.0, boundary_format=fmt)
+    )
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     y = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
     reads: list[list[str]] = []

@@ -91,7 +91,7 @@ def ppdp_rank(
     """One training step of a PP x DP pipeline built from a ("dp", "pp") DeviceMesh; returns grads and timings."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dualpipe_kernels.runtime import Pipeline
+    from dualpipe_kernels.runtime import DiagnosticsOptions, GradientOptions, Pipeline, WireOptions
     from dualpipe_kernels.schedules.generators import build_schedule
 
     assert world == pp * dp
@@ -102,11 +102,10 @@ def ppdp_rank(
         schedule,
         make_model(),
         mesh,
-        transport=transport,
-        record_timeline=True,
-        timeout_s=60,
-        dp_op=dp_op,
-        scale_grads=False,  # the references sum the micro-batch losses' gradients
+        wire=WireOptions(transport=transport, timeout_s=60),
+        diagnostics=DiagnosticsOptions(record_timeline=True),
+        # the references sum the micro-batch losses' gradients
+        gradients=GradientOptions(dp_op=dp_op, scale_grads=False),
     )
     try:
         x, y = global_batch(dp * n * ROWS_PER_MB)
