@@ -32,7 +32,9 @@ cudaMemcpyKind kind_of(CopyKind k) {
 }
 
 // Fallback signals where the device has no 64-bit stream memory operations:
-// one thread stores (after a system-wide fence) or spins on the value.
+// one thread stores (after a system-wide fence) or spins on the value.  (Kernels and their launches only
+// where nvcc compiles this file; a plain C++ compiler reads the host code alone: the C++17 syntax check.)
+#if defined(__CUDACC__)
 __global__ void signal_write_kernel(volatile unsigned long long* addr, unsigned long long value) {
   __threadfence_system();
   *addr = value;
@@ -47,6 +49,7 @@ __global__ void signal_wait_kernel(volatile unsigned long long* addr, unsigned l
   }
   __threadfence_system();
 }
+#endif  // __CUDACC__
 
 using WriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 using WaitValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
@@ -137,8 +140,12 @@ class CudaRuntime final : public DeviceApi {
       const CUresult r = write_(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(addr), value, 0);
       return r == CUDA_SUCCESS ? kOk : driver_error(r);
     }
+#if defined(__CUDACC__)
     signal_write_kernel<<<1, 1, 0, S(s)>>>(static_cast<unsigned long long*>(addr), value);
     return st(cudaGetLastError());
+#else
+    return st(cudaErrorNotSupported);
+#endif
   }
   Status stream_wait_value(Stream s, void* addr, std::uint64_t value) override {
     resolve();
@@ -147,8 +154,12 @@ class CudaRuntime final : public DeviceApi {
                                CU_STREAM_WAIT_VALUE_GEQ);
       return r == CUDA_SUCCESS ? kOk : driver_error(r);
     }
+#if defined(__CUDACC__)
     signal_wait_kernel<<<1, 1, 0, S(s)>>>(static_cast<unsigned long long*>(addr), value);
     return st(cudaGetLastError());
+#else
+    return st(cudaErrorNotSupported);
+#endif
   }
   Status set_value(void* addr, std::uint64_t value) override {
     return st(cudaMemcpy(addr, &value, sizeof value, cudaMemcpyHostToDevice));
