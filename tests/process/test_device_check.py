@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+#: the longest tests of the suite (leave them out with -m "not slow")
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["smoke", "build", "gpu", "bench", "transport", "runtime", "wire", "compat", "hostcpu"]
 

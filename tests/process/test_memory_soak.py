@@ -20,6 +20,9 @@ from typing import Any
 
 import pytest
 
+#: the longest tests of the suite (leave them out with -m "not slow")
+pytestmark = pytest.mark.slow
+
 STEPS = 300
 EVERY = 50
 RSS_TOL_BYTES = 2 << 20

@@ -34,6 +34,9 @@ from dualpipe_kernels.models.gpt import GPTConfig, gpt_loss, stage_modules_for
 from dualpipe_kernels.runtime import free_port, run_reference
 from dualpipe_kernels.schedules.generators import build_schedule
 
+#: the longest tests of the suite (leave them out with -m "not slow")
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "python", "train_gpt_dualpipev.py")
 PP, DP, N, BS = 2, 2, 4, 1

@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 import tomllib
 
+#: the longest tests of the suite (leave them out with -m "not slow")
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
