@@ -125,7 +125,14 @@ def compute_floor(
 
 
 def bare_pipeline(
-    rank: int, world: int, schedule: Any, modules: Mapping[int, Any], transport: Any, activation_bytes: int, steps: int
+    rank: int,
+    world: int,
+    schedule: Any,
+    modules: Mapping[int, Any],
+    transport: Any,
+    activation_bytes: int,
+    steps: int,
+    channel: int = 0,
 ) -> list[float]:
     """This rank's steps of ``schedule`` with no runtime: its lowered action list (the one the runtime and the
     simulator run) with the same chunks as :func:`compute_floor`, and each SEND / RECV a plain transfer of one
@@ -146,7 +153,7 @@ def bare_pipeline(
     failed: list[BaseException] = []
     step: Any = None
     try:
-        step = _bare_step(rank, schedule, modules, transport, activation_bytes)
+        step = _bare_step(rank, schedule, modules, transport, activation_bytes, channel)
     except Exception as e:  # noqa: BLE001 - optional fields; the barriers below are still met
         failed.append(e)
     times = _timed(steps + 1, step, failed, barrier_each=True)[1:]  # (a peer waiting on a failed rank times out)
@@ -159,12 +166,14 @@ def bare_pipeline(
     return times
 
 
-def _bare_step(rank: int, schedule: Any, modules: Mapping[int, Any], transport: Any, activation_bytes: int) -> Any:
+def _bare_step(
+    rank: int, schedule: Any, modules: Mapping[int, Any], transport: Any, activation_bytes: int, channel: int = 0
+) -> Any:
     """One step of :func:`bare_pipeline` as a function of no arguments (everything worked out once here)."""
     import torch
 
     from dualpipe_kernels.benchmarks.sleep_stages import sleep_batch
-    from dualpipe_kernels.runtime.boundary.transfer import TagSpace
+    from dualpipe_kernels.runtime.boundary.header import TagSpace
     from dualpipe_kernels.runtime.executor import _lowered_program
     from dualpipe_kernels.runtime.loop import ActionLoop
     from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
@@ -173,7 +182,7 @@ def _bare_step(rank: int, schedule: Any, modules: Mapping[int, Any], transport: 
     program = _lowered_program(schedule)
     actions = program.schedule.actions[rank]
     loop = ActionLoop(actions, transport.recv_lookahead, transport.early_small_receives)  # its posting plan
-    tags = TagSpace(schedule.num_stages, schedule.num_microbatches)
+    tags = TagSpace(schedule.num_stages, schedule.num_microbatches, channel=channel)  # a pipeline's block of tags
     x = sleep_batch(1, activation_bytes)
     grad, out = torch.zeros_like(x), torch.zeros_like(x)
     sends_at: dict[int, tuple[int, int]] = {}  # SEND index -> (peer, tag)

@@ -103,9 +103,14 @@ def _check(rank: int, name: str, make: Any, batch: int, n: int, **kw: Any) -> di
     mine = {s: copy.deepcopy(model[sched.model_stage[s]]) for s in sched.stages_of_rank(rank)}
     single = [copy.deepcopy(m) for m in model]  # one copy per model stage: DualPipe's copies summed
     ref = {s: single[sched.model_stage[s]] for s in range(sched.num_stages)}
+    # An uneven batch on purpose (10 or 11 rows over 4): allowed, with the plain sum of the micro-batch losses
+    # on both sides (the reference splits it the same way; a scaled uneven step weights losses by rows).
+    uneven = batch % n != 0
+    if uneven:
+        kw = {**kw, "allow_uneven": True, "scale_grads": False}
     pipe = Pipeline(sched, mine, timeout_s=30.0, record_timeline=True, **kw)
     res = pipe.step(x, labels=(t,), criterion=_criterion)
-    ref_losses = run_reference(ref, sched, (x,), (t,), _criterion)
+    ref_losses = run_reference(ref, sched, (x,), (t,), _criterion, scale_grads=not uneven)
     ref_outputs: dict[int, tuple[torch.Tensor, ...]] = {}
     with torch.no_grad():
         run_reference(ref, sched, (x,), (t,), None, forward_only=True, outputs=ref_outputs)
@@ -395,7 +400,8 @@ def _presplit_matches(rank: int) -> bool:
     copies = copy.deepcopy(mods)
     g = torch.Generator().manual_seed(5)
     x, t = torch.randn(11, HIDDEN, generator=g), torch.randn(11, HIDDEN, generator=g)
-    a, b = Pipeline(sched, mods, timeout_s=30.0), Pipeline(sched, copies, timeout_s=30.0)
+    a = Pipeline(sched, mods, timeout_s=30.0, allow_uneven=True)  # 11 rows: an uneven split on purpose
+    b = Pipeline(sched, copies, timeout_s=30.0, allow_uneven=True)
     ra = a.step(x, labels=(t,), criterion=_criterion)
     rb = b.step(
         microbatches=[(p,) for p in x.tensor_split(4)],
@@ -422,7 +428,8 @@ def _changing_shapes(rank: int, transport: str) -> list[bool]:
     model = [_mlp() for _ in range(sched.num_stages)]
     mine = {s: copy.deepcopy(model[s]) for s in sched.stages_of_rank(rank)}
     ref = {s: model[s] for s in range(sched.num_stages)}
-    pipe = Pipeline(sched, mine, timeout_s=30.0, transport=transport)
+    # batch sizes vary, some uneven over 4 micro-batches: allowed, plain sums on both sides
+    pipe = Pipeline(sched, mine, timeout_s=30.0, transport=transport, allow_uneven=True, scale_grads=False)
     ok = []
     for step, batch in enumerate([8, 8, 6, 6, 9, 8]):
         g = torch.Generator().manual_seed(step)
@@ -436,7 +443,7 @@ def _changing_shapes(rank: int, transport: str) -> list[bool]:
             ok.append(all(torch.equal(v, want[m]) for m, v in res.losses.items()))
             continue
         res = pipe.step(x, labels=(t,), criterion=_criterion)
-        want = run_reference(ref, sched, (x,), (t,), _criterion)
+        want = run_reference(ref, sched, (x,), (t,), _criterion, scale_grads=False)
         ok.append(all(torch.equal(v, want[m]) for m, v in res.losses.items()) and _grads_match(mine, ref, exact=True))
     pipe.close()
     return ok

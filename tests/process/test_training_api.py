@@ -230,6 +230,7 @@ def test_write_trace_holds_every_rank(runs: list[dict[str, Any]]) -> None:
 
 @pytest.mark.timeout(300)
 def test_debug_log_says_what_was_chosen(runs: list[dict[str, Any]]) -> None:
-    line, auto = runs[1]["log"]
+    # the pipelines' own lines (the transport layer logs its per-peer choice too, under dualpipe_kernels.transport)
+    line, auto = [m for m in runs[1]["log"] if m.startswith("pipeline rank")]
     assert "pipeline rank 1" in line and "transport per peer {0: torch}" in line and "scale_grads=True" in line
     assert "transport per peer {0: native" in auto

@@ -79,9 +79,10 @@ def bare_run(rank: int, world: int, microbatches: int) -> dict[str, Any]:
             pipe.step(x, labels=(torch.zeros(x.shape[0]),), criterion=sleep_criterion)
         runtime = list(log)
         pairs = sum(a.type is T_PAIR for a in pipe._loop.actions)
+        channel = pipe.channel  # the pipeline's block of tags on its group
     finally:
         pipe.close()
     log.clear()
-    times = bare_pipeline(rank, world, sched, modules, transport, 4096, 1)
+    times = bare_pipeline(rank, world, sched, modules, transport, 4096, 1, channel=channel)
     inner.close()
     return {"times": times, "bare": log, "runtime": runtime, "pairs": pairs}
