@@ -2,7 +2,8 @@
 
 ``Pipeline`` / ``StepResult``: the per-rank executor, configured with the option
 groups ``LayoutOptions``, ``WireOptions``, ``GradientOptions``, ``MemoryOptions``,
-``DiagnosticsOptions`` (``PipelineOptions`` holds one of each; docs/runtime_options.md).  ``build_stage_modules``:
+``DiagnosticsOptions`` (``PipelineOptions`` holds one of each; docs/runtime_options.md); ``GraphOptions``:
+per-chunk CUDA graphs (``Pipeline(..., graphs=...)``, off by default).  ``build_stage_modules``:
 this rank's stage modules for any schedule.  ``save_pipeline`` / ``load_pipeline``:
 DCP checkpoints under the full model's parameter names.  ``run_reference``: the
 single-process reference the executor is checked against.  ``spawn`` /
@@ -19,6 +20,7 @@ result), the pipeline (conveniences, executor), and this package's face.
 
 from dualpipe_kernels.runtime.checkpoint import load_pipeline, load_stage_state_dict, save_pipeline, stage_state_dict
 from dualpipe_kernels.runtime.executor import Pipeline
+from dualpipe_kernels.runtime.graph_options import GraphOptions
 from dualpipe_kernels.runtime.groups import pipeline_expert_groups
 from dualpipe_kernels.runtime.launch import RankOutcome, RanksFailed, free_port, spawn, spawn_outcomes
 from dualpipe_kernels.runtime.microbatch import merge_microbatches, split_microbatches
@@ -46,6 +48,7 @@ __all__ = [
     "GradientOptions",
     "MemoryOptions",
     "DiagnosticsOptions",
+    "GraphOptions",
     "build_stage_modules",
     "StageLayers",
     "save_pipeline",

@@ -48,6 +48,8 @@ from dualpipe_kernels.runtime.construction import (
 from dualpipe_kernels.runtime.conveniences import PipelineConveniences
 from dualpipe_kernels.runtime.data_parallel import DataParallelReducer, mirror_dp_groups
 from dualpipe_kernels.runtime.fingerprint import Fingerprint, agree, fingerprint, resolved_transport
+from dualpipe_kernels.runtime.graph_options import GraphOptions
+from dualpipe_kernels.runtime.graphs import GraphStatus, StageGraphs
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.memory import ActivationMemory
 from dualpipe_kernels.runtime.microbatch import batch_size_of, split_microbatches
@@ -189,6 +191,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         model_options: ModelOptions | None = None,
         tied_parameters: Sequence[Sequence[str]] | None = None,
         allow_uneven: bool | None = None,
+        graphs: GraphOptions | None = None,
     ) -> None:
         """Check the arguments and options, lower the schedule, agree across ranks, set up the transport, build the
         subsystems (collective: every rank of the group builds its Pipeline)."""
@@ -213,6 +216,10 @@ class Pipeline(PipelineConveniences, nn.Module):
             },
         )
         nn.Module.__init__(self)  # the conveniences mixin has no state of its own
+        if graphs is not None and not isinstance(graphs, GraphOptions):
+            raise ValueError(f"graphs must be a GraphOptions, got {type(graphs).__name__}")
+        #: per-chunk CUDA graphs (runtime/graphs.py; off by default)
+        self.graph_options = graphs if graphs is not None else GraphOptions()
         #: the model's ties and batch rule (runtime/model_options.py)
         self.model_options = model_options_of(model_options, tied_parameters, allow_uneven)
         self._set_options(options)
@@ -348,6 +355,10 @@ class Pipeline(PipelineConveniences, nn.Module):
             self.activation_memory,
         )
         self.overlap_hook = self._compute.overlap_hook
+        self._graphs = StageGraphs(
+            self.rank, schedule, self.stage_modules, policies, self.graph_options, self.overlap_hook
+        )
+        self._compute.modules = self._graphs.modules  # the graphed stages' wrappers where they apply
         wire = Wire(
             self.rank,
             # (a WatchedTransport is the transport itself, handles wrapped: the Transport surface by delegation)
@@ -387,6 +398,12 @@ class Pipeline(PipelineConveniences, nn.Module):
                 "(the folded mirror reduction would sum them twice); use sync_mirror_grads=False or no dp_group"
             )
         self._mirrors.skip = self._ties.param_ids()  # a tied parameter's copies are summed by the tie group
+
+    @property
+    def graph_status(self) -> dict[int, GraphStatus]:
+        """``{stage: GraphStatus}`` of the stages this rank graphs or runs eager for a reason (empty when
+        graphs are off)."""
+        return dict(self._graphs.status)
 
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""
@@ -468,6 +485,7 @@ class Pipeline(PipelineConveniences, nn.Module):
             raise
         finally:
             self.weight_grad_store.clear()
+        self._graphs.end_step(training=not cst.forward_only)  # the first training step's end captures
         try:
             loss = self._mean_loss(cst.losses, reduce_loss, cst.loss_rows)
         except BaseException as exc:

@@ -39,6 +39,9 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "memory_plan",
             "memory_store",
             "zero_bubble",
+            "graph_options",
+            "graph_plan",
+            "graph_capture",
         ),
     ),  # fmt: skip
     # the message path (see _BOUNDARY_ORDER)
@@ -48,7 +51,18 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # what construction and the step are built of
     (
         "subsystems",
-        ("fingerprint", "stages", "memory", "reference", "mirror", "compute", "data_parallel", "tied", "checkpoint"),
+        (
+            "fingerprint",
+            "stages",
+            "memory",
+            "reference",
+            "mirror",
+            "compute",
+            "data_parallel",
+            "tied",
+            "checkpoint",
+            "graphs",
+        ),
     ),  # fmt: skip
     ("step", ("loop", "result")),
     # the Pipeline: its conveniences mixin, then the class
