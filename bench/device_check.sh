@@ -19,14 +19,17 @@
 #              compiling again)
 #   gpu        pytest -m gpu on the GPU unit tests: the Triton pack kernels against the CPU fallback,
 #              the CUDA IPC engine's zero-copy views, small rings and teardown order, and the per-peer
-#              transport choice (CUDA IPC same host, torch across faked hosts; NCCL with 2+ GPUs), and the
-#              kernels' sm_90 builds with this machine's Triton (registers per variant) (JUnit XML)
+#              transport choice (CUDA IPC same host, torch across faked hosts; NCCL with 2+ GPUs), the
+#              kernels' sm_90 builds with this machine's Triton (registers per variant), and the per-chunk
+#              CUDA graphs (tests/unit/test_graphs_gpu.py: capture + replay bit-exact against eager, replays =
+#              the schedule's F/B count, an unseen shape runs eager) (JUnit XML)
 #   bench      dualpipe-kernels bench kernels at 64 and 256 MiB with fp32 and bf16 inputs (--dtypes fp32,bf16
 #              where the kernels suite has that option; pack/unpack vs a same-GPU copy and torch cat + cast; with
 #              DEVICE_CHECK_VARIANTS=1 five launch shapes of the Triton kernels side by side), cuda_ipc (the engine
 #              vs its bare ceiling and the context hop, 256 B .. 256 MiB, host and device us per message, overlap;
 #              and --fake-device: the engine's host cost without the GPU), memory_gpu at 4 ranks x 16
-#              micro-batches (offload / recompute / fp8 vs keep: step time and device memory)
+#              micro-batches (offload / recompute / fp8 vs keep: step time and device memory), graphs (per-chunk
+#              CUDA graphs on tiny stages: time per compute action with graphs on vs off, bit-exact)
 #   transport  pytest tests/process/test_cuda_ipc.py: every two-process scenario, the error paths among them (size/dtype
 #              mismatch, timeout, a killed peer) (per-test timeouts below the step's; JUnit XML)
 #   runtime    the demo on the GPU: two processes on GPU 0, --device cuda, over the CUDA IPC engine, then auto
@@ -68,11 +71,12 @@ LIMIT_SMOKE=20
 # build: 18 translation units in parallel; the largest (the CUDA bindings) takes ~45 s on one core here
 LIMIT_BUILD=120
 # gpu: 48 s in run 5; each launch kind now compiles its own kernel variant (about 1 s each, ~20 in these tests),
-# and the device_build test compiles nine (its own timeout, 90 s, stays below this cap)
-LIMIT_GPU=150
+# and the device_build test compiles nine (its own timeout, 90 s, stays below this cap); the graph tests
+# (four one-process trainings of three steps, one capture each) about 10 s more
+LIMIT_GPU=160
 # bench: kernels 60 (2 sizes x 2 dtypes) + cuda_ipc 60 + its fake-device row 15 + memory_gpu 70 (twice if the
-# engine fails); variants 120 s more when on
-LIMIT_BENCH=240
+# engine fails) + graphs 40 (one process, 2 x 33 steps of tiny chunks); variants 120 s more when on
+LIMIT_BENCH=260
 LIMIT_WIRE=115
 LIMIT_TRANSPORT=185
 LIMIT_RUNTIME=60
@@ -226,6 +230,9 @@ bench() {
       >"$WORK/bench/memory_gpu.stdout.json" && break
     rc=1
   done
+  # per-chunk CUDA graphs: time per compute action with graphs on vs off on tiny chunks (one process)
+  timeout 40 "$PY" -m dualpipe_kernels bench graphs --json --no-plots --out "$WORK/bench" \
+    >"$WORK/bench/graphs.stdout.json" || rc=1
   # launch shapes (DEVICE_CHECK_VARIANTS=1; each shape compiles its kernels, generic ones too: up to two
   # minutes): last and on
   # their own, so a cut loses only them.  Off by default since run 5: the transport suite needs the time.
@@ -248,7 +255,7 @@ run_step build "$LIMIT_BUILD" bash -c "$(declare -f build); PY='$PY' WORK='$WORK
 # pytest: -v -rA so that every test reports as it ends; --timeout below the step's (a marker's too: the
 # device_build test's 90 s)
 run_step gpu "$LIMIT_GPU" "$PY" -m pytest -m "gpu or device_build" tests/unit/test_kernels_pack.py tests/process/test_cuda_ipc_engine.py \
-  tests/process/test_transport_per_peer_gpu.py -v -rA --continue-on-collection-errors \
+  tests/process/test_transport_per_peer_gpu.py tests/unit/test_graphs_gpu.py -v -rA --continue-on-collection-errors \
   -p no:cacheprovider --timeout 30 --junitxml="$OUTDIR/junit-gpu.xml"
 run_step bench "$LIMIT_BENCH" bash -c "$(declare -f bench); PY='$PY' WORK='$WORK' bench"
 run_step transport "$LIMIT_TRANSPORT" "$PY" -m pytest tests/process/test_cuda_ipc.py -v -rA -p no:cacheprovider \
@@ -387,6 +394,15 @@ if mg and "rows" in mg:
                   f"{r['alloc_share_of_keep']} | {r['step_over_keep']:.3f} | {r['step_s']:.4f} | {r['bit_exact']} |")
 def num(v, fmt: str) -> str:
     return "n/a" if v is None else format(v, fmt)
+
+
+gr = report["bench"].get("graphs")
+if gr and "rows" in gr:
+    off, on = gr["rows"][0], gr["rows"][1]
+    md.append(f"\nper-chunk CUDA graphs (interleaved 1F1B, 1 rank x 2 chunks of {gr['config']['layers']} x "
+              f"Linear({gr['config']['width']}) + GELU): per action {num(off['per_action_us'], '.1f')} us off, "
+              f"{num(on['per_action_us'], '.1f')} us on, on / off {num(on.get('on_over_off'), '.3f')}, "
+              f"{on.get('graphs_captured')} graphs, bit-exact {on.get('bit_exact')}, fallback {on.get('fallback')}")
 
 
 sc = report["bench"].get("schedules_short")

@@ -44,6 +44,7 @@ SUITES: dict[str, str] = {
     "overhead": "runtime cost per compute action on tiny Linear stages: ours (native, gloo) vs torch, cProfile",
     "memory": "peak saved-activation bytes and step time of each memory policy vs the simulator's prediction",
     "memory_gpu": "memory policies on a GPU (2 ranks, real matrix products): offload's step time and memory vs keep",
+    "graphs": "per-chunk CUDA graphs on tiny stages: time per compute action with graphs on vs off (CPU: the reason)",
 }
 
 _COMMON = ("json", "out", "quick", "no_plots")

@@ -103,6 +103,7 @@ BENCHMARKS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "overlap",
             "schedules",
             "wire_check",
+            "graphs",
         ),
     ),  # fmt: skip
 )
