@@ -411,6 +411,9 @@ class Pipeline(PipelineConveniences, nn.Module):
         watch, self._watch = getattr(self, "_watch", None), None
         if watch is not None:
             watch.close()
+        graphs = getattr(self, "_graphs", None)  # absent when construction failed before it
+        if graphs is not None:
+            graphs.close()  # the graphs' memory pools
         memory = getattr(self, "activation_memory", None)  # absent when construction failed before it
         if memory is not None:
             memory.close()  # the offload copy lanes' threads

@@ -73,16 +73,13 @@ class CapturePlan:
         """How many slots (saved-activation sets alive at once) ``stage`` needs for ``signature``."""
         return sum(1 for k in self.keys if k.stage == stage and k.signature == signature and k.kind == FORWARD)
 
-    def describe(self) -> str:
-        """One line per stage: its graphs, slots and replays per step."""
-        lines = []
-        for s in sorted(self.forward_order):
-            lines.append(
-                f"stage {s}: {self.graphs_of(s)} graphs ({self.graphs_of(s) // 2} slots), "
-                f"{self.replays.get((s, FORWARD), 0)} forward and {self.replays.get((s, BACKWARD), 0)} backward "
-                "replays per step"
-            )
-        return "\n".join(lines)
+    def describe(self, stage: int) -> str:
+        """``stage``'s graphs, slots and replays per step, in words."""
+        n = self.graphs_of(stage)
+        return (
+            f"{n} graphs ({n // 2} slots), {self.replays.get((stage, FORWARD), 0)} forward and "
+            f"{self.replays.get((stage, BACKWARD), 0)} backward replays per step"
+        )
 
 
 def capture_plan(

@@ -48,8 +48,8 @@ _POLICY_REASONS = {
 class GraphStatus:
     """One stage's graphs: ``state`` is ``"eager"`` (``reason`` says why), ``"recording"`` (before the
     first training step ends) or ``"captured"``.  ``graphs``: captured graphs; ``replays``: forward
-    and backward replays so far; ``eager_calls``: training forwards that ran eager after capture, by
-    reason."""
+    and backward replays so far (the backward ones counted at each step's end); ``eager_calls``:
+    training forwards that ran eager after capture, by reason."""
 
     stage: int
     state: str
@@ -204,6 +204,12 @@ class StageGraphs:
         stage.samples.clear()
         _log.warning("%s stage %d: CUDA graphs off, eager: %s", self.who, stage.stage, reason)
 
+    def close(self) -> None:
+        """Drop every graph and its memory pool (the status stays, as a record); later calls run eager."""
+        for g in self.wrapped.values():
+            g.slots.clear()
+            g.samples.clear()
+
     def end_step(self, training: bool) -> None:
         """After a step: reset the per-step counts; after the first training step, capture."""
         recording = [g for g in self.wrapped.values() if g.status.state == "recording"]
@@ -242,4 +248,4 @@ class StageGraphs:
             return
         g.status.state, g.status.graphs = "captured", sum(2 if s.bwd is not None else 1 for s in g.slots.values())
         g.samples.clear()
-        _log.info("%s stage %d: %d CUDA graphs captured (%s)", self.who, g.stage, g.status.graphs, plan.describe())
+        _log.info("%s stage %d: CUDA graphs captured: %s", self.who, g.stage, plan.describe(g.stage))

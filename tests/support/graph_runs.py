@@ -73,3 +73,45 @@ def same_training(a: Run, b: Run) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.losses, b.losses, strict=True)) and all(
         torch.equal(x, y) for x, y in zip(a.params, b.params, strict=True)
     )
+
+
+def ranks_worker(rank: int, world: int, schedule_name: str, dp: bool) -> dict[str, Any]:
+    """One rank of a ``world``-rank pipeline (one Linear(8, 8) + GELU per stage; ``dp``: a 2 x 2 PP x DP
+    grid instead, each replica its own batch), trained 3 steps eager and with graphs through
+    ``RerunCapture``: whether the two trained bit for bit alike, and the graph status."""
+    import torch.distributed as dist
+    from graph_capturers import RerunCapture
+
+    pp = world // 2 if dp else world
+    pp_rank, replica = rank % pp, rank // pp
+    pp_groups = [dist.new_group([r * pp + i for i in range(pp)]) for r in range(world // pp)]
+    dp_groups = [dist.new_group([i + r * pp for r in range(world // pp)]) for i in range(pp)]
+    group, dp_group = pp_groups[replica], (dp_groups[pp_rank] if dp else None)
+    schedule = build_schedule(schedule_name, pp, 4)
+
+    def run(graphs: GraphOptions | None) -> Run:
+        mods = {}
+        for s in schedule.stages_of_rank(pp_rank):
+            torch.manual_seed(100 + s)
+            mods[s] = nn.Sequential(nn.Linear(IN, IN), nn.GELU())
+        with capturing_with(RerunCapture()):
+            pipe = Pipeline(schedule, mods, group, transport="torch", timeout_s=20, graphs=graphs, dp_group=dp_group)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(7 + replica)
+        losses = []
+        for _ in range(3):
+            x, y = torch.randn(8, IN, generator=g), torch.randn(8, IN, generator=g)
+            opt.zero_grad()
+            res = pipe.step(x, labels=[y], criterion=nn.functional.mse_loss)
+            opt.step()
+            losses.append(torch.stack([res.losses[m] for m in sorted(res.losses)]) if res.losses else torch.zeros(0))
+        pipe.close()
+        return Run(pipe, losses, [p.detach().clone() for p in pipe.parameters()])
+
+    eager, graphed = run(None), run(GraphOptions(enabled=True, warmup_iters=1))
+    return {
+        "same": same_training(graphed, eager),
+        "states": {s: st.state for s, st in graphed.pipe.graph_status.items()},
+        "replays": {s: dict(st.replays) for s, st in graphed.pipe.graph_status.items()},
+        "eager_calls": sum(sum(st.eager_calls.values()) for st in graphed.pipe.graph_status.values()),
+    }
