@@ -235,13 +235,14 @@ class StageGraphs:
             self.fall_back(g, f"the capture plan needs {n} graphs, more than max_graphs_per_stage={limit}")
             return
         try:
-            for sample in g.samples.values():
-                warm_up(self.capturer, g.inner, sample, plan.warmup_iters)
-            for key in plan.keys:
-                if key.stage == g.stage and key.kind == FORWARD:
-                    slot = GraphSlot(g.inner, g.samples[key.signature], self.capturer, self.capturer.new_pool())
-                    slot.capture()
-                    g.slots[(key.signature, key.slot)] = slot
+            with torch.enable_grad():  # captured with autograd on, whatever mode the caller is in
+                for sample in g.samples.values():
+                    warm_up(self.capturer, g.inner, sample, plan.warmup_iters)
+                for key in plan.keys:
+                    if key.stage == g.stage and key.kind == FORWARD:
+                        slot = GraphSlot(g.inner, g.samples[key.signature], self.capturer, self.capturer.new_pool())
+                        slot.capture()
+                        g.slots[(key.signature, key.slot)] = slot
         except Exception as exc:  # what capture raises where the stage cannot be captured (host reads...)
             first = str(exc).splitlines()[0] if str(exc) else ""
             self.fall_back(g, f"capture raised {type(exc).__name__}: {first}")
