@@ -1,0 +1,56 @@
+"""torch.distributed.pipelining's own example run with the drop-in (dualpipe_kernels.integrations.pipelining).
+
+The program of tests/support/pipelining_workers.py (torch's documented PipelineStage + schedule example,
+float64, 2 SGD steps on 2 processes over gloo) runs once with torch's ``ScheduleDualPipeV`` /
+``Schedule1F1B`` and once with ours, the import the only change.  What user code sees must be the same:
+
+* gradients and updated weights bit for bit (``torch.equal``): each stage accumulates its micro-batches'
+  gradients in the same order under both runtimes (the schedules are the same action lists), and the 1/N of
+  ``scale_grads=True`` is a power of two here (N = 4), so seeding each loss with 1/N (ours) and dividing the
+  sum by N (torch) round alike; with another N they would differ in the last bit;
+* the ``losses`` list on the last stage's rank, the return value of ``step`` there (the merged outputs) and
+  None on the other rank, for ``scale_grads`` True and False.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from pipelining_workers import OURS, STEPS, TORCH, both
+
+from dualpipe_kernels.runtime import spawn
+
+CASES = [(s, scale) for s in ("ScheduleDualPipeV", "Schedule1F1B") for scale in (True, False)]
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return spawn(both, 2, timeout_s=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("schedule", "scale"), CASES, ids=[f"{s}-scale_grads={v}" for s, v in CASES])
+def test_the_example_sees_what_it_sees_under_torch(runs: list[dict[str, Any]], schedule: str, scale: bool) -> None:
+    last_rank = 0 if schedule == "ScheduleDualPipeV" else 1  # DualPipeV's V ends on rank 0
+    for r in runs:
+        theirs, ours = r[f"{schedule}/{scale}/{TORCH}"]["steps"], r[f"{schedule}/{scale}/{OURS}"]["steps"]
+        assert len(theirs) == len(ours) == STEPS
+        for step, (t, o) in enumerate(zip(theirs, ours, strict=True)):
+            where = f"{schedule} scale_grads={scale} rank {r['rank']} step {step}"
+            assert t["grads"].keys() == o["grads"].keys(), where
+            for name, g in t["grads"].items():
+                assert torch.equal(g, o["grads"][name]), f"{where}: {name}"
+            assert t["losses"] == o["losses"], where
+            if r["rank"] == last_rank:
+                assert len(o["losses"]) == 4 and o["result"] is not None and torch.equal(t["result"], o["result"])
+            else:
+                assert t["result"] is None and o["result"] is None and o["losses"] is None, where
+
+
+def test_what_the_drop_in_refuses_is_named(runs: list[dict[str, Any]]) -> None:
+    for r in runs:
+        err = r["errors"]
+        assert f"rank {r['rank']} holds stages" in err["placement"] and "got stages" in err["placement"], err
+        assert "keyword stage inputs ['mask']" in err["kwargs"], err

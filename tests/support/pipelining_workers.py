@@ -1,0 +1,121 @@
+"""Rank side of tests/process/test_pipelining_dropin.py: torch's pipelining example, run with torch's schedule
+classes and with the drop-in's, the program the same but for the module the class comes from.
+
+The example is torch's documented one (``PipelineStage`` per stage, a schedule over them, the first rank
+passes the inputs, the last the target and a ``losses`` list, every other rank calls ``step()`` bare), on a
+model of ``Linear + Tanh`` layers in float64, two training steps with SGD.  Each run returns what user code
+sees: the return value of ``step``, the losses list and the gradients and weights after each step.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+DIM, ROWS, N, STEPS = 8, 16, 4, 2
+TORCH = "torch.distributed.pipelining"
+OURS = "dualpipe_kernels.integrations.pipelining"
+
+
+def layer(i: int) -> nn.Module:
+    torch.manual_seed(100 + i)  # layer i has the same weights on every rank and in every run
+    return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()).double()
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(ROWS, DIM, generator=gen, dtype=torch.float64), torch.randn(
+        ROWS, DIM, generator=gen, dtype=torch.float64
+    )
+
+
+def stage_indices(schedule: str, rank: int, world: int) -> list[int]:
+    """torch's placement: DualPipeV a V (r and 2R-1-r), 1F1B one stage per rank."""
+    return [rank, 2 * world - 1 - rank] if schedule == "ScheduleDualPipeV" else [rank]
+
+
+def example(module_name: str, schedule: str, rank: int, world: int, scale_grads: bool) -> dict[str, Any]:
+    """torch's example with the schedule class ``schedule`` taken from ``module_name``."""
+    from torch.distributed.pipelining import PipelineStage
+
+    pipelining = importlib.import_module(module_name)
+    indices = stage_indices(schedule, rank, world)
+    num_stages = world * len(indices)
+    mods = {s: layer(s) for s in indices}
+    stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in indices]
+    cls = getattr(pipelining, schedule)
+    loss_fn = F.mse_loss
+    sched = (
+        cls(stages, N, loss_fn=loss_fn, scale_grads=scale_grads)
+        if len(stages) > 1
+        else cls(stages[0], N, loss_fn=loss_fn, scale_grads=scale_grads)
+    )
+    opt = torch.optim.SGD([p for m in mods.values() for p in m.parameters()], lr=0.1)
+    x, target = batch()
+    first, last = 0 in indices, num_stages - 1 in indices
+    out: dict[str, Any] = {"steps": []}
+    for _ in range(STEPS):
+        losses: list[torch.Tensor] = []
+        if first and last:
+            result = sched.step(x, target=target, losses=losses)
+        elif first:
+            result = sched.step(x)
+        elif last:
+            result = sched.step(target=target, losses=losses)
+        else:
+            result = sched.step()
+        grads = {f"{s}.{n}": p.grad.clone() for s, m in mods.items() for n, p in m.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        out["steps"].append(
+            {
+                "result": None if result is None else result.detach().clone(),
+                "losses": [float(v.detach()) for v in losses] if last else None,
+                "grads": grads,
+            }
+        )
+    close = getattr(sched, "close", None)
+    if close is not None:
+        close()
+    return out
+
+
+def both(rank: int, world: int) -> dict[str, Any]:
+    """Every (schedule, scale_grads) with torch's classes and ours, from the same weights and data."""
+    runs: dict[str, Any] = {}
+    for schedule in ("ScheduleDualPipeV", "Schedule1F1B"):
+        for scale in (True, False):
+            for module in (TORCH, OURS):
+                runs[f"{schedule}/{scale}/{module}"] = example(module, schedule, rank, world, scale)
+    runs["rank"] = rank
+    runs["errors"] = errors(rank, world)
+    dist.barrier()
+    return runs
+
+
+def errors(rank: int, world: int) -> dict[str, str]:
+    """The messages of what the drop-in refuses: a placement that is not the schedule's, keyword inputs."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from dualpipe_kernels.integrations.pipelining import Schedule1F1B, ScheduleDualPipeV
+
+    out = {}
+    loop = [rank, rank + world]  # torch's loop placement, not DualPipeV's V
+    stages = [PipelineStage(layer(s), s, 2 * world, torch.device("cpu")) for s in loop]
+    try:
+        ScheduleDualPipeV(stages, N, loss_fn=F.mse_loss)
+    except ValueError as exc:
+        out["placement"] = str(exc)
+    sched = Schedule1F1B(PipelineStage(layer(rank), rank, world, torch.device("cpu")), N, loss_fn=F.mse_loss)
+    try:
+        x, target = batch()
+        sched.step(x, mask=x > 0, target=target)
+    except ValueError as exc:
+        out["kwargs"] = str(exc)
+    sched.close()
+    return out
