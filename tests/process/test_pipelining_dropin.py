@@ -54,3 +54,21 @@ def test_what_the_drop_in_refuses_is_named(runs: list[dict[str, Any]]) -> None:
         err = r["errors"]
         assert f"rank {r['rank']} holds stages" in err["placement"] and "got stages" in err["placement"], err
         assert "keyword stage inputs ['mask']" in err["kwargs"], err
+
+
+@pytest.mark.timeout(300)
+def test_torchtitans_calls_pick_and_run_ours() -> None:
+    """torchtitan's selection by name (``use_dualpipe_kernels``), its V placement test, its constructor call
+    and its train step's call (tests/support/pipelining_workers.titan, as torchtitan 0.3.0 makes them; the
+    package itself is not a test dependency): our class is built, on the V, and its gradients and summed loss
+    equal torch's ScheduleDualPipeV's bit for bit (scale_grads=False: the same sums in the same order)."""
+    from pipelining_workers import titan
+
+    for r in spawn(titan, 2, False, timeout_s=240):
+        assert r["torch"]["class"] == "torch.distributed.pipelining.schedules.ScheduleDualPipeV"
+        assert r["ours"]["class"] == "dualpipe_kernels.integrations.pipelining.ScheduleDualPipeV"
+        assert r["ours"]["stages"] == r["torch"]["stages"] and len(r["ours"]["stages"]) == 2
+        assert r["ours"]["loss"] == r["torch"]["loss"]
+        for name, g in r["torch"]["grads"].items():
+            assert torch.equal(g, r["ours"]["grads"][name]), name
+        assert r["restored"]

@@ -119,3 +119,83 @@ def errors(rank: int, world: int) -> dict[str, str]:
         out["kwargs"] = str(exc)
     sched.close()
     return out
+
+
+def _titan_loss(pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor) -> tuple[Any, Any]:
+    """A torchtitan-style loss: (sum over the micro-batch / the global token count, the count)."""
+    return F.mse_loss(pred, labels, reduction="sum") / global_valid_tokens, global_valid_tokens
+
+
+def titan(rank: int, world: int, real: bool) -> dict[str, Any]:
+    """torchtitan's way to a schedule, with torch's DualPipeV and after ``use_dualpipe_kernels``: the class from
+    the config's name, the placement from comparing it with the V classes, the construction and the train
+    step's call (pre-split micro-batches, ``loss_kwargs``, ``return_outputs=False``).  ``real``: torchtitan's own
+    functions (``torchtitan.distributed.pipeline_parallel``); else the same calls written out here over a
+    module holding torch's names, as torchtitan 0.3.0 makes them."""
+    import types
+
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    from dualpipe_kernels.integrations.torchtitan import use_dualpipe_kernels
+
+    if real:
+        import torchtitan.distributed.pipeline_parallel as mod
+    else:
+        mod = types.ModuleType("stand_in")
+        mod.get_schedule_class = schedules.get_schedule_class  # type: ignore[attr-defined]
+        mod.ScheduleDualPipeV = schedules.ScheduleDualPipeV  # type: ignore[attr-defined]
+        mod.ScheduleZBVZeroBubble = schedules.ScheduleZBVZeroBubble  # type: ignore[attr-defined]
+    x, target = batch()
+    tokens = torch.tensor(float(target.numel()), dtype=torch.float64)
+    out: dict[str, Any] = {}
+    for which in ("torch", "ours"):
+        restore = use_dualpipe_kernels(["DualPipeV"], module=mod) if which == "ours" else None
+        cls = mod.get_schedule_class("DualPipeV")
+        if real:
+            indices = list(mod._get_pp_rank_to_stage_indices_mapping(rank, world, "DualPipeV", 2 * world))
+        else:
+            v = cls in (mod.ScheduleZBVZeroBubble, mod.ScheduleDualPipeV)
+            indices = [rank, 2 * world - 1 - rank] if v else [rank, rank + world]
+        mods = {s: layer(s) for s in indices}
+        stages = [PipelineStage(mods[s], s, 2 * world, torch.device("cpu")) for s in indices]
+        if real:
+            from torchtitan.config import ParallelismConfig
+
+            par = ParallelismConfig(
+                pipeline_parallel_schedule="DualPipeV",
+                pipeline_parallel_degree=world,
+                pipeline_parallel_microbatch_size=ROWS // N,
+            )
+            sched = mod._build_pipeline_schedule(
+                parallelism=par, local_batch_size=ROWS, stages=stages, loss_fn=_titan_loss
+            )
+        else:
+
+            def scalar_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+                return _titan_loss(*args, **kwargs)[0]
+
+            sched = cls(
+                stages, n_microbatches=N, loss_fn=scalar_loss, scale_grads=False, backward_requires_autograd=True
+            )
+        first, last = 0 in indices, 2 * world - 1 in indices
+        losses: list[torch.Tensor] | None = [] if last else None
+        sched.step(
+            arg_mbs=[(c,) for c in x.chunk(N)] if first else None,
+            kwarg_mbs=[{} for _ in range(N)],
+            target_mbs=list(target.chunk(N)) if last else None,
+            losses=losses,
+            loss_kwargs={"global_valid_tokens": tokens},
+            return_outputs=False,
+        )
+        out[which] = {
+            "class": f"{type(sched).__module__}.{type(sched).__name__}",
+            "stages": indices,
+            "loss": None if losses is None else float(torch.sum(torch.stack(losses)).detach()),
+            "grads": {f"{s}.{n}": p.grad.clone() for s, m in mods.items() for n, p in m.named_parameters()},
+        }
+        if restore is not None:
+            sched.close()
+            restore()
+    out["restored"] = mod.get_schedule_class("DualPipeV") is schedules.ScheduleDualPipeV
+    dist.barrier()
+    return out
