@@ -1,11 +1,12 @@
 """torch.distributed.pipelining's own example run with the drop-in (dualpipe_kernels.integrations.pipelining).
 
 The program of tests/support/pipelining_workers.py (torch's documented PipelineStage + schedule example,
-float64, 2 SGD steps on 2 processes over gloo) runs once with torch's ``ScheduleDualPipeV`` /
-``Schedule1F1B`` and once with ours, the import the only change.  What user code sees must be the same:
+float64, 2 SGD steps on 2 processes over gloo) runs once with torch's ``ScheduleDualPipeV``,
+``Schedule1F1B``, ``ScheduleZBVZeroBubble``, ``ScheduleInterleaved1F1B``, ``ScheduleGPipe`` and once with
+ours, the import the only change.  What user code sees must be the same:
 
-* gradients and updated weights bit for bit (``torch.equal``): each stage accumulates its micro-batches'
-  gradients in the same order under both runtimes (the schedules are the same action lists), and the 1/N of
+* the gradients of both steps (the second from the updated weights) bit for bit (``torch.equal``): each stage
+  accumulates its micro-batches' gradients in the same micro-batch order under both runtimes, and the 1/N of
   ``scale_grads=True`` is a power of two here (N = 4), so seeding each loss with 1/N (ours) and dividing the
   sum by N (torch) round alike; with another N they would differ in the last bit;
 * the ``losses`` list on the last stage's rank, the return value of ``step`` there (the merged outputs) and
@@ -18,11 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from pipelining_workers import OURS, STEPS, TORCH, both
+from pipelining_workers import CASES, OURS, STEPS, TORCH, both, stage_indices
 
 from dualpipe_kernels.runtime import spawn
-
-CASES = [(s, scale) for s in ("ScheduleDualPipeV", "Schedule1F1B") for scale in (True, False)]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +32,7 @@ def runs() -> list[dict[str, Any]]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("schedule", "scale"), CASES, ids=[f"{s}-scale_grads={v}" for s, v in CASES])
 def test_the_example_sees_what_it_sees_under_torch(runs: list[dict[str, Any]], schedule: str, scale: bool) -> None:
-    last_rank = 0 if schedule == "ScheduleDualPipeV" else 1  # DualPipeV's V ends on rank 0
+    last_rank = next(r for r in range(2) if 2 * len(stage_indices(schedule, 0, 2)) - 1 in stage_indices(schedule, r, 2))
     for r in runs:
         theirs, ours = r[f"{schedule}/{scale}/{TORCH}"]["steps"], r[f"{schedule}/{scale}/{OURS}"]["steps"]
         assert len(theirs) == len(ours) == STEPS

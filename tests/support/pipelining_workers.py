@@ -34,9 +34,19 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+#: (schedule class name, scale_grads) pairs run by both()
+CASES = [
+    *((s, scale) for s in ("ScheduleDualPipeV", "Schedule1F1B") for scale in (True, False)),
+    *((s, True) for s in ("ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B", "ScheduleGPipe")),
+]
+
+
 def stage_indices(schedule: str, rank: int, world: int) -> list[int]:
-    """torch's placement: DualPipeV a V (r and 2R-1-r), 1F1B one stage per rank."""
-    return [rank, 2 * world - 1 - rank] if schedule == "ScheduleDualPipeV" else [rank]
+    """torch's placement: a V (r and 2R-1-r) for DualPipeV and ZB-V, a loop (r, r+R) for interleaved 1F1B, one
+    stage per rank otherwise."""
+    if schedule in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble"):
+        return [rank, 2 * world - 1 - rank]
+    return [rank, rank + world] if schedule == "ScheduleInterleaved1F1B" else [rank]
 
 
 def example(module_name: str, schedule: str, rank: int, world: int, scale_grads: bool) -> dict[str, Any]:
@@ -88,10 +98,9 @@ def example(module_name: str, schedule: str, rank: int, world: int, scale_grads:
 def both(rank: int, world: int) -> dict[str, Any]:
     """Every (schedule, scale_grads) with torch's classes and ours, from the same weights and data."""
     runs: dict[str, Any] = {}
-    for schedule in ("ScheduleDualPipeV", "Schedule1F1B"):
-        for scale in (True, False):
-            for module in (TORCH, OURS):
-                runs[f"{schedule}/{scale}/{module}"] = example(module, schedule, rank, world, scale)
+    for schedule, scale in CASES:
+        for module in (TORCH, OURS):
+            runs[f"{schedule}/{scale}/{module}"] = example(module, schedule, rank, world, scale)
     runs["rank"] = rank
     runs["errors"] = errors(rank, world)
     dist.barrier()
