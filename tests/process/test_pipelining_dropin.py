@@ -71,3 +71,21 @@ def test_torchtitans_calls_pick_and_run_ours() -> None:
         for name, g in r["torch"]["grads"].items():
             assert torch.equal(g, r["ours"]["grads"][name]), name
         assert r["restored"]
+
+
+def test_eval_runs_forwards_only(runs: list[dict[str, Any]]) -> None:
+    """eval(): rank 0 (the V's last stage) gets the model's outputs and per-micro-batch losses bit for bit as
+    one process computes them (the same ops in the same order, float64); no rank gets gradients."""
+    import torch.nn.functional as F
+    from pipelining_workers import N, batch, layer
+
+    x, target = batch()
+    with torch.no_grad():
+        y = x
+        for i in range(4):
+            y = layer(i)(y)
+    want = [float(F.mse_loss(a, b)) for a, b in zip(y.chunk(N), target.chunk(N), strict=True)]
+    ev0, ev1 = runs[0]["eval"], runs[1]["eval"]
+    assert torch.equal(ev0["result"], y) and ev0["losses"] == want
+    assert ev1["result"] is None and ev1["losses"] == []
+    assert ev0["no_grads"] and ev1["no_grads"] and ev0["after"] is None and ev1["after"] is None

@@ -103,6 +103,7 @@ def both(rank: int, world: int) -> dict[str, Any]:
             runs[f"{schedule}/{scale}/{module}"] = example(module, schedule, rank, world, scale)
     runs["rank"] = rank
     runs["errors"] = errors(rank, world)
+    runs["eval"] = evaluation(rank, world)
     dist.barrier()
     return runs
 
@@ -208,3 +209,23 @@ def titan(rank: int, world: int, real: bool) -> dict[str, Any]:
     out["restored"] = mod.get_schedule_class("DualPipeV") is schedules.ScheduleDualPipeV
     dist.barrier()
     return out
+
+
+def evaluation(rank: int, world: int) -> dict[str, Any]:
+    """``eval()`` of the drop-in's DualPipeV (torch's own fails on its B actions in torch 2.14, so the reference
+    is the model's forward in one process): the merged outputs, the losses, no gradients; then a ``step``
+    with ``return_outputs=False`` returns None."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from dualpipe_kernels.integrations.pipelining import ScheduleDualPipeV
+
+    indices = stage_indices("ScheduleDualPipeV", rank, world)
+    stages = [PipelineStage(layer(s), s, 2 * world, torch.device("cpu")) for s in indices]
+    sched = ScheduleDualPipeV(stages, N, loss_fn=F.mse_loss)
+    x, target = batch()
+    losses: list[torch.Tensor] = []
+    result = sched.eval(x, target=target, losses=losses) if rank == 0 else sched.eval()
+    no_grads = all(p.grad is None for st in stages for p in st.submod.parameters())
+    after = sched.step(x, target=target, return_outputs=False) if rank == 0 else sched.step()
+    sched.close()
+    return {"result": result, "losses": [float(v) for v in losses], "no_grads": no_grads, "after": after}
