@@ -33,10 +33,12 @@ The F&B overlap: a stage module whose class defines ``overlapped_forward_backwar
 (docs/runtime.md) runs its DualPipeV pairs through it; torch runs a pair as F then B unless a
 custom function is registered.  Differences (docs/integrations.md): the constructor is
 collective (it builds the ``Pipeline``: every rank of the group constructs its schedule);
-keyword inputs (``**kwargs``, non-empty ``kwarg_mbs``) are refused: stage inputs travel
-positionally; ``losses`` holds detached tensors; ``scale_grads`` seeds each micro-batch's
-backward with ``1/n`` instead of dividing ``.grad`` after the step, so gradients already in
-``.grad`` are not divided; ``register_custom_function`` is refused (define the hook instead).
+keyword inputs (``**kwargs``, non-empty ``kwarg_mbs``) need ``keyword_inputs=True`` (then each
+stage module is wrapped so that the micro-batch's index rides along its boundaries and picks its
+keyword arguments, and the overlap hook is not used); ``losses`` holds detached tensors;
+``scale_grads`` seeds each micro-batch's backward with ``1/n`` instead of dividing ``.grad``
+after the step, so gradients already in ``.grad`` are not divided; ``register_custom_function``
+is refused (define the hook instead).
 """
 
 from __future__ import annotations
@@ -99,6 +101,23 @@ def _stage_modules(
     return modules, nums.pop(), stages[0].group, torch.device(stages[0].device)
 
 
+class _Keyworded(nn.Module):
+    """A stage module that also takes torch's per-micro-batch keyword inputs: its inputs end with the
+    micro-batch's index (a 0-d int64 tensor that rides along every boundary, no gradient), which picks the
+    keyword arguments of ``table[0]`` (the step's ``kwarg_mbs``, on every rank).  The last stage drops it."""
+
+    def __init__(self, inner: nn.Module, last: bool, table: list[list[dict[str, Any]]]) -> None:
+        super().__init__()
+        self.inner, self.last, self.table = inner, last, table
+
+    def forward(self, *args: Any) -> Any:
+        *inputs, index = args
+        out = self.inner(*inputs, **self.table[0][int(index)])
+        if self.last:
+            return out
+        return (*out, index) if isinstance(out, (tuple, list)) else (out, index)
+
+
 class _DropIn:
     """What every drop-in schedule shares: the Pipeline it runs on and torch's ``step`` / ``eval``."""
 
@@ -106,6 +125,8 @@ class _DropIn:
     NAME: ClassVar[str]
     #: stages per rank the schedule needs (None: any, the interleaved schedule's V)
     PER_RANK: ClassVar[int | None]
+    #: the default of the constructor's ``keyword_inputs``
+    KEYWORD_INPUTS: ClassVar[bool] = False
 
     _pipe: Pipeline
 
@@ -121,6 +142,7 @@ class _DropIn:
         group: dist.ProcessGroup | None,
         wire: WireOptions | None,
         memory: MemoryOptions | None,
+        keyword_inputs: bool | None,
     ) -> None:
         who = type(self).__name__
         if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
@@ -156,6 +178,12 @@ class _DropIn:
         self.rank = rank
         self._holds_first = 0 in modules
         self._holds_last = schedule.num_stages - 1 in modules
+        self._keywords = self.KEYWORD_INPUTS if keyword_inputs is None else bool(keyword_inputs)
+        self._table: list[list[dict[str, Any]]] = [[{} for _ in range(n_microbatches)]]
+        self._index_device = device if device is not None else torch.device("cpu")
+        if self._keywords:
+            last = schedule.num_stages - 1
+            modules = {s: _Keyworded(m, s == last, self._table) for s, m in modules.items()}
         self._pipe = Pipeline(
             schedule,
             modules,
@@ -202,7 +230,10 @@ class _DropIn:
             raise RuntimeError(f"{who}.step() needs gradients enabled (not under torch.no_grad()); call eval()")
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list but got a {type(losses)}")
-        arg_split, target_split = self._microbatches(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        arg_split, kw_split, target_split = self._microbatches(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        if self._keywords:
+            self._table[0] = kw_split
+            arg_split = [(*a, torch.tensor(m, device=self._index_device)) for m, a in enumerate(arg_split)]
         criterion = self._criterion(loss_kwargs) if self._holds_last and self._loss_fn is not None else None
         labels = [(t,) for t in target_split] if criterion is not None and target_split is not None else None
         if criterion is not None and labels is None:
@@ -253,14 +284,15 @@ class _DropIn:
         arg_mbs: list[tuple[Any, ...]] | None,
         kwarg_mbs: list[dict[str, Any]] | None,
         target_mbs: list[Any] | None,
-    ) -> tuple[list[tuple[Any, ...]], list[Any] | None]:
-        """Per micro-batch positional inputs and targets, split as torch splits them (its own splitter)."""
+    ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], list[Any] | None]:
+        """Per micro-batch positional inputs, keyword inputs and targets, split as torch splits them (its own
+        splitter)."""
         n, who = self._n_microbatches, type(self).__name__
-        if kwargs or any(kwarg_mbs or ()):
+        if not self._keywords and (kwargs or any(kwarg_mbs or ())):
             names = sorted(kwargs) or sorted({k for mb in kwarg_mbs or () for k in mb})
             raise ValueError(
-                f"{who}: keyword stage inputs {names} are not supported (they would have to reach every stage); "
-                "pass them positionally, as the first stage's arguments"
+                f"{who}: keyword stage inputs {names} need the schedule built with keyword_inputs=True "
+                "(every rank alike: each stage then gets its micro-batch's keyword arguments)"
             )
         for name, mbs in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs), ("target_mbs", target_mbs)):
             if mbs is not None and (not isinstance(mbs, list) or len(mbs) != n):
@@ -271,13 +303,18 @@ class _DropIn:
         if pre_split:
             if arg_mbs is not None and not all(isinstance(a, tuple) for a in arg_mbs):
                 raise TypeError("arg_mbs must be a list of tuples")
-            return list(arg_mbs) if arg_mbs is not None else [() for _ in range(n)], target_mbs
-        if args:
-            arg_split, _ = split_args_kwargs_into_chunks(args, None, n, self._args_chunk_spec, self._kwargs_chunk_spec)
+            if kwarg_mbs is not None and not all(isinstance(k, dict) for k in kwarg_mbs):
+                raise TypeError("kwarg_mbs must be a list of dicts")
+            args_out = list(arg_mbs) if arg_mbs is not None else [() for _ in range(n)]
+            return args_out, list(kwarg_mbs) if kwarg_mbs is not None else [{} for _ in range(n)], target_mbs
+        if args or kwargs:
+            arg_split, kw_split = split_args_kwargs_into_chunks(
+                args, kwargs, n, self._args_chunk_spec, self._kwargs_chunk_spec
+            )
         else:
-            arg_split = [() for _ in range(n)]
+            arg_split, kw_split = [() for _ in range(n)], [{} for _ in range(n)]
         targets = list(_split_tensor(target, TensorChunkSpec(0), n)) if target is not None else None
-        return [tuple(a) for a in arg_split], targets
+        return [tuple(a) for a in arg_split], [dict(k) for k in kw_split], targets
 
 
 class _Multi(_DropIn, PipelineScheduleMulti):
@@ -298,15 +335,18 @@ class _Multi(_DropIn, PipelineScheduleMulti):
         group: dist.ProcessGroup | None = None,
         wire: WireOptions | None = None,
         memory: MemoryOptions | None = None,
+        keyword_inputs: bool | None = None,
     ) -> None:
         """torch's arguments; ``backward_requires_autograd`` must be True (the backward is autograd's) and
         ``defer_pp_recv`` is accepted (receives are posted ahead by the runtime).  Keyword-only extras:
-        ``group`` (with a ``{stage: module}`` mapping), ``wire`` and ``memory`` (the Pipeline's option groups)."""
+        ``group`` (with a ``{stage: module}`` mapping), ``wire`` and ``memory`` (the Pipeline's option groups),
+        ``keyword_inputs`` (True: ``step`` takes keyword stage inputs, given to every stage of each micro-batch,
+        as torch does; default the class's ``KEYWORD_INPUTS``, False)."""
         if not backward_requires_autograd:
             raise ValueError(f"{type(self).__name__}: backward_requires_autograd=False is not supported")
         self._build(
             stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
-            group, wire, memory,
+            group, wire, memory, keyword_inputs,
         )  # fmt: skip
 
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
@@ -329,6 +369,7 @@ class _Single(_DropIn, PipelineScheduleSingle):
         group: dist.ProcessGroup | None = None,
         wire: WireOptions | None = None,
         memory: MemoryOptions | None = None,
+        keyword_inputs: bool | None = None,
     ) -> None:
         """torch's arguments; ``stage`` a PipelineStage or this rank's module (its stage index is the rank)."""
         if isinstance(stage, _PipelineStageBase):
@@ -341,7 +382,7 @@ class _Single(_DropIn, PipelineScheduleSingle):
             raise ValueError(f"{type(self).__name__}: stage must be a PipelineStage or an nn.Module")
         self._build(
             stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
-            group, wire, memory,
+            group, wire, memory, keyword_inputs,
         )  # fmt: skip
 
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:

@@ -48,18 +48,31 @@ def test_the_example_sees_what_it_sees_under_torch(runs: list[dict[str, Any]], s
                 assert t["result"] is None and o["result"] is None and o["losses"] is None, where
 
 
+@pytest.mark.parametrize("schedule", ["ScheduleDualPipeV", "Schedule1F1B"])
+def test_keyword_inputs_reach_every_stage_as_under_torch(runs: list[dict[str, Any]], schedule: str) -> None:
+    """``step(x, shift=s)``: torch gives every stage its micro-batch's slice of ``shift``; ours with
+    ``keyword_inputs=True`` the same (the micro-batch index rides along the boundaries): bit for bit."""
+    for r in runs:
+        t, o = r[f"keywords/{schedule}/{TORCH}"], r[f"keywords/{schedule}/{OURS}"]
+        for name, g in t["grads"].items():
+            assert torch.equal(g, o["grads"][name]), f"rank {r['rank']}: {name}"
+        assert t["losses"] == o["losses"]
+        assert (t["result"] is None and o["result"] is None) or torch.equal(t["result"], o["result"])
+
+
 def test_what_the_drop_in_refuses_is_named(runs: list[dict[str, Any]]) -> None:
     for r in runs:
         err = r["errors"]
         assert f"rank {r['rank']} holds stages" in err["placement"] and "got stages" in err["placement"], err
-        assert "keyword stage inputs ['mask']" in err["kwargs"], err
+        assert "keyword stage inputs ['mask'] need the schedule built with keyword_inputs=True" in err["kwargs"], err
 
 
 @pytest.mark.timeout(300)
 def test_torchtitans_calls_pick_and_run_ours() -> None:
     """torchtitan's selection by name (``use_dualpipe_kernels``), its V placement test, its constructor call
-    and its train step's call (tests/support/pipelining_workers.titan, as torchtitan 0.3.0 makes them; the
-    package itself is not a test dependency): our class is built, on the V, and its gradients and summed loss
+    and its train step's call with a keyword input for every stage, as torchtitan passes ``positions``
+    (tests/support/pipelining_workers.titan, as torchtitan 0.3.0 makes them; the package itself is not a test
+    dependency): our class is built, on the V, and its gradients and summed loss
     equal torch's ScheduleDualPipeV's bit for bit (scale_grads=False: the same sums in the same order)."""
     from pipelining_workers import titan
 

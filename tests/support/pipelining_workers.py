@@ -27,6 +27,24 @@ def layer(i: int) -> nn.Module:
     return nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()).double()
 
 
+class ShiftLayer(nn.Module):
+    """``tanh(linear(x) + shift)``: ``shift`` a keyword input given to every stage (as torchtitan gives
+    ``positions`` / ``attention_masks``)."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        torch.manual_seed(100 + i)
+        self.linear = nn.Linear(DIM, DIM).double()
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.linear(x)
+        return torch.tanh(y if shift is None else y + shift)
+
+
+def shift_input() -> torch.Tensor:
+    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+
+
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     return torch.randn(ROWS, DIM, generator=gen, dtype=torch.float64), torch.randn(
@@ -95,12 +113,45 @@ def example(module_name: str, schedule: str, rank: int, world: int, scale_grads:
     return out
 
 
+def keyword_example(module_name: str, schedule: str, rank: int, world: int) -> dict[str, Any]:
+    """torch's example with a keyword input for every stage: ``step(x, target=t, shift=s)`` on the first
+    rank, ``step(shift=s)`` elsewhere (torch splits it and gives every stage its micro-batch's slice)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    pipelining = importlib.import_module(module_name)
+    indices = stage_indices(schedule, rank, world)
+    num_stages = world * len(indices)
+    mods = {s: ShiftLayer(s) for s in indices}
+    stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in indices]
+    extra = {"keyword_inputs": True} if module_name == OURS else {}
+    cls = getattr(pipelining, schedule)
+    arg = stages if len(stages) > 1 else stages[0]
+    sched = cls(arg, N, loss_fn=F.mse_loss, **extra)
+    x, target = batch()
+    shift = shift_input()
+    first, last = 0 in indices, num_stages - 1 in indices
+    losses: list[torch.Tensor] = []
+    kw: dict[str, Any] = {"target": target, "losses": losses} if last else {}
+    result = sched.step(*((x,) if first else ()), shift=shift, **kw)
+    out = {
+        "result": None if result is None else result.detach().clone(),
+        "losses": [float(v.detach()) for v in losses] if last else None,
+        "grads": {f"{s}.{n}": p.grad.clone() for s, m in mods.items() for n, p in m.named_parameters()},
+    }
+    if module_name == OURS:
+        sched.close()
+    return out
+
+
 def both(rank: int, world: int) -> dict[str, Any]:
     """Every (schedule, scale_grads) with torch's classes and ours, from the same weights and data."""
     runs: dict[str, Any] = {}
     for schedule, scale in CASES:
         for module in (TORCH, OURS):
             runs[f"{schedule}/{scale}/{module}"] = example(module, schedule, rank, world, scale)
+    for schedule in ("ScheduleDualPipeV", "Schedule1F1B"):
+        for module in (TORCH, OURS):
+            runs[f"keywords/{schedule}/{module}"] = keyword_example(module, schedule, rank, world)
     runs["rank"] = rank
     runs["errors"] = errors(rank, world)
     runs["eval"] = evaluation(rank, world)
@@ -166,7 +217,7 @@ def titan(rank: int, world: int, real: bool) -> dict[str, Any]:
         else:
             v = cls in (mod.ScheduleZBVZeroBubble, mod.ScheduleDualPipeV)
             indices = [rank, 2 * world - 1 - rank] if v else [rank, rank + world]
-        mods = {s: layer(s) for s in indices}
+        mods = {s: ShiftLayer(s) for s in indices}
         stages = [PipelineStage(mods[s], s, 2 * world, torch.device("cpu")) for s in indices]
         if real:
             from torchtitan.config import ParallelismConfig
@@ -191,7 +242,7 @@ def titan(rank: int, world: int, real: bool) -> dict[str, Any]:
         losses: list[torch.Tensor] | None = [] if last else None
         sched.step(
             arg_mbs=[(c,) for c in x.chunk(N)] if first else None,
-            kwarg_mbs=[{} for _ in range(N)],
+            kwarg_mbs=[{"shift": c} for c in shift_input().chunk(N)],  # as torchtitan passes positions
             target_mbs=list(target.chunk(N)) if last else None,
             losses=losses,
             loss_kwargs={"global_valid_tokens": tokens},
