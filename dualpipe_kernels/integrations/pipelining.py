@@ -240,13 +240,16 @@ class _DropIn:
             raise ValueError(f"{who}: rank {self.rank} holds the last stage and loss_fn is set: step() needs target")
         if self._holds_last and losses is not None and self._loss_fn is None:
             raise RuntimeError(f"Expecting {self._n_microbatches} losses but got 0 (no loss_fn)")
-        with torch.set_grad_enabled(self._has_backward and torch.is_grad_enabled()):
-            res = self._pipe.step(
-                microbatches=arg_split if self._holds_first else None,
-                microbatch_labels=labels,
-                criterion=criterion,
-                return_outputs=return_outputs and self._holds_last,
-            )
+        try:
+            with torch.set_grad_enabled(self._has_backward and torch.is_grad_enabled()):
+                res = self._pipe.step(
+                    microbatches=arg_split if self._holds_first else None,
+                    microbatch_labels=labels,
+                    criterion=criterion,
+                    return_outputs=return_outputs and self._holds_last,
+                )
+        finally:
+            self._table[0] = [{} for _ in range(self._n_microbatches)]  # the step's keyword inputs are not kept
         if self._holds_last and losses is not None:
             losses.clear()
             losses.extend(res.losses[m] for m in range(self._n_microbatches))
