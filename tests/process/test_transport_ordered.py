@@ -7,13 +7,19 @@ posted a pair's transfers in different orders, sizes would mismatch (gloo
 fails) or data would land in the wrong buffer (the checks below fail).  The
 receivers post in orders unlike the senders' (reversed, late, both directions
 at once, the same tag twice), which is what the runtime does.
+
+Every check runs in one spawned pair (:func:`_all_checks`, one after another, the size mismatch last: it leaves
+the pair's gloo transfers failed), so the process start is paid once.
 """
 
 from __future__ import annotations
 
 import time
+import traceback
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 from dualpipe_kernels.runtime import spawn
@@ -55,8 +61,8 @@ def _ordered_worker(rank: int, world: int) -> list[str]:
     return out
 
 
-def test_ordered_transfers_pair_up_whatever_order_receives_are_posted_in() -> None:
-    assert spawn(_ordered_worker, 2, timeout_s=120) == [[], []]
+def test_ordered_transfers_pair_up_whatever_order_receives_are_posted_in(checks: list[dict[str, Any]]) -> None:
+    assert _results(checks, "ordered") == [[], []]
 
 
 def _polling_worker(rank: int, world: int) -> bool:
@@ -74,8 +80,8 @@ def _polling_worker(rank: int, world: int) -> bool:
     return bool(torch.equal(got, torch.full((256,), float(1 - rank))))
 
 
-def test_ordered_handles_report_completion_when_polled() -> None:
-    assert spawn(_polling_worker, 2, timeout_s=120) == [True, True]
+def test_ordered_handles_report_completion_when_polled(checks: list[dict[str, Any]]) -> None:
+    assert _results(checks, "polling") == [True, True]
 
 
 def _mismatch_worker(rank: int, world: int) -> str:
@@ -93,8 +99,8 @@ def _mismatch_worker(rank: int, world: int) -> str:
     return msg
 
 
-def test_a_size_mismatch_fails_the_receive_naming_the_tag() -> None:
-    _, msg = spawn(_mismatch_worker, 2, timeout_s=120)
+def test_a_size_mismatch_fails_the_receive_naming_the_tag(checks: list[dict[str, Any]]) -> None:
+    _, msg = _results(checks, "mismatch")
     assert "tag 3" in msg and "40 bytes" in msg and "16" in msg, msg
 
 
@@ -121,8 +127,46 @@ def _pipeline_worker(rank: int, world: int, ordered: bool) -> list[list[float]]:
     return grads
 
 
-def test_the_runtime_runs_over_ordered_transfers() -> None:
+def test_the_runtime_runs_over_ordered_transfers(checks: list[dict[str, Any]]) -> None:
     """Metadata ahead of data, speculative receives, both directions at once: same gradients as tag matching."""
-    ordered = spawn(_pipeline_worker, 2, True, timeout_s=180)
+    ordered = _results(checks, "pipeline ordered")
     assert all(len(grads) == 4 for grads in ordered)  # each rank holds two stages: two weights, two biases
-    assert ordered == spawn(_pipeline_worker, 2, False, timeout_s=180)
+    assert ordered == _results(checks, "pipeline tagged")
+
+
+#: (name, worker, its extra arguments), in the order one pair runs them; the mismatch last
+_CHECKS: tuple[tuple[str, Callable[..., Any], tuple[Any, ...]], ...] = (
+    ("ordered", _ordered_worker, ()),
+    ("polling", _polling_worker, ()),
+    ("pipeline ordered", _pipeline_worker, (True,)),
+    ("pipeline tagged", _pipeline_worker, (False,)),
+    ("mismatch", _mismatch_worker, ()),
+)
+
+
+def _all_checks(rank: int, world: int) -> dict[str, Any]:
+    """Each of :data:`_CHECKS` on this rank: ``{name: ("ok", result) or ("error", traceback)}``."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    for k, (name, worker, args) in enumerate(_CHECKS):
+        if k:
+            dist.barrier()  # the pair starts a check together, the last one's transfers all done on both ranks
+        try:
+            out[name] = ("ok", worker(rank, world, *args))
+        except Exception:
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def checks() -> list[dict[str, Any]]:
+    return spawn(_all_checks, 2, timeout_s=240)
+
+
+def _results(checks: list[dict[str, Any]], name: str) -> list[Any]:
+    """Check ``name``'s result on every rank (a rank's error fails the test with its traceback)."""
+    for rank, per_rank in enumerate(checks):
+        status, value = per_rank[name]
+        assert status == "ok", f"rank {rank}, {name}: {value}"
+    return [per_rank[name][1] for per_rank in checks]
