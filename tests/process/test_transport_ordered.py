@@ -8,19 +8,18 @@ fails) or data would land in the wrong buffer (the checks below fail).  The
 receivers post in orders unlike the senders' (reversed, late, both directions
 at once, the same tag twice), which is what the runtime does.
 
-Every check runs in one spawned pair (:func:`_all_checks`, one after another, the size mismatch last: it leaves
+Every check runs in one spawned pair (``spawn_checks``: one after another, the size mismatch last, as it leaves
 the pair's gloo transfers failed), so the process start is paid once.
 """
 
 from __future__ import annotations
 
 import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from spawn_checks import Check, results, run_checks
 
 from dualpipe_kernels.runtime import spawn
 from dualpipe_kernels.transport.base import TransportError
@@ -62,7 +61,7 @@ def _ordered_worker(rank: int, world: int) -> list[str]:
 
 
 def test_ordered_transfers_pair_up_whatever_order_receives_are_posted_in(checks: list[dict[str, Any]]) -> None:
-    assert _results(checks, "ordered") == [[], []]
+    assert results(checks, "ordered") == [[], []]
 
 
 def _polling_worker(rank: int, world: int) -> bool:
@@ -81,7 +80,7 @@ def _polling_worker(rank: int, world: int) -> bool:
 
 
 def test_ordered_handles_report_completion_when_polled(checks: list[dict[str, Any]]) -> None:
-    assert _results(checks, "polling") == [True, True]
+    assert results(checks, "polling") == [True, True]
 
 
 def _mismatch_worker(rank: int, world: int) -> str:
@@ -100,7 +99,7 @@ def _mismatch_worker(rank: int, world: int) -> str:
 
 
 def test_a_size_mismatch_fails_the_receive_naming_the_tag(checks: list[dict[str, Any]]) -> None:
-    _, msg = _results(checks, "mismatch")
+    _, msg = results(checks, "mismatch")
     assert "tag 3" in msg and "40 bytes" in msg and "16" in msg, msg
 
 
@@ -129,13 +128,13 @@ def _pipeline_worker(rank: int, world: int, ordered: bool) -> list[list[float]]:
 
 def test_the_runtime_runs_over_ordered_transfers(checks: list[dict[str, Any]]) -> None:
     """Metadata ahead of data, speculative receives, both directions at once: same gradients as tag matching."""
-    ordered = _results(checks, "pipeline ordered")
+    ordered = results(checks, "pipeline ordered")
     assert all(len(grads) == 4 for grads in ordered)  # each rank holds two stages: two weights, two biases
-    assert ordered == _results(checks, "pipeline tagged")
+    assert ordered == results(checks, "pipeline tagged")
 
 
 #: (name, worker, its extra arguments), in the order one pair runs them; the mismatch last
-_CHECKS: tuple[tuple[str, Callable[..., Any], tuple[Any, ...]], ...] = (
+_CHECKS: tuple[Check, ...] = (
     ("ordered", _ordered_worker, ()),
     ("polling", _polling_worker, ()),
     ("pipeline ordered", _pipeline_worker, (True,)),
@@ -144,29 +143,6 @@ _CHECKS: tuple[tuple[str, Callable[..., Any], tuple[Any, ...]], ...] = (
 )
 
 
-def _all_checks(rank: int, world: int) -> dict[str, Any]:
-    """Each of :data:`_CHECKS` on this rank: ``{name: ("ok", result) or ("error", traceback)}``."""
-    import torch.distributed as dist
-
-    out: dict[str, Any] = {}
-    for k, (name, worker, args) in enumerate(_CHECKS):
-        if k:
-            dist.barrier()  # the pair starts a check together, the last one's transfers all done on both ranks
-        try:
-            out[name] = ("ok", worker(rank, world, *args))
-        except Exception:
-            out[name] = ("error", traceback.format_exc())
-    return out
-
-
 @pytest.fixture(scope="module")
 def checks() -> list[dict[str, Any]]:
-    return spawn(_all_checks, 2, timeout_s=240)
-
-
-def _results(checks: list[dict[str, Any]], name: str) -> list[Any]:
-    """Check ``name``'s result on every rank (a rank's error fails the test with its traceback)."""
-    for rank, per_rank in enumerate(checks):
-        status, value = per_rank[name]
-        assert status == "ok", f"rank {rank}, {name}: {value}"
-    return [per_rank[name][1] for per_rank in checks]
+    return spawn(run_checks, 2, _CHECKS, timeout_s=240)
