@@ -319,7 +319,7 @@ class Launch:
             kernel = _pack_kernel if self.pack else _unpack_kernel
             try:
                 kernel[self.grid](self.meta, buffer, *self.args, **self.kw)
-            except SystemError as err:  # CPython's AST race in the compile of a first launch (.parse_race)
+            except Exception as err:  # CPython's AST race in the compile of a first launch (.parse_race)
                 if not is_ast_race(err):
                     raise
                 kernel[self.grid](self.meta, buffer, *self.args, **self.kw)
@@ -357,7 +357,7 @@ def _launch(kernel, tensors: Sequence[torch.Tensor], layout: PackLayout, buffer:
     with torch.cuda.device(device) if other else contextlib.nullcontext():
         try:
             kernel[(programs,)](meta, buffer, plan.n, plan.iters, nfast, **plan.kw, **kw)
-        except SystemError as err:  # CPython's AST race in the compile of a first launch (.parse_race)
+        except Exception as err:  # CPython's AST race in the compile of a first launch (.parse_race)
             if not is_ast_race(err):
                 raise
             kernel[(programs,)](meta, buffer, plan.n, plan.iters, nfast, **plan.kw, **kw)

@@ -5,7 +5,9 @@ recursion depth in state that every thread shares: two threads parsing source at
 ``JITFunction.parse`` when a kernel compiles, the interpreter's rewrite of a kernel's source, any
 ``ast.parse``) can leave it unbalanced, and the parse then raises ``SystemError: AST constructor recursion
 depth mismatch``.  A parse has no side effect and the compile that raised it has launched nothing, so the
-call is made once more.  Any other SystemError, and a second race, propagate.  Code of this package that
+call is made once more.  Triton raises a race in the parse of a called ``@triton.jit`` helper as a
+``CompilationError`` caused by it (``raise ... from``): that counts too.  Any other error, and a second race,
+propagate.  Code of this package that
 compiles many kernels compiles them from one thread (:mod:`.offline`); this retry covers a compile that
 races a thread outside it (an offload lane, a caller's thread).
 """
@@ -24,15 +26,23 @@ T = TypeVar("T")
 
 
 def is_ast_race(err: BaseException) -> bool:
-    """Whether ``err`` is gh-106905's SystemError (and not any other SystemError)."""
-    return isinstance(err, SystemError) and AST_RACE_MESSAGE in str(err)
+    """Whether ``err`` is gh-106905's SystemError, or an error raised from one (``__cause__``, as Triton wraps
+    a callee's parse error); any other SystemError is not."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, SystemError) and AST_RACE_MESSAGE in str(cur):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__
+    return False
 
 
 def retry_ast_race(call: Callable[[], T]) -> T:
-    """``call()``, made a second time if the first raised gh-106905's SystemError."""
+    """``call()``, made a second time if the first raised gh-106905's SystemError (or an error from it)."""
     try:
         return call()
-    except SystemError as err:
+    except Exception as err:
         if not is_ast_race(err):
             raise
     return call()

@@ -57,6 +57,24 @@ def test_anything_but_that_systemerror_propagates_at_once(first: BaseException) 
     assert not is_ast_race(first)
 
 
+def test_the_race_wrapped_by_the_compiler_is_retried_and_another_wrapped_error_is_not() -> None:
+    """Triton raises a callee's parse error as a CompilationError ``from`` it: the race under it counts."""
+
+    def wrapped(inner: BaseException) -> RuntimeError:
+        try:
+            raise RuntimeError("at 12:8: a call to a @triton.jit helper") from inner
+        except RuntimeError as err:
+            return err
+
+    call = Flaky(wrapped(SystemError(AST_RACE_MESSAGE)))
+    assert retry_ast_race(call) == 2 and call.calls == 2
+    other = wrapped(SystemError("error return without exception set"))
+    call = Flaky(other)
+    with pytest.raises(RuntimeError, match="triton.jit helper"):
+        retry_ast_race(call)
+    assert call.calls == 1 and not is_ast_race(other)
+
+
 def test_the_race_twice_propagates() -> None:
     call = Flaky(SystemError(AST_RACE_MESSAGE), SystemError(AST_RACE_MESSAGE))
     with pytest.raises(SystemError, match=AST_RACE_MESSAGE):
@@ -95,6 +113,18 @@ def test_a_first_launch_that_hits_the_race_launches_again(path: str, monkeypatch
         assert launch is not None
         launch(buf)
     assert kernel.launch.calls == 2 and not kernel.launch.errors
+
+
+def test_a_wrapped_race_of_a_launch_launches_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    pt = pytest.importorskip("dualpipe_kernels.kernels.pack_triton")
+    try:
+        raise RuntimeError("compiling a helper") from SystemError(AST_RACE_MESSAGE)
+    except RuntimeError as err:
+        kernel = FlakyKernel(err)
+    monkeypatch.setattr(pt, "_unpack_kernel", kernel)
+    ts, layout, buf = _launch_args()
+    pt.unpack_into(buf, layout, ts)
+    assert kernel.launch.calls == 2
 
 
 @pytest.mark.parametrize("path", ["unpack_into", "prepared launch"])
