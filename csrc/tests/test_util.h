@@ -1,6 +1,8 @@
 // Helpers of the C++ unit tests: deterministic payloads, an in-process channel pair.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -48,5 +50,19 @@ struct LocalPair {
     rx = std::make_shared<RecvChannel>(segment, dst, src, cfg);
   }
 };
+
+//! One message of `n` bytes through `p` (sent after its receive is posted), checked byte for byte.
+inline void expect_roundtrip(LocalPair& p, std::size_t n, std::int64_t tag, std::uint32_t seed) {
+  const auto src = payload(n, seed);
+  std::vector<unsigned char> dst(n, 0xEE);
+  auto r = p.rx->post(dst.data(), n, tag, 0);
+  auto s = p.tx->post(src.data(), n, tag, 0);
+  ASSERT_TRUE(s->wait(10.0)) << s->timeout_message(10.0);
+  ASSERT_TRUE(r->wait(10.0)) << r->timeout_message(10.0);
+  ASSERT_EQ(s->state(), Request::State::kDone) << s->error();
+  ASSERT_EQ(r->state(), Request::State::kDone) << r->error();
+  EXPECT_EQ(dst, src) << "payload of " << n << " B differs";
+  EXPECT_EQ(r->bytes_done(), n);
+}
 
 }  // namespace dualpipe::shm::testing

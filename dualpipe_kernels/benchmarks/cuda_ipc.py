@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from dualpipe_kernels.benchmarks.common import fmt, markdown_table
+from dualpipe_kernels.benchmarks.cuda_ipc_bare import BarePingPong, PeerBuffers, SpinBarrier, d2d_ms, timed_ms
+from dualpipe_kernels.benchmarks.cuda_ipc_report import to_markdown as to_markdown  # the report of this suite
 
 NAME = "cuda_ipc"
 #: engine / bare ceiling, judged from BANDWIDTH_MIN_SIZE on
@@ -125,131 +126,6 @@ def burst_count(size: int) -> int:
     return max(MIN_BURST, min(MAX_BURST, BURST_BYTES // size))
 
 
-class SpinBarrier:
-    """Two processes meet on a shared-memory array: each bumps its own slot and spins on the other's."""
-
-    def __init__(self, slots: Any, rank: int, timeout_s: float) -> None:
-        self.slots, self.rank, self.timeout_s, self.n = slots, rank, timeout_s, 0
-
-    def __call__(self) -> None:
-        self.n += 1
-        self.slots[self.rank] = self.n
-        deadline = time.monotonic() + self.timeout_s
-        spins = 0
-        while self.slots[1 - self.rank] < self.n:
-            spins += 1
-            if spins % 4096 == 0:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {self.rank}: peer did not reach barrier {self.n} in {self.timeout_s} s")
-                time.sleep(0)
-
-
-def _timed_ms(fn: Any) -> float:
-    """Milliseconds between two CUDA events around ``fn()`` on the current stream."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return float(start.elapsed_time(end))
-
-
-def _d2d_ms(size: int, burst: int, iters: int) -> float:
-    src = torch.empty(size, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up
-
-    def run() -> None:
-        for _ in range(burst):
-            dst.copy_(src)
-
-    return statistics.median(_timed_ms(run) for _ in range(iters))
-
-
-# ---------------------------------------------------------------------------
-# the bare ceiling: interprocess events, no engine
-# ---------------------------------------------------------------------------
-
-
-class _PeerBuffers:
-    """Rank 0's send buffers for the bare copy rounds, shared with rank 1 through torch's CUDA IPC."""
-
-    def __init__(self, rank: int, share: Any, timeout_s: float) -> None:
-        self.rank, self.share, self.timeout_s = rank, share, timeout_s
-        self.mine: dict[int, torch.Tensor] = {}
-
-    def get(self, size: int) -> torch.Tensor:
-        if self.rank == 0:
-            t = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
-            torch.cuda.synchronize()
-            self.mine[size] = t  # alive while rank 1 maps it
-            self.share.put(t)
-            return t
-        got: torch.Tensor = self.share.get(timeout=self.timeout_s)
-        return got
-
-
-class _Bare:
-    """Interprocess-event ping-pong between the ranks; rank 1 optionally copies from rank 0's buffer each round.
-
-    Round k: rank 0's stream records ``ping`` (after waiting for rank 1's ``pong`` of round k-1); rank 1's
-    stream waits for it, copies (if asked), records ``pong``.  A host handshake per round (shared counters)
-    makes each ``wait_event`` bind to the record of the same round; the hosts run ahead of the devices, so
-    the CUDA-event time is the devices' round trips.
-    """
-
-    def __init__(self, rank: int, ping: Any, pong: Any, counters: Any, timeout_s: float, buffers: _PeerBuffers) -> None:
-        self.rank, self.ping, self.pong, self.c, self.timeout_s = rank, ping, pong, counters, timeout_s
-        self.buffers = buffers
-        self.round = 0
-
-    def peer_buffer(self, size: int) -> torch.Tensor:
-        """Rank 0: a fresh buffer of `size` bytes (all 7), shared; rank 1: that buffer, IPC-mapped."""
-        return self.buffers.get(size)
-
-    def _await(self, slot: int, value: int) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        spins = 0
-        while self.c[slot] < value:
-            spins += 1
-            if spins % 4096 == 0 and time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank}: bare ping-pong: no round {value} from the peer")
-
-    def run(self, rounds: int, src: torch.Tensor | None = None, dst: torch.Tensor | None = None) -> float:
-        """Rank 1 returns the CUDA-event milliseconds of `rounds` rounds; rank 0 returns 0."""
-        stream = torch.cuda.current_stream()
-        start = end = None
-        if self.rank == 1:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for k in range(rounds):
-            r = self.round + k + 1
-            if self.rank == 0:
-                if r > 1:
-                    self._await(1, r - 1)  # pong of the previous round recorded
-                    stream.wait_event(self.pong)
-                self.ping.record(stream)
-                self.c[0] = r
-            else:
-                self._await(0, r)
-                stream.wait_event(self.ping)
-                if k == 0 and start is not None:
-                    start.record(stream)
-                if src is not None and dst is not None:
-                    dst.copy_(src, non_blocking=True)
-                self.pong.record(stream)
-                self.c[1] = r
-        self.round += rounds
-        if self.rank == 0:
-            self._await(1, self.round)
-            stream.wait_event(self.pong)
-            torch.cuda.synchronize()
-            return 0.0
-        assert start is not None and end is not None
-        end.record(stream)
-        end.synchronize()
-        return float(start.elapsed_time(end))
-
-
 # ---------------------------------------------------------------------------
 # the engine
 # ---------------------------------------------------------------------------
@@ -305,7 +181,7 @@ def _burst(
 
 
 def _row(
-    t: Any, bare: _Bare, rank: int, size: int, barrier: SpinBarrier, iters: int, tag0: int, out: Any
+    t: Any, bare: BarePingPong, rank: int, size: int, barrier: SpinBarrier, iters: int, tag0: int, out: Any
 ) -> dict[str, Any] | None:
     count = burst_count(size)
     device_ms, host_s = _burst(t, rank, size, count, tag0, barrier, iters)
@@ -324,7 +200,7 @@ def _row(
     if not bool((dst == 7).all()):
         raise AssertionError(f"bare ceiling, {size} B: the copy from the peer's buffer differs from what it holds")
     del src
-    engine_ms, base_ms = statistics.median(device_ms), _d2d_ms(size, count, iters)
+    engine_ms, base_ms = statistics.median(device_ms), d2d_ms(size, count, iters)
     payload = size * count
     return {
         "size_bytes": size,
@@ -363,21 +239,21 @@ def _overlap(t: Any, rank: int, barrier: SpinBarrier, args: argparse.Namespace) 
 
     a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device="cuda")
     b = torch.randn_like(a)
-    one_mm = statistics.median(_timed_ms(lambda: [torch.mm(a, b) for _ in range(4)]) for _ in range(3)) / 4
+    one_mm = statistics.median(timed_ms(lambda: [torch.mm(a, b) for _ in range(4)]) for _ in range(3)) / 4
     transfer = []
     for i in range(args.overlap_reps + 1):
         for buf in bufs:
             buf.zero_()
         torch.cuda.synchronize()
         barrier()
-        ms = _timed_ms(lambda: [h.wait_stream() for h in receive()])
+        ms = timed_ms(lambda: [h.wait_stream() for h in receive()])
         check()
         if i > 0:
             transfer.append(ms)
     transfer_ms = statistics.median(transfer)
     count = max(1, round(transfer_ms / one_mm))
     compute_ms = statistics.median(
-        _timed_ms(lambda: [torch.mm(a, b) for _ in range(count)]) for _ in range(args.overlap_reps)
+        timed_ms(lambda: [torch.mm(a, b) for _ in range(count)]) for _ in range(args.overlap_reps)
     )
 
     def together() -> None:
@@ -393,7 +269,7 @@ def _overlap(t: Any, rank: int, barrier: SpinBarrier, args: argparse.Namespace) 
             buf.zero_()
         torch.cuda.synchronize()
         barrier()
-        both.append(_timed_ms(together))
+        both.append(timed_ms(together))
         check()
     both_ms = statistics.median(both)
     ratio = both_ms / max(compute_ms, transfer_ms)
@@ -424,8 +300,8 @@ def _rank_main(rank: int, slots: Any, rounds: Any, share: Any, events: Any, args
             events.put((ping, pong))
         else:
             ping, pong = events.get(timeout=args.timeout)
-        peer = _PeerBuffers(rank, share, args.timeout)
-        bare = _Bare(rank, ping, pong, rounds, args.timeout, peer)
+        peer = PeerBuffers(rank, share, args.timeout)
+        bare = BarePingPong(rank, ping, pong, rounds, args.timeout, peer)
         barrier()
         # the context hop: ping-pong with no copy (warm-up, then timed)
         bare.run(8)
@@ -591,55 +467,3 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "overlap": res["overlap"],
         "engine_stats": {"sender": res["sender_stats"], "receiver": res["stats"]},
     }
-
-
-def to_markdown(result: dict[str, Any]) -> str:
-    if result.get("mode") == "fake-device":
-        table = markdown_table(
-            result["rows"],
-            ["size_bytes", "messages", "host_us_per_msg", "post_us_per_msg", "complete_us_per_msg", "zero_copy"],
-            ["size (B)", "msgs/burst", "host us/msg", "post us/msg", "completion us/msg", "zero-copy"],
-        )
-        verdict = "PASS" if result["host_pass"] else "FAIL"
-        return "\n".join([
-            f"CUDA IPC engine's host path over the fake device ({result['host_cpus']} host CPUs; both ends in one "
-            f"process; copies move no bytes while timed, one burst per size checked byte-exact).",
-            "",
-            table,
-            "",
-            f"Host cost per message (post + completion) <= {result['target_host_us_per_msg']} us: {verdict}.",
-        ])  # fmt: skip
-    head = (
-        f"CUDA IPC point-to-point on {result['device']} ({result['staging']} staging, asked "
-        f"{result['staging_requested']}; signals: {result['signal_mechanism']}; ring {result['num_slots']} x "
-        f"{result['slot_bytes'] >> 10} KiB, {result['max_inflight']} in flight, zero-copy from "
-        f"{result['direct_min_bytes']} B) vs the bare ceiling (interprocess-event ping-pong with a copy from the "
-        f"peer's IPC-mapped buffer) and `dst.copy_(src)`; every receive buffer checked."
-    )
-    table = markdown_table(
-        result["rows"],
-        ["size_bytes", "messages", "engine_gbps", "bare_gbps", "copy_gbps", "engine_over_bare", "host_us_per_msg",
-         "device_us_per_msg"],
-        ["size (B)", "msgs", "engine GB/s", "bare GB/s", "copy GB/s", "engine / bare", "host us/msg",
-         "device us/msg"],
-    )  # fmt: skip
-    lines = [
-        head,
-        "",
-        table,
-        "",
-        f"Context hop (bare interprocess-event ping-pong): {fmt(result['hop_us'], 4)} us.",
-        f"Min engine / bare at >= {result['bandwidth_min_size'] >> 20} MiB: {fmt(result['engine_over_bare_min'], 3)} "
-        f"(target >= {result['bandwidth_target_ratio']}): {'PASS' if result['bandwidth_pass'] else 'FAIL'}.",
-        f"{result['small_msg_bytes']} B messages: device time per message / hop = {fmt(result['small_over_hop'], 3)} "
-        f"(target <= {result['small_target']}): {'PASS' if result['small_pass'] else 'FAIL'}.",
-    ]
-    o = result["overlap"]
-    if o:
-        lines.append(
-            f"Compute + transfer: compute {fmt(o['compute_ms'], 4)} ms ({o['matmuls']} bf16 matmuls of "
-            f"{o['matmul_n']}^3), transfer {fmt(o['transfer_ms'], 4)} ms ({o['transfer_bytes'] >> 20} MiB), both "
-            f"{fmt(o['both_ms'], 4)} ms = {fmt(o['ratio'], 3)} x the longer (target <= {o['target']}): "
-            f"{'PASS' if o['pass'] else 'FAIL'}."
-        )
-    return "\n".join(lines)

@@ -13,6 +13,8 @@ same weights and data:
 * ``ours-hook-off``: the same chunks without the hook (a pair runs F then B);
 * ``torch.ScheduleDualPipeV``: torch.distributed.pipelining, its default
   OVERLAP_F_B (F then B);
+* ``dropin.ScheduleDualPipeV``: the same torch program with the class imported
+  from dualpipe_kernels.integrations.pipelining, over the hooked chunks;
 * the reference ``dualpipe`` package's DualPipeV when it can run here, else a
   one-line skip saying why (:func:`reference_skip`).
 
@@ -49,7 +51,15 @@ NAME = "moe"
 __all__ = ["NAME", "MoeConfig", "add_arguments", "run", "to_markdown", "write_plots", "reference_skip", "TARGETS"]
 
 #: Must-show targets at the size whose all_to_all is closest to a chunk's forward compute.
-TARGETS = {"pair_over_f_plus_b": 0.65, "ours_over_torch": 0.8, "ours_over_hook_off": 0.8, "ours_vs_simulated": 0.05}
+TARGETS = {
+    "pair_over_f_plus_b": 0.65,
+    "ours_over_torch": 0.8,
+    "ours_over_hook_off": 0.8,
+    "ours_vs_simulated": 0.05,
+    "dropin_over_torch": 0.8,
+}
+#: contenders whose pairs run through the overlap hook
+HOOKED = ("ours", "dropin.ScheduleDualPipeV")
 
 _FULL_SIZES = (0, 1 << 22, 1 << 23, 1 << 24, 1 << 25, 3 << 24, 1 << 26, 3 << 25, 1 << 27)
 _QUICK_SIZES = (0, 1 << 20)
@@ -247,7 +257,7 @@ def _rows(run: MoeRun, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ours = statistics.median(steps["ours"])
         for name in CONTENDERS:
             step = statistics.median(steps[name])
-            pair = c["pair_hook"] if name == "ours" else c["pair_seq"]
+            pair = c["pair_hook"] if name in HOOKED else c["pair_seq"]
             alone, fb = _simulated(run, c, pair)
             in_situ = _simulated_in_situ(run, per_rank, name, k)
             sim = alone if in_situ is None else in_situ
@@ -291,6 +301,7 @@ def _targets(run: MoeRun, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "ours_over_torch": at["step_s"] / by["torch.ScheduleDualPipeV"]["step_s"],
         "ours_over_hook_off": at["step_s"] / by["ours-hook-off"]["step_s"],
         "ours_vs_simulated": abs(at["measured_over_simulated"] - 1.0),
+        "dropin_over_torch": by["dropin.ScheduleDualPipeV"]["step_s"] / by["torch.ScheduleDualPipeV"]["step_s"],
     }
     return {
         "a2a_bytes": at["a2a_bytes"],
@@ -436,11 +447,11 @@ def write_plots(result: dict[str, Any], out_dir: Any) -> list[Any]:
 
     rows, cfg = result["rows"], result["config"]
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, height_ratios=(2.2, 1))
-    for name, style in zip(CONTENDERS, ("o-", "s-", "^-"), strict=True):
+    for name, style in zip(CONTENDERS, ("o-", "s-", "^-", "v-"), strict=True):
         pts = sorted((r["a2a_bytes"], r["step_s"], r["simulated_s"]) for r in rows if r["contender"] == name)
         xs = [p[0] for p in pts]
         line = ax.plot(xs, [p[1] for p in pts], style, label=f"{name} (measured)")[0]
-        if name != "torch.ScheduleDualPipeV":  # torch's pair is F then B, as our hook-off one: the same line
+        if name in ("ours", "ours-hook-off"):  # torch's pair is F then B, as our hook-off one: the same line
             ax.plot(xs, [p[2] for p in pts], "--", color=line.get_color(), alpha=0.7, label=f"{name} (simulator)")
         if name == "ours":  # the prediction from the costs timed alone, before any step ran
             alone = sorted((r["a2a_bytes"], r["simulated_alone_s"]) for r in rows if r["contender"] == name)

@@ -19,7 +19,8 @@ of the sweep, in the same processes:
 Contenders: ``ours`` (our Pipeline, chunks with the overlap hook),
 ``ours-hook-off`` (the same chunks without it: a pair runs F then B) and
 ``torch.ScheduleDualPipeV`` (torch.distributed.pipelining, its default
-OVERLAP_F_B: F then B), all from the same weights and data.
+OVERLAP_F_B: F then B) and ``dropin.ScheduleDualPipeV`` (torch's program with the class from
+dualpipe_kernels.integrations.pipelining, over the hooked chunks), all from the same weights and data.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from dualpipe_kernels.benchmarks.sleep_stages import sleep_seconds
 
 __all__ = ["CONTENDERS", "MoeRun", "rank_main", "pad_for_bytes"]
 
-CONTENDERS = ("ours", "ours-hook-off", "torch.ScheduleDualPipeV")
+CONTENDERS = ("ours", "ours-hook-off", "torch.ScheduleDualPipeV", "dropin.ScheduleDualPipeV")
 
 
 @dataclass(frozen=True)
@@ -249,16 +250,20 @@ class _Ours:
 
 
 class _Torch:
-    """torch.distributed.pipelining's ScheduleDualPipeV over the pipeline group, the same chunks (no hook)."""
+    """torch.distributed.pipelining's ScheduleDualPipeV over the pipeline group, the same chunks (no hook); with
+    ``dropin``, the same program with the class from dualpipe_kernels.integrations.pipelining (one import
+    changed) over the hooked chunks: our runtime, reached the way torch code reaches torch's."""
 
-    def __init__(self, run: MoeRun, group: ExpertGroup, pp_group: Any, p_rank: int, e_rank: int) -> None:
+    def __init__(
+        self, run: MoeRun, group: ExpertGroup, pp_group: Any, p_rank: int, e_rank: int, dropin: bool = False
+    ) -> None:
         from torch.distributed import pipelining as pp
 
         cls = getattr(pp, "ScheduleDualPipeV", None)
         if cls is None:
             raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.pipelining.ScheduleDualPipeV")
         stages = [p_rank, 2 * run.pp - 1 - p_rank]  # the V placement
-        self.modules = _chunks(MoEChunk, run, group, stages, e_rank)
+        self.modules = _chunks(OverlappedMoEChunk if dropin else MoEChunk, run, group, stages, e_rank)
 
         # Static shapes (torch's shape inference would run the all_to_alls); an input that needs a
         # gradient (every stage but the first) says so, or torch sends no gradient back for it.
@@ -278,7 +283,16 @@ class _Torch:
             for s in stages
         ]
         # Our runtime sums micro-batch gradients; so does torch with scale_grads=False.
-        self.sched = cls(self.stages, run.microbatches, loss_fn=moe_criterion, scale_grads=False)
+        if dropin:
+            from dualpipe_kernels.integrations.pipelining import ScheduleDualPipeV
+            from dualpipe_kernels.runtime.options import WireOptions
+
+            wire = WireOptions(transport=run.transport)
+            self.sched = ScheduleDualPipeV(
+                self.stages, run.microbatches, loss_fn=moe_criterion, scale_grads=False, wire=wire
+            )
+        else:
+            self.sched = cls(self.stages, run.microbatches, loss_fn=moe_criterion, scale_grads=False)
         self.x = _batch(run, e_rank)
         self.first = any(st.is_first for st in self.stages)
         self.last = any(st.is_last for st in self.stages)
@@ -290,10 +304,12 @@ class _Torch:
         self.sched.step(*args, target=target, losses=[] if self.last else None)
 
     def pairs(self) -> int:
-        return 0
+        return sum(int(getattr(m, "overlapped_pairs", 0)) for m in self.modules.values())
 
     def close(self) -> None:
-        pass
+        close = getattr(self.sched, "close", None)
+        if close is not None:
+            close()
 
 
 def rank_main(rank: int, world: int, run: MoeRun) -> dict[str, Any]:
@@ -309,6 +325,7 @@ def rank_main(rank: int, world: int, run: MoeRun) -> dict[str, Any]:
         "ours": _Ours(run, True, group, pp_group, p_rank, e_rank),
         "ours-hook-off": _Ours(run, False, group, pp_group, p_rank, e_rank),
         "torch.ScheduleDualPipeV": _Torch(run, group, pp_group, p_rank, e_rank),
+        "dropin.ScheduleDualPipeV": _Torch(run, group, pp_group, p_rank, e_rank, dropin=True),
     }
     out: dict[str, Any] = {
         "costs": [],

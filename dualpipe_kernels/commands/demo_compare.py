@@ -42,7 +42,7 @@ def _summary(res: dict[str, Any]) -> dict[str, Any]:
 
 def run_compare(cfg: Any, other: str, as_json: bool) -> int:
     """Run the demo for ``cfg`` and for ``cfg`` with schedule ``other``; print both and the ratios."""
-    from dualpipe_kernels.commands.demo import run_demo
+    from dualpipe_kernels.commands.demo_run import run_demo
     from dualpipe_kernels.schedules.generators import build_schedule
 
     build_schedule(other, cfg.ranks, cfg.microbatches)  # ValueError (exit 2) if it cannot run this size

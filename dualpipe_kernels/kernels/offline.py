@@ -27,6 +27,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from dualpipe_kernels.kernels.parse_race import retry_ast_race
+
 __all__ = [
     "GPU_TRITON",
     "VARIANTS",
@@ -124,15 +126,15 @@ def compile_variant(pack: bool, constexprs: dict[str, Any]) -> dict[str, Any]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from dualpipe_kernels.kernels import pack_triton as pt
+    from dualpipe_kernels.kernels.pack_jit import pack_kernel, unpack_kernel
 
-    kernel = pt._pack_kernel if pack else pt._unpack_kernel
+    kernel = pack_kernel if pack else unpack_kernel
     types = {"table": "*i64", "buf": "*u8", "n": "i32", "iters": "i32", "fast_programs": "i32"}
     sig = {name: types.get(name, "constexpr") for name in kernel.arg_names}  # in the parameters' order
     consts = {k: constexprs[k] for k in kernel.arg_names if k not in types}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={(1,): [["tt.divisibility", 16]]})
     target = GPUTarget("cuda", 90, 32)
-    return triton.compile(src, target=target, options={"num_warps": NUM_WARPS}).asm
+    return retry_ast_race(lambda: triton.compile(src, target=target, options={"num_warps": NUM_WARPS}).asm)
 
 
 def _constexprs(code: int, pow2: bool, contig: bool, rows: int, tile: int, tail: bool = True) -> dict[str, Any]:
@@ -142,7 +144,9 @@ def _constexprs(code: int, pow2: bool, contig: bool, rows: int, tile: int, tail:
             "CONTIG": contig, "I32": True, "HW": True, "TAIL": tail}  # fmt: skip
 
 
-def _one(fmt: str, name: str, code: int, pow2: bool, pack: bool, contig: bool, tool: str | None) -> dict[str, Any]:
+def _compiled(fmt: str, name: str, code: int, pow2: bool, pack: bool, contig: bool) -> dict[str, Any]:
+    """One variant compiled (the full kernel; for a contiguous one also its fast path alone), with what its
+    row reads from the compiler's output; ``_fast_cubin`` is left for :func:`_sass_per_element`."""
     import torch
     import triton
 
@@ -153,27 +157,40 @@ def _one(fmt: str, name: str, code: int, pow2: bool, pack: bool, contig: bool, t
     rows = pt.rows_per_block(gpu, code)
     tile = min(rows, pt.tile_rows(gpu))
     regs = registers_per_thread(compile_variant(pack, _constexprs(code, pow2, contig, rows, tile))["cubin"])
-    per_element = loop_loads = None
+    loop_loads = fast_cubin = None
     if contig:
         # the fast path alone (the masked path left out), one tile per block: its loop runs once per tile
         fast = compile_variant(pack, _constexprs(code, pow2, True, tile, tile, False))
         # a program's blocks are all of one tensor: its table row is read before the loop, never inside it
         loop_loads = table_loads(fast["ttir"])[1]
-        body = loop_body(sass_listing(fast["cubin"], tool)) if tool is not None else []
-        per_element = round(len(body) / (tile * 128 / (32 * NUM_WARPS)), 3) if body else None
+        fast_cubin = fast["cubin"]
     return {"kernel": "pack" if pack else "unpack", "format": fmt, "variant": name, "contiguous": contig,
             "triton_version": triton.__version__, "registers": regs, "programs_per_sm": fit_per_sm(regs, NUM_WARPS),
-            "sass_per_element": per_element, "rows_per_block": rows,
-            "fast_loop_table_loads": loop_loads}  # fmt: skip
+            "sass_per_element": None, "rows_per_block": rows, "fast_loop_table_loads": loop_loads,
+            "_tile": tile, "_fast_cubin": fast_cubin}  # fmt: skip
+
+
+def _sass_per_element(row: dict[str, Any], tool: str | None) -> dict[str, Any]:
+    """``row`` with ``sass_per_element`` read from its fast path's cubin (``cuobjdump``, a process)."""
+    tile, cubin = row.pop("_tile"), row.pop("_fast_cubin")
+    if cubin is not None and tool is not None:
+        body = loop_body(sass_listing(cubin, tool))
+        row["sass_per_element"] = round(len(body) / (tile * 128 / (32 * NUM_WARPS)), 3) if body else None
+    return row
 
 
 def analyse(formats: tuple[str, ...] = ("packed", "bf16", "fp8"), workers: int = 2) -> list[dict[str, Any]]:
-    """One row per launch variant of ``formats`` (see the module docstring)."""
+    """One row per launch variant of ``formats`` (see the module docstring).
+
+    The variants compile one after another in the calling thread: Triton parses each kernel's source
+    as it compiles, and parses from several threads at once can hit CPython's AST race (gh-106905, see
+    :mod:`.parse_race`).  Only ``cuobjdump``, which parses nothing in Python, runs on ``workers`` threads."""
     tool = cuobjdump_path()
     jobs = [(f, n, c, p2, pack, contig) for f, n, c, p2 in VARIANTS if f in formats
             for pack in (True, False) if pack or not p2 for contig in (True, False)]  # fmt: skip
-    with ThreadPoolExecutor(max_workers=workers) as ex:  # ptxas and cuobjdump run as processes
-        return list(ex.map(lambda j: _one(j[0], j[1], j[2], j[3], j[4], j[5], tool), jobs))
+    rows = [_compiled(*j) for j in jobs]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:  # cuobjdump runs as a process
+        return list(ex.map(lambda r: _sass_per_element(r, tool), rows))
 
 
 #: the Triton of the GPU machine (the pip wheel that ``bench/device_check.sh`` installs there)

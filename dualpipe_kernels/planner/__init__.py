@@ -3,7 +3,10 @@
 * :mod:`.layers`: the per-layer cost table and its ``--layers`` JSON format.
 * :mod:`.profile`: measure a model's layers on a sample micro-batch (or the parameter-count fallback).
 * :mod:`.partition`: exact, placement-aware partition of layers into model stages.
-* :mod:`.plan`: search schedule x PP x DP x micro-batches under a memory budget, ranked by the simulator.
+* :mod:`.partition`'s exact searches, one per placement kind: :mod:`.partition_search`.
+* :mod:`.candidates`: the cluster, a candidate configuration, the result (what :mod:`.plan` takes and returns).
+* :mod:`.plan`: search schedule x PP x DP x micro-batches under a memory budget, ranked by the simulator;
+  :mod:`.explain` says why it chose its plan.
 """
 
 from .layers import LayerCost, LayerTable, load_layers, save_layers

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .plan import Candidate
+from .candidates import Candidate
 
 __all__ = ["explain"]
 

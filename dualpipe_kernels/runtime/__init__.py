@@ -14,7 +14,7 @@ Layers (bottom first; a module imports only modules below it, held by
 tests/unit/test_import_graph.py): foundations (checks, construction, groups,
 launch, microbatch, timeline, memory_plan, memory_store, zero_bubble), the
 boundary wing (boundary/), options, the subsystems (fingerprint, stages,
-memory, reference, mirror, checkpoint, compute, data_parallel), the step (loop,
+memory_records, memory, reference, mirror, checkpoint, compute, data_parallel), the step (loop,
 result), the pipeline (conveniences, executor), and this package's face.
 """
 

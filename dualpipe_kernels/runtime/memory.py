@@ -25,80 +25,30 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from dualpipe_kernels.runtime.memory_plan import Key, MemoryPolicy, ReloadPlan
+from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, ReloadPlan
+from dualpipe_kernels.runtime.memory_records import (
+    Compressed,
+    Dropped,
+    OffloadedView,
+    Record,
+    SavedInput,
+    StepMemory,
+    sole_holder,
+    tensor_bytes,
+    unpack_saved,
+)
 from dualpipe_kernels.runtime.memory_store import CopyLanes, HostArena, OffloadGroup, storage_bytes, storage_ptr
 
 __all__ = ["ActivationMemory", "StepMemory", "HISTORY"]
 
 #: training steps whose peak (and host bytes) :class:`ActivationMemory` remembers (older ones drop off)
 HISTORY = 256
-
-
-@dataclass
-class _Dropped:
-    """Placeholder saved by a recompute forward: index of the tensor in the replay's save order."""
-
-    rec: _Record
-    index: int
-
-
-@dataclass
-class _View:
-    """Placeholder saved by offload: a view of storage ``index`` of an offload group."""
-
-    rec: _Record
-    group: OffloadGroup
-    index: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
-@dataclass
-class _Record:
-    """The saved activations of one (stage, micro-batch) on this rank."""
-
-    key: Key
-    policy: MemoryPolicy
-    pinned: set[int]  # storages that never move: parameters, stage inputs, labels
-    offload: bool
-    open: bool = True
-    counted: set[Any] = field(default_factory=set)  # storages (or compressed tensors) already counted
-    nbytes: int = 0  # device-resident bytes of this key now
-    seen: dict[Any, Any] = field(default_factory=dict)  # dedupe during the forward (holds sources alive)
-    groups: list[OffloadGroup] = field(default_factory=list)  # one per forward (the last one open)
-    saves: int = 0  # pack calls of the forward (recompute checks the replay against it)
-    dropped: list[int] = field(default_factory=list)
-    replay: Callable[[], None] | None = None
-    rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
-    recomputed: list[torch.Tensor] | None = None
-    recounted: dict[int, int] = field(default_factory=dict)  # storages the recompute counted -> their bytes
-    inputs: list[_Input] = field(default_factory=list)  # compressed stage inputs of the open forward
-
-
-@dataclass
-class StepMemory:
-    """One step's saved-activation records on this rank (``peak``: the step's peak resident bytes)."""
-
-    training: bool = False
-    params: set[int] = field(default_factory=set)
-    records: dict[Key, _Record] = field(default_factory=dict)
-    resident: int = 0
-    peak: int = 0
-    host_bytes: int = 0  # bytes the offload packs wrote to the host arena
-
-    def add(self, rec: _Record, n: int) -> None:
-        rec.nbytes += n
-        self.resident += n
-        self.peak = max(self.peak, self.resident)
 
 
 class ActivationMemory:
@@ -143,7 +93,7 @@ class ActivationMemory:
         self.offload_packs = 0
         self.reload_unpacks = 0
         self._layouts: Any = None  # kernels.LayoutCache, made on first offload
-        self._pending: list[_Record] = []  # records whose offload pack has not settled yet
+        self._pending: list[Record] = []  # records whose offload pack has not settled yet
         self._draining: list[OffloadGroup] = []  # released groups whose pack still reads their sources
         # Keep stages run without hooks unless accounting is asked for: under any saved-tensor hook
         # autograd hands a custom Function back an alias of a saved parameter, not the parameter, so
@@ -210,7 +160,7 @@ class ActivationMemory:
         rec = sm.records.get(key)
         if rec is None:
             pins = set(sm.params) | {storage_ptr(t) for t in pinned if isinstance(t, torch.Tensor)}
-            rec = _Record(key, pol, pins, offload=pol.kind == "offload" and key not in self.plan.resident)
+            rec = Record(key, pol, pins, offload=pol.kind == "offload" and key not in self.plan.resident)
             sm.records[key] = rec
             if pol.kind == "recompute":
                 rec.replay = replay
@@ -219,12 +169,12 @@ class ActivationMemory:
         rec.open = True
         pack = self._packer(sm, rec)
         try:
-            with saved_tensors_hooks(pack, _unpack):
+            with saved_tensors_hooks(pack, unpack_saved):
                 yield
         finally:
             self._close(sm, rec)
 
-    def _packer(self, sm: StepMemory, rec: _Record) -> Callable[[torch.Tensor], Any]:
+    def _packer(self, sm: StepMemory, rec: Record) -> Callable[[torch.Tensor], Any]:
         kind = rec.policy.kind
 
         # Tensors that stay go back as they came when they are leaves (a custom function may use a
@@ -239,7 +189,7 @@ class ActivationMemory:
             if ptr in sm.params:
                 return same(t)
             if ptr in rec.pinned:
-                if not _sole_holder(t):
+                if not sole_holder(t):
                     # The caller's batch (or another record's saved tensor): held there whatever this
                     # record does, so not this record's bytes.
                     return same(t)
@@ -247,15 +197,15 @@ class ActivationMemory:
                     kind == "compress"
                     and t.grad_fn is None
                     and t.is_floating_point()
-                    and _nbytes(t) >= rec.policy.min_bytes
+                    and tensor_bytes(t) >= rec.policy.min_bytes
                 ):
                     return self._compress_input(sm, rec, t)
-                self._count(sm, rec, ptr, _nbytes(t))
+                self._count(sm, rec, ptr, tensor_bytes(t))
                 return same(t)
             if kind == "recompute":
                 rec.dropped.append(index)
-                return _Dropped(rec, index)
-            if kind == "compress" and t.is_floating_point() and _nbytes(t) >= rec.policy.min_bytes:
+                return Dropped(rec, index)
+            if kind == "compress" and t.is_floating_point() and tensor_bytes(t) >= rec.policy.min_bytes:
                 return self._compress(sm, rec, t)
             if rec.offload and storage_bytes(t) >= rec.policy.min_bytes:
                 return self._offload(sm, rec, t)
@@ -264,12 +214,12 @@ class ActivationMemory:
 
         return pack
 
-    def _count(self, sm: StepMemory, rec: _Record, ident: Any, n: int) -> None:
+    def _count(self, sm: StepMemory, rec: Record, ident: Any, n: int) -> None:
         if ident not in rec.counted:
             rec.counted.add(ident)
             sm.add(rec, n)
 
-    def _compress(self, sm: StepMemory, rec: _Record, t: torch.Tensor) -> Any:
+    def _compress(self, sm: StepMemory, rec: Record, t: torch.Tensor) -> Any:
         from dualpipe_kernels.kernels import pack
 
         ident = (storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -278,20 +228,20 @@ class ActivationMemory:
             buf, layout = pack([t.detach()], dtype=rec.policy.dtype)
             got = rec.seen[ident] = (buf, layout, t)
             sm.add(rec, buf.numel())
-        return _Compressed(got[0], got[1], t.requires_grad)
+        return Compressed(got[0], got[1], t.requires_grad)
 
-    def _compress_input(self, sm: StepMemory, rec: _Record, t: torch.Tensor) -> _Input:
+    def _compress_input(self, sm: StepMemory, rec: Record, t: torch.Tensor) -> SavedInput:
         """A stage input this runtime alone holds, under compress: whole during the forward (which reads
         it), packed at its end (:meth:`_close`)."""
         ident = ("input", storage_ptr(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         got = rec.seen.get(ident)
         if got is None:
-            got = rec.seen[ident] = _Input(t, rec.policy.dtype)
+            got = rec.seen[ident] = SavedInput(t, rec.policy.dtype)
             rec.inputs.append(got)
-            self._count(sm, rec, storage_ptr(t), _nbytes(t))
+            self._count(sm, rec, storage_ptr(t), tensor_bytes(t))
         return got
 
-    def _offload(self, sm: StepMemory, rec: _Record, t: torch.Tensor) -> _View:
+    def _offload(self, sm: StepMemory, rec: Record, t: torch.Tensor) -> OffloadedView:
         if not rec.groups or rec.groups[-1].host is not None:
             rec.groups.append(OffloadGroup(self.lanes, rec.policy.dtype, rec.policy.offload_path))
         group = rec.groups[-1]
@@ -300,11 +250,11 @@ class ActivationMemory:
         index = group.add(t)
         if group.nbytes != before:
             sm.add(rec, group.nbytes - before)
-        return _View(rec, group, index, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        return OffloadedView(rec, group, index, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
-    def _close(self, sm: StepMemory, rec: _Record) -> None:
+    def _close(self, sm: StepMemory, rec: Record) -> None:
         """End of the forward: its offloaded storages go to the arena in one pack launch (they leave when
-        it has run, see :meth:`_settle`); a compressed stage input keeps one copy (see :class:`_Input`)."""
+        it has run, see :meth:`_settle`); a compressed stage input keeps one copy (see :class:`SavedInput`)."""
         rec.open = False
         s = rec.key[0]
         # what the forward held at its end: offloaded sources and a compressed stage input still whole
@@ -353,7 +303,7 @@ class ActivationMemory:
             if rec is not None:
                 self._reload(sm, rec)
 
-    def _reload(self, sm: StepMemory, rec: _Record) -> None:
+    def _reload(self, sm: StepMemory, rec: Record) -> None:
         """One unpack launch per offload group of ``rec`` (a group whose pack has not run yet keeps its
         sources, which the backward then reads)."""
         for group in rec.groups:
@@ -372,7 +322,7 @@ class ActivationMemory:
         if rec.replay is not None and rec.recomputed is None:
             self._recompute(sm, rec)
 
-    def _recompute(self, sm: StepMemory, rec: _Record) -> None:
+    def _recompute(self, sm: StepMemory, rec: Record) -> None:
         captured: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> None:
@@ -440,85 +390,3 @@ class ActivationMemory:
                 group.release()
             self._pending = [r for r in self._pending if r is not rec]
             rec.groups.clear()
-
-
-@dataclass
-class _Compressed:
-    buffer: torch.Tensor
-    layout: Any
-    requires_grad: bool
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _sole_holder(t: torch.Tensor) -> bool:
-    """True when no tensor but ``t`` uses its storage (False where torch cannot tell)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return False
-    # The probe counts the same way (its own tensor plus the temporary storage object of the call).
-    probe = torch.empty(0)
-    return bool(use_count(t.untyped_storage()._cdata) <= use_count(probe.untyped_storage()._cdata))
-
-
-class _Input:
-    """A stage input saved under compress that only this runtime holds (a received tensor).
-
-    After the forward the runtime needs the input's tensor object (for its
-    ``.grad``), not its bytes: :meth:`settle` packs it and frees its storage,
-    so the backward reads the packed copy and the input costs what any
-    compressed activation costs.  If something took a reference to the storage
-    during the forward (a view saved as is), it stays whole.
-    """
-
-    def __init__(self, full: torch.Tensor, dtype: torch.dtype | None) -> None:
-        self.full: torch.Tensor | None = full  # a leaf or detached (sole holder), so no grad_fn cycle
-        self.dtype = dtype
-        self.buffer: torch.Tensor | None = None
-        self.layout: Any = None
-
-    def settle(self) -> int:
-        """End of the forward: pack and free the whole copy if still alone; the change of resident bytes."""
-        from dualpipe_kernels.kernels import pack
-
-        full = self.full
-        assert full is not None
-        if not _sole_holder(full):
-            return 0
-        self.buffer, self.layout = pack([full.detach()], dtype=self.dtype)
-        self.full = None
-        full.untyped_storage().resize_(0)
-        return self.buffer.numel() - _nbytes(full)
-
-    def get(self) -> torch.Tensor:
-        if self.full is not None:
-            return self.full
-        from dualpipe_kernels.kernels import unpack
-
-        return unpack(self.buffer, self.layout)[0]  # type: ignore[arg-type]
-
-
-def _unpack(x: Any) -> torch.Tensor:
-    """The saved tensor behind what a pack hook returned (recomputing or reloading if needed)."""
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, _Dropped):
-        rec = x.rec
-        if rec.recomputed is None:
-            raise RuntimeError(
-                f"stage {rec.key[0]} micro-batch {rec.key[1]}: a recomputed activation was read before its "
-                "recompute (or after its release)"
-            )
-        return rec.recomputed[x.index]
-    if isinstance(x, _View):
-        storage = x.group.storage(x.index)
-        return torch.empty(0, dtype=x.dtype, device=storage.device).set_(storage, x.offset, x.size, x.stride)
-    if isinstance(x, _Input):
-        return x.get()
-    if isinstance(x, _Compressed):
-        from dualpipe_kernels.kernels import unpack
-
-        return unpack(x.buffer, x.layout)[0]
-    raise TypeError(f"saved-tensor hook got an unknown placeholder {type(x).__name__}")

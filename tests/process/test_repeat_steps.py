@@ -29,20 +29,29 @@ SETUPS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(SETUPS))
-def runs(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def all_runs() -> list[dict[str, Any]]:
+    """Every setup's run, one after another in one spawned pair (``spawn_checks``: the start is paid once)."""
     from repeat_workers import long_run
+    from spawn_checks import run_checks
 
     from dualpipe_kernels.runtime.launch import spawn
 
-    kind, width, inline = SETUPS[request.param]
-    out = spawn(long_run, 2, STEPS, kind, width, inline, timeout_s=240.0)
+    checks = tuple((name, long_run, (STEPS, *setup)) for name, setup in SETUPS.items())
+    return spawn(run_checks, 2, checks, timeout_s=240.0 * len(SETUPS))
+
+
+@pytest.fixture(scope="module", params=list(SETUPS))
+def runs(request: pytest.FixtureRequest, all_runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from spawn_checks import results
+
+    out = results(all_runs, request.param)
     for res in out:
         res["setup"] = request.param
     return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # the first test to ask for the runs: its setup runs all of them
 def test_repeats_are_bit_exact_against_the_general_protocol(runs: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(runs):
         assert res["True"]["losses"] == res["False"]["losses"], f"rank {rank}: losses differ"

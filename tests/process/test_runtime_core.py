@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from spawn_checks import Check, results, run_checks
 from torch.autograd.graph import get_gradient_edge
 from toy_models import DeferredLinearFunc, accumulate_weight_grad, forward_then_backward
 
@@ -450,12 +451,12 @@ def _changing_shapes(rank: int, transport: str) -> list[bool]:
 
 
 @pytest.mark.timeout(180)
-def test_shapes_that_change_between_steps_stay_exact() -> None:
+def test_shapes_that_change_between_steps_stay_exact(pair_checks: list[dict[str, Any]]) -> None:
     """Receives are posted speculatively with the previous step's layout: a changed layout must still be exact.
 
     Also: pre-split micro-batches (``step(microbatches=...)``) give the same result as the full batch.
     """
-    for rank, ok in enumerate(spawn(_changing_shapes_worker, 2, timeout_s=150)):
+    for rank, ok in enumerate(results(pair_checks, "changing shapes")):
         assert all(ok), (rank, ok)
 
 
@@ -473,9 +474,11 @@ def _lookaheads(rank: int, world: int) -> dict[str, int]:
 
 
 @pytest.mark.timeout(120)
-def test_receive_window_defaults_to_the_transports_and_an_explicit_one_wins() -> None:
+def test_receive_window_defaults_to_the_transports_and_an_explicit_one_wins(
+    pair_checks: list[dict[str, Any]],
+) -> None:
     """gloo posts receives 9 compute actions ahead (late receives cost its loop thread CPU), native 2."""
-    for got in spawn(_lookaheads, 2, timeout_s=100):
+    for got in results(pair_checks, "lookaheads"):
         assert got == {"torch": 9, "native": 2, "torch_3": 3}, got
     with pytest.raises(ValueError, match="recv_lookahead must be >= 1"):
         Pipeline(build_schedule("1f1b", 1, 2), {0: _mlp(), 1: _mlp()}, recv_lookahead=0)
@@ -534,13 +537,27 @@ def _early_posts(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+#: checks of two ranks that share one spawned pair (``spawn_checks``); the changing shapes last: it turns on
+#: torch's deterministic algorithms for the rest of the process
+_PAIR_CHECKS: tuple[Check, ...] = (
+    ("lookaheads", _lookaheads, ()),
+    ("early posts", _early_posts, ()),
+    ("changing shapes", _changing_shapes_worker, ()),
+)
+
+
+@pytest.fixture(scope="module")
+def pair_checks() -> list[dict[str, Any]]:
+    return spawn(run_checks, 2, _PAIR_CHECKS, timeout_s=300)
+
+
 @pytest.mark.timeout(120)
-def test_gloo_posts_every_small_repeated_receive_when_a_step_starts() -> None:
+def test_gloo_posts_every_small_repeated_receive_when_a_step_starts(pair_checks: list[dict[str, Any]]) -> None:
     """Over gloo, once the layouts repeat (the first step learns them, the second sends them inline) every
     receive of the step is posted before the first forward runs; with ``early_small_receives=False`` the
     window posts them as the step goes.  The gradients are the same bits either way (mid-stream posts
     stall gloo: the measurement is in TorchDistTransport.early_small_receives)."""
-    for rank, got in enumerate(spawn(_early_posts, 2, timeout_s=100)):
+    for rank, got in enumerate(results(pair_checks, "early posts")):
         early, windowed = got["True"]["steps"], got["False"]["steps"]
         assert got["default"] is True  # the torch transport over gloo asks for it
         for before_first, total in early[2:]:

@@ -7,6 +7,9 @@ posted a pair's transfers in different orders, sizes would mismatch (gloo
 fails) or data would land in the wrong buffer (the checks below fail).  The
 receivers post in orders unlike the senders' (reversed, late, both directions
 at once, the same tag twice), which is what the runtime does.
+
+Every check runs in one spawned pair (``spawn_checks``: one after another, the size mismatch last, as it leaves
+the pair's gloo transfers failed), so the process start is paid once.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
+from spawn_checks import Check, results, run_checks
 
 from dualpipe_kernels.runtime import spawn
 from dualpipe_kernels.transport.base import TransportError
@@ -55,8 +60,8 @@ def _ordered_worker(rank: int, world: int) -> list[str]:
     return out
 
 
-def test_ordered_transfers_pair_up_whatever_order_receives_are_posted_in() -> None:
-    assert spawn(_ordered_worker, 2, timeout_s=120) == [[], []]
+def test_ordered_transfers_pair_up_whatever_order_receives_are_posted_in(checks: list[dict[str, Any]]) -> None:
+    assert results(checks, "ordered") == [[], []]
 
 
 def _polling_worker(rank: int, world: int) -> bool:
@@ -74,8 +79,8 @@ def _polling_worker(rank: int, world: int) -> bool:
     return bool(torch.equal(got, torch.full((256,), float(1 - rank))))
 
 
-def test_ordered_handles_report_completion_when_polled() -> None:
-    assert spawn(_polling_worker, 2, timeout_s=120) == [True, True]
+def test_ordered_handles_report_completion_when_polled(checks: list[dict[str, Any]]) -> None:
+    assert results(checks, "polling") == [True, True]
 
 
 def _mismatch_worker(rank: int, world: int) -> str:
@@ -93,8 +98,8 @@ def _mismatch_worker(rank: int, world: int) -> str:
     return msg
 
 
-def test_a_size_mismatch_fails_the_receive_naming_the_tag() -> None:
-    _, msg = spawn(_mismatch_worker, 2, timeout_s=120)
+def test_a_size_mismatch_fails_the_receive_naming_the_tag(checks: list[dict[str, Any]]) -> None:
+    _, msg = results(checks, "mismatch")
     assert "tag 3" in msg and "40 bytes" in msg and "16" in msg, msg
 
 
@@ -121,8 +126,23 @@ def _pipeline_worker(rank: int, world: int, ordered: bool) -> list[list[float]]:
     return grads
 
 
-def test_the_runtime_runs_over_ordered_transfers() -> None:
+def test_the_runtime_runs_over_ordered_transfers(checks: list[dict[str, Any]]) -> None:
     """Metadata ahead of data, speculative receives, both directions at once: same gradients as tag matching."""
-    ordered = spawn(_pipeline_worker, 2, True, timeout_s=180)
+    ordered = results(checks, "pipeline ordered")
     assert all(len(grads) == 4 for grads in ordered)  # each rank holds two stages: two weights, two biases
-    assert ordered == spawn(_pipeline_worker, 2, False, timeout_s=180)
+    assert ordered == results(checks, "pipeline tagged")
+
+
+#: (name, worker, its extra arguments), in the order one pair runs them; the mismatch last
+_CHECKS: tuple[Check, ...] = (
+    ("ordered", _ordered_worker, ()),
+    ("polling", _polling_worker, ()),
+    ("pipeline ordered", _pipeline_worker, (True,)),
+    ("pipeline tagged", _pipeline_worker, (False,)),
+    ("mismatch", _mismatch_worker, ()),
+)
+
+
+@pytest.fixture(scope="module")
+def checks() -> list[dict[str, Any]]:
+    return spawn(run_checks, 2, _CHECKS, timeout_s=240)

@@ -67,7 +67,26 @@ def long_run(
         handed[0] += 1
         return real(*args)
 
-    repeat._handed_over = counting  # type: ignore[assignment]  # (this rank process only)
+    repeat._handed_over = counting  # type: ignore[assignment]  # (this rank process only; put back below)
+    try:
+        _long_runs(rank, world_size, steps, transport, width, inline_max_bytes, sched, out, handed)
+    finally:
+        repeat._handed_over = real  # type: ignore[assignment]
+    return out
+
+
+def _long_runs(
+    rank: int,
+    world_size: int,
+    steps: int,
+    transport: str,
+    width: int,
+    inline_max_bytes: int | None,
+    sched: Any,
+    out: dict[str, Any],
+    handed: list[int],
+) -> None:
+    """:func:`long_run`'s two runs (repeats off, then on), into ``out``."""
     for repeats in (False, True):
         modules = _stages(sched, rank, width)
         tr = _transport(transport, inline_max_bytes)
@@ -110,4 +129,3 @@ def long_run(
             if not isinstance(tr, str):
                 tr.close()
         out[f"closed/{repeats}"] = (len(mem.repeat_send), len(mem.repeat_recv), mem.pool.free_bytes())
-    return out

@@ -295,7 +295,7 @@ def test_large_repeats_are_handed_over_in_a_new_buffer_per_message(monkeypatch: 
     tensor's: no clone, nothing from the pool, not a view (no ``_base``, its own version counter, the
     storage's only holder once read); bit-exact, and the same bytes on the wire as the general path."""
     from dualpipe_kernels.runtime.boundary.repeat import HANDOVER_MIN_BYTES
-    from dualpipe_kernels.runtime.memory import _sole_holder
+    from dualpipe_kernels.runtime.memory_records import sole_holder as _sole_holder
 
     flags = [True, False, False]
     wires, kept = [], []

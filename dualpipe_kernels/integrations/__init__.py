@@ -1,0 +1,1 @@
+"""Integrations with the frameworks users train with (docs/integrations.md); each module is imported on its own."""
