@@ -116,8 +116,22 @@ class StageCompute:
     _hooked_stages: frozenset[int] = field(init=False)
     _seeds: dict[tuple[Any, ...], torch.Tensor] = field(init=False, default_factory=dict)
     _param_edges: ParamEdges = field(init=False, default_factory=ParamEdges)
+    # Per (stage, mb) of this rank's stages, resolved once from the topology (set lookups in the step):
+    _loss_keys: frozenset[Key] = field(init=False)
+    _first_keys: frozenset[Key] = field(init=False)
+    _act_next: dict[Key, tuple[int, bool]] = field(init=False)  # the ACT consumer stage, on this rank
+    _grad_prev: dict[Key, tuple[int, bool]] = field(init=False)  # the GRAD consumer stage (-1: none), on this rank
 
     def __post_init__(self) -> None:
+        topo, rank = self.topo, self.rank
+        keys = [(s, mb) for s in self.modules for mb in range(topo.num_microbatches)]
+        self._loss_keys = frozenset(k for k in keys if topo.is_loss_stage(*k))
+        self._first_keys = frozenset(k for k in keys if topo.is_first_stage(*k))
+        self._act_next, self._grad_prev = {}, {}
+        for k in keys:
+            nxt, prv = topo.consumer(DepKind.ACT, *k), topo.consumer(DepKind.GRAD, *k)
+            self._act_next[k] = (nxt, topo.stage_to_rank[nxt] == rank)
+            self._grad_prev[k] = (prv, prv >= 0 and topo.stage_to_rank[prv] == rank)
         types = {type(m) for m in self.modules.values()}
         self.overlap_hook = len(types) == 1 and hasattr(next(iter(types)), "overlapped_forward_backward")
         if self.memory is None:
@@ -137,7 +151,7 @@ class StageCompute:
         st.fetch(T_RECV_F, s, mb)
         if key in st.inputs:
             return st.inputs[key]
-        if self.topo.is_first_stage(s, mb) and mb in st.mb_inputs:
+        if key in self._first_keys and mb in st.mb_inputs:
             ins = list(st.mb_inputs.pop(mb))
             st.inputs[key] = ins
             return ins
@@ -145,10 +159,9 @@ class StageCompute:
 
     def forward(self, st: ComputeState, s: int, mb: int, module_out: Any = None, loss: Any = None) -> None:
         """F of stage ``s`` for ``mb`` (``module_out``/``loss``: already computed by an overlap hook)."""
-        topo = self.topo
         key = (s, mb)
         ins = self._stage_inputs(st, s, mb)
-        is_loss = topo.is_loss_stage(s, mb)
+        is_loss = key in self._loss_keys
         labels = st.mb_labels.get(mb, ()) if is_loss else ()
         mem = self.memory
         assert mem is not None
@@ -171,8 +184,8 @@ class StageCompute:
             st.roots[key] = [(gradient_edge(o), i) for i, o in enumerate(outs) if o is not None and o.requires_grad]
         if self.overlap_hook and not st.forward_only:
             st.hook_outputs[key] = outs  # the hook's outputs1 for this stage's backward
-        nxt = topo.consumer(DepKind.ACT, s, mb)
-        if topo.stage_to_rank[nxt] == self.rank:
+        nxt, local = self._act_next[key]
+        if local:
             # Same-rank handoff: cut the graph so each stage backward stays separate.
             st.inputs[(nxt, mb)] = [None if o is None else o.detach().requires_grad_(o.requires_grad) for o in outs]
             return
@@ -229,7 +242,7 @@ class StageCompute:
         key = (s, mb)
         st.fetch(T_RECV_B, s, mb)
         roots = st.roots.pop(key, [])
-        if self.topo.is_loss_stage(s, mb):
+        if key in self._loss_keys:
             loss = st.loss_tensors.pop(key, None)
             seed = None if loss is None else self._seed(loss, st.loss_scales.get(mb, st.loss_scale))
             return [(e, seed) for e, _ in roots]
@@ -253,10 +266,10 @@ class StageCompute:
         """Hand the stage's input gradients to the previous stage (locally or to the outbox of a SEND_B)."""
         ins = st.inputs.pop((s, mb), [])
         grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf else None for x in ins]
-        prv = self.topo.consumer(DepKind.GRAD, s, mb)
+        prv, local = self._grad_prev[(s, mb)]
         if prv < 0:
             return
-        if self.topo.stage_to_rank[prv] == self.rank:
+        if local:
             st.out_grads[(prv, mb)] = grads
         else:
             st.outbox_b[(s, mb)] = grads

@@ -2,6 +2,7 @@
 
 The work is split into rooms, each with its own state:
 
+* :mod:`.step`: the step (its arguments split into the compute state, the loop run, the reductions after);
 * :mod:`.loop`: the action loop and its window of posted receives;
 * :mod:`.compute`: stage compute (F, B, I/W split, F&B pair and the overlap hook);
 * :mod:`.boundary`: boundary communication (post, complete, reap);
@@ -24,35 +25,30 @@ transfers may be left in the process group).
 from __future__ import annotations
 
 import logging
-import time
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dualpipe_kernels.runtime.boundary.exchange import Boundary, BoundaryState, Wire, pair_order_digest
+from dualpipe_kernels.runtime.boundary.exchange import Boundary, Wire, pair_order_digest
 from dualpipe_kernels.runtime.boundary.header import TagSpace
 from dualpipe_kernels.runtime.boundary.inline import INLINE_MAX_BYTES, inline_limit
 from dualpipe_kernels.runtime.boundary.layout_memory import LayoutMemory
 from dualpipe_kernels.runtime.checks import check_stage_devices
-from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
+from dualpipe_kernels.runtime.compute import StageCompute
 from dualpipe_kernels.runtime.construction import (
     check_mapping,
     check_modules,
     module_device,
-    presplit,
 )
-from dualpipe_kernels.runtime.conveniences import PipelineConveniences
 from dualpipe_kernels.runtime.data_parallel import DataParallelReducer, mirror_dp_groups
 from dualpipe_kernels.runtime.fingerprint import Fingerprint, agree, fingerprint, resolved_transport
 from dualpipe_kernels.runtime.graph_options import GraphOptions
 from dualpipe_kernels.runtime.graphs import GraphStatus, StageGraphs
-from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
+from dualpipe_kernels.runtime.loop import ActionLoop
 from dualpipe_kernels.runtime.memory import ActivationMemory
-from dualpipe_kernels.runtime.microbatch import batch_size_of, split_microbatches
 from dualpipe_kernels.runtime.mirror import MirrorSync, mirrors
 from dualpipe_kernels.runtime.model_options import ModelOptions
 from dualpipe_kernels.runtime.model_options import model_options as model_options_of
@@ -68,34 +64,17 @@ from dualpipe_kernels.runtime.options import (
 )
 from dualpipe_kernels.runtime.peer_watch import PeerWatch, WatchedTransport
 from dualpipe_kernels.runtime.result import StepResult
+from dualpipe_kernels.runtime.step import PipelineStep, on_group
 from dualpipe_kernels.runtime.tied import TiedGradients
-from dualpipe_kernels.runtime.timeline import TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
 from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import Schedule
-from dualpipe_kernels.transport import Transport, TransportError, make_transport
+from dualpipe_kernels.transport import Transport, make_transport
 from dualpipe_kernels.transport.base import group_store
 
 __all__ = ["Pipeline", "StepResult"]
 
 _log = logging.getLogger(__name__)  # under "dualpipe_kernels": what each pipeline chose, at debug level
-
-
-# ---- pipelines sharing a process group (named in a timeout's error) ----------------------------------------
-_PIPELINES: dict[int, weakref.WeakSet[Pipeline]] = {}
-
-
-def _on_group(pipe: Pipeline) -> None:
-    _PIPELINES.setdefault(id(pipe.group), weakref.WeakSet()).add(pipe)
-
-
-def _others_on_group(pipe: Pipeline) -> list[Pipeline]:
-    live = _PIPELINES.get(id(pipe.group), weakref.WeakSet())
-    return sorted((p for p in live if p is not pipe and p.group is pipe.group), key=lambda p: p.channel)
-
-
-def _describe(pipe: Pipeline) -> str:
-    return f"pipeline #{pipe.channel} (schedule {pipe.schedule.name!r}, pipeline rank {pipe.rank})"
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -116,7 +95,7 @@ def _lowered_program(schedule: Schedule) -> Program:
     return program if schedule.lowered else lower_program(program)
 
 
-class Pipeline(PipelineConveniences, nn.Module):
+class Pipeline(PipelineStep, nn.Module):
     """Runs ``schedule`` on this process's pipeline rank with its stage modules.
 
     ``schedule``: compute-only (lowered here with ``lower_comms``) or lowered.
@@ -303,7 +282,7 @@ class Pipeline(PipelineConveniences, nn.Module):
         self.tags = TagSpace(self.schedule.num_stages, self.schedule.num_microbatches, channel=self.channel)
         # Message layouts of the previous step, so receives are posted before the metadata arrives.
         self._layouts = LayoutMemory(inline_max_bytes=INLINE_MAX_BYTES, channel=self.channel)
-        _on_group(self)
+        on_group(self)
         self._transport = make_transport(wire.transport, self.group, self.device, self.timeout_s)
         self._owns_transport = not isinstance(wire.transport, Transport)
         self._watch: PeerWatch | None = None
@@ -419,184 +398,3 @@ class Pipeline(PipelineConveniences, nn.Module):
             memory.close()  # the offload copy lanes' threads
         if self._owns_transport:
             self._transport.close()
-
-    # ---- the step ---------------------------------------------------------
-    def step(
-        self,
-        *inputs: Any,
-        labels: Sequence[Any] = (),
-        criterion: Callable[..., torch.Tensor] | None = None,
-        return_outputs: bool = False,
-        microbatches: Sequence[Sequence[Any]] | None = None,
-        microbatch_labels: Sequence[Sequence[Any]] | None = None,
-        reduce_loss: bool = False,
-    ) -> StepResult:
-        """Run one step: forward+backward (or forward only under ``torch.no_grad()``).
-
-        ``inputs`` / ``labels``: the full batch, split into the schedule's
-        micro-batches along ``batch_dim``; needed only on ranks holding a first
-        / loss stage.  ``criterion(*outputs, *labels) -> scalar`` on loss stages.
-        Gradients accumulate into the stage modules' ``.grad`` (divided by the
-        number of micro-batches unless ``scale_grads=False``).
-
-        ``microbatches`` / ``microbatch_labels``: instead of ``inputs`` /
-        ``labels``, the micro-batches already split: one tuple of inputs
-        (labels) per micro-batch, ``schedule.num_microbatches`` of them (no
-        padding or splitting is done; shapes may differ between micro-batches).
-
-        ``reduce_loss``: give every rank the step's mean loss in
-        ``StepResult.loss`` (one 2-element all-reduce over the pipeline group:
-        every rank must pass the same value).
-        """
-        if self._broken is not None:
-            raise RuntimeError(f"pipeline rank {self.rank}: a previous step failed ({self._broken}); rebuild it")
-        cst = self._compute_state(inputs, tuple(labels), criterion, return_outputs, microbatches, microbatch_labels)
-        rec = TimelineRecorder(self.rank, self.record_timeline)
-        t0 = rec.t0
-        red = self._dp.begin(t0) if self._dp is not None and not cst.forward_only else None
-        run = StepRun(self._loop, self._compute, self._boundary, cst, BoundaryState(cst.forward_only), rec)
-        ties = self._ties.begin(t0) if not cst.forward_only else None
-        if red is not None:
-            run.done_hooks = red.hooks()
-        elif ties is not None:
-            run.done_hooks = ties.hooks()  # posted as early as the DP reduction would be
-        cst.mem = self.activation_memory.begin_step(training=not cst.forward_only)
-        self.weight_grad_store.clear()
-        try:
-            with self.weight_grad_store.bind():
-                self._loop.run(run)
-                if red is not None:
-                    red.finish()  # before an unfolded mirror sum: each copy first sums over its replicas
-                folded = self._dp is not None and self._dp.folds_mirrors  # also under no_sync()
-                if not cst.forward_only and self.sync_mirror_grads and self._mirrors and not folded:
-                    # Not a schedule action, so not in the timeline (entries must parse as actions).
-                    self._mirrors.run()
-                if ties is not None:
-                    ties.finish(start_all=red is not None)  # with DP: after it, on the replica-summed gradients
-            self.activation_memory.end_step(cst.mem)
-        except BaseException as exc:
-            self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if self._watch is not None:
-                self._watch.publish(exc)  # the peers' waits end now, naming this rank and its error
-            others = _others_on_group(self)
-            if isinstance(exc, TransportError) and others:  # a timeout, or a peer that gave up on one
-                raise type(exc)(
-                    f"{exc}. {_describe(self)} shares its process group with {', '.join(map(_describe, others))} "
-                    "in this process: a rank running another pipeline's step waits for messages this step "
-                    "sends (every rank must step the pipelines of one group in the same order)"
-                ) from exc
-            raise
-        finally:
-            self.weight_grad_store.clear()
-        self._graphs.end_step(training=not cst.forward_only)  # the first training step's end captures
-        try:
-            loss = self._mean_loss(cst.losses, reduce_loss, cst.loss_rows)
-        except BaseException as exc:
-            if self._watch is not None:
-                self._watch.publish(exc)
-            raise
-        elapsed = time.perf_counter() - t0
-        return StepResult(
-            losses=cst.losses,
-            outputs=cst.outputs if return_outputs else None,
-            timeline=rec.entries,
-            step_time_s=elapsed,
-            dp_reductions=red.spans if red is not None else [],
-            loss=loss,
-        )
-
-    def _compute_state(
-        self,
-        inputs: tuple[Any, ...],
-        labels: tuple[Any, ...],
-        criterion: Callable[..., torch.Tensor] | None,
-        return_outputs: bool,
-        microbatches: Sequence[Sequence[Any]] | None,
-        microbatch_labels: Sequence[Sequence[Any]] | None,
-    ) -> ComputeState:
-        """Check the step's arguments and split them into this rank's micro-batch inputs and labels."""
-        sched = self.schedule
-        n = sched.num_microbatches
-        forward_only = not torch.is_grad_enabled()
-        first, last = self._first_mbs, self._last_mbs
-        pre_in = presplit(microbatches, n, "microbatches", inputs)
-        pre_lab = presplit(microbatch_labels, n, "microbatch_labels", labels)
-        if first and not inputs and pre_in is None:
-            raise ValueError(
-                f"pipeline rank {self.rank} holds first stage(s) {sorted({sched.path(m)[0] for m in first})}: "
-                "step() needs the inputs"
-            )
-        if last and criterion is None and not forward_only:
-            raise ValueError(
-                f"pipeline rank {self.rank} holds loss stage(s) {sorted({sched.path(m)[-1] for m in last})}: "
-                "training needs a criterion"
-            )
-        uneven = self.model_options.allow_uneven
-        bd = self.batch_dim
-        # Inputs and labels of the same micro-batches (not DualPipe's two directions, whose callers may pass
-        # each end only its own half): their rows must match.
-        same_mbs = not first or not last or set(first) == set(last)
-        if pre_in is None and pre_lab is None and same_mbs:
-            rows_in, rows_lab = batch_size_of(inputs, bd), batch_size_of(labels, bd)
-            if rows_in is not None and rows_lab is not None and rows_in != rows_lab:
-                raise ValueError(
-                    f"labels have {rows_lab} rows along batch_dim {bd} but the inputs have {rows_in}; "
-                    "they must match (broadcasting would give a wrong loss)"
-                )
-        elif pre_in is not None and pre_lab is not None and same_mbs:
-            for m, (mi, ml) in enumerate(zip(pre_in, pre_lab, strict=True)):
-                ri, rl = batch_size_of(mi, bd), batch_size_of(ml, bd)
-                if ri is not None and rl is not None and ri != rl:
-                    raise ValueError(f"micro-batch {m}: labels have {rl} rows along batch_dim {bd}, inputs {ri}")
-        if pre_in is not None:
-            split_in = pre_in if first else []
-        else:
-            split_in = split_microbatches(inputs, n, bd, uneven) if first else []
-        want_labels = bool(last) and criterion is not None
-        if pre_lab is not None:
-            split_lab = pre_lab if want_labels else []
-        else:
-            split_lab = split_microbatches(labels, n, bd, uneven) if want_labels else []
-        scale = 1.0 / n if self.scale_grads else 1.0
-        loss_scales: dict[int, float] = {}
-        loss_rows: dict[int, int] = {}
-        if uneven and last and criterion is not None:
-            # Each micro-batch's loss weighted by its rows: the gradient of one process's mean loss.
-            loss_rows, total = self._rows_of_loss_microbatches(inputs, labels, pre_in, pre_lab, last)
-            if self.scale_grads:
-                loss_scales = {m: r / total for m, r in loss_rows.items()}
-        return ComputeState(
-            forward_only=forward_only,
-            return_outputs=return_outputs,
-            criterion=criterion,
-            loss_scale=scale,
-            loss_scales=loss_scales,
-            loss_rows=loss_rows,
-            mb_inputs={m: split_in[m] for m in first},
-            mb_labels={m: split_lab[m] for m in last} if split_lab else {},
-        )
-
-    def _rows_of_loss_microbatches(
-        self,
-        inputs: tuple[Any, ...],
-        labels: tuple[Any, ...],
-        pre_in: list[tuple[Any, ...]] | None,
-        pre_lab: list[tuple[Any, ...]] | None,
-        last: list[int],
-    ) -> tuple[dict[int, int], int]:
-        """Rows of each micro-batch whose loss this rank computes (from its labels, else its inputs) and
-        the rows of the whole batch."""
-        n, bd = self.schedule.num_microbatches, self.batch_dim
-        pre = pre_lab if pre_lab is not None else pre_in
-        if pre is not None:
-            rows = [batch_size_of(mb, bd) for mb in pre]
-        else:
-            size = batch_size_of(labels, bd) or batch_size_of(inputs, bd)
-            rows = [size // n + (1 if m < size % n else 0) for m in range(n)] if size else [None] * n
-        known = [r for r in rows if r is not None]
-        if len(known) != len(rows):
-            raise ValueError(
-                f"pipeline rank {self.rank}: allow_uneven weights each loss by its micro-batch's rows; "
-                "pass the labels (or inputs) on this loss-stage rank"
-            )
-        return {m: known[m] for m in last}, sum(known)

@@ -188,6 +188,22 @@ def _kind(t: ActionType) -> int:
     return _K_GRAD_WORK if t in (T_B, T_I, T_W, T_SEND_B) else _K_OTHER
 
 
+def _fused_weight(run: StepRun, i: int, a: Action) -> None:
+    """A W whose I ran as a full B (see :func:`fused_input_weight`): nothing left to do."""
+
+
+def fused_input_weight(actions: Sequence[Action]) -> tuple[int, ...]:
+    """Indices ``i`` of the I actions whose own W (same stage and micro-batch) is the next action, ``i + 1``."""
+    return tuple(
+        i
+        for i in range(len(actions) - 1)
+        if actions[i].type is T_I
+        and actions[i + 1].type is T_W
+        and actions[i + 1].stage == actions[i].stage
+        and actions[i + 1].microbatch == actions[i].microbatch
+    )
+
+
 def early_sends(actions: Sequence[Action]) -> dict[int, int]:
     """``{pair index: SEND_F index}``: each F&B pair whose forward half's SEND_F comes after it, before the
     next compute action (where lowering puts it), and which may therefore go out between the pair's halves."""
@@ -231,6 +247,15 @@ class ActionLoop:
         # Handlers are looked up per step by type (a test may add a kind): once per distinct type.
         self.types = list(dict.fromkeys(a.type for a in self.actions))
         self.type_index = [self.types.index(a.type) for a in self.actions]
+        # An I directly followed by its own W runs as one B (the same gradients, one backward pass); the W's
+        # slot runs nothing, but stays in the list (its timeline span, the DP hooks keyed by its index).
+        self.fused = fused_input_weight(self.actions)
+        if self.fused:
+            if T_B not in self.types:
+                self.types.append(T_B)
+            for i in self.fused:
+                self.type_index[i] = self.types.index(T_B)
+                self.type_index[i + 1] = len(self.types)  # the no-op slot after the types' handlers
         self.early_send = early_sends(self.actions)
 
     def run(self, run: StepRun) -> None:
@@ -243,7 +268,8 @@ class ActionLoop:
         assert memory is not None and run.cst.mem is not None  # both set by the pipeline before a step
         # Actions before which the memory plan starts reloads (empty unless a stage offloads): a set test per action.
         reloads = memory.plan.reload_at if run.cst.mem.training else {}
-        by_type = [HANDLERS.get(t) for t in self.types]
+        by_type: list[Handler | None] = [HANDLERS.get(t) for t in self.types]
+        by_type.append(_fused_weight)
         type_index = self.type_index
         hooks = run.done_hooks
         sent_early = run.sent_early

@@ -61,7 +61,9 @@ def split_microbatches(
             pieces.append(list(torch.tensor_split(v, num_microbatches, dim=batch_dim)))
         else:
             pieces.append([v] * num_microbatches)
-    return [tuple(p[m] for p in pieces) for m in range(num_microbatches)]
+    if not pieces:
+        return [() for _ in range(num_microbatches)]
+    return list(zip(*pieces, strict=True))  # micro-batch m: (piece m of each value), no per-item Python call
 
 
 def merge_microbatches(chunks: Sequence[Sequence[torch.Tensor]], batch_dim: int = 0) -> tuple[torch.Tensor, ...]:

@@ -66,7 +66,7 @@ def test_bench_overhead_quick_json(tmp_path: Path) -> None:
     assert "floor_us" not in floor_dpv and "floor_us" not in torch_dpv
     prof = res["profile"]
     assert 0 < len(prof) <= 25 and 0 < len(res["profile_self"]) <= 25 and "profile_error" not in res
-    assert any("runtime/executor.py" in p["function"] and "(step)" in p["function"] for p in prof)
+    assert any("runtime/step.py" in p["function"] and "(step)" in p["function"] for p in prof)
     cums = [p["cumtime_s"] for p in prof]
     assert cums == sorted(cums, reverse=True) and cums[0] > 0
     md = (tmp_path / "overhead.md").read_text()

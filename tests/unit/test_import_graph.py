@@ -66,8 +66,8 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),  # fmt: skip
     ("step", ("loop", "result")),
-    # the Pipeline: its conveniences mixin, then the class
-    ("pipeline", ("conveniences", "executor")),
+    # the Pipeline: its conveniences mixin, its step mixin, then the class
+    ("pipeline", ("conveniences", "step", "executor")),
     # the public face: runtime/__init__.py
     ("package", ("",)),
 )
@@ -233,7 +233,8 @@ def _check_layers(package: str, order: list[str], tolerated: frozenset[tuple[str
 def test_the_graph_is_read_as_written():
     """Spot checks of the reader on today's code: module-level, lazy and TYPE_CHECKING imports all count."""
     runtime = _graph("runtime")
-    assert {"boundary.exchange", "options", "result", "conveniences"} <= set(runtime["executor"])
+    assert {"boundary.exchange", "options", "result", "step"} <= set(runtime["executor"])
+    assert "conveniences" in runtime["step"]
     assert "checkpoint" in runtime["conveniences"]  # lazy: inside model_state_dict
     assert "executor" in runtime[""] and "executor" not in runtime["options"]
     assert "boundary.header" in runtime["boundary.layout_memory"] and runtime["boundary.header"].keys() <= set()

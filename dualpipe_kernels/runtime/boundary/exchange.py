@@ -215,7 +215,7 @@ class Boundary:
         self._post_one(st, i, repeats_only)
 
     def _post_one(self, st: BoundaryState, i: int, repeats_only: bool) -> None:
-        r = self._route(i)
+        r = self._routes.get(i) or self._route(i)  # cached after the first step: no call
         w = self.wire
         repeat = w.layouts.repeat_recv.get(r.key)
         if repeat is not None:  # the layout of the last step's message, inline (repeat.py)
@@ -268,7 +268,7 @@ class Boundary:
         keep: tuple[torch.Tensor, ...] = (),
     ) -> None:
         """Post SEND action ``i`` of ``tensors``; ``keep``: hook outputs whose storage goes once sent."""
-        r = self._route(i)
+        r = self._routes.get(i) or self._route(i)
         w = self.wire
         repeat = None if keep else w.layouts.repeat_send.get(r.key)
         if repeat is not None and same_signature(repeat.sig, tensors, grad_flags):
