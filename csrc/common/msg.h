@@ -6,7 +6,7 @@
 // registered by the process's libstdc++ under different ids, and formatting a
 // number dereferences a null facet (SIGSEGV on the first H200; the same
 // mismatch broke std::random_device). std::to_string and snprintf carry no
-// such shared state. tests/test_csrc_includes.py keeps <sstream>, <iostream>,
+// such shared state. tests/unit/test_csrc_includes.py keeps <sstream>, <iostream>,
 // <fstream>, <random> and <locale> out of csrc/.
 #pragma once
 

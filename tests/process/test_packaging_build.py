@@ -2,7 +2,7 @@
 with ``pip wheel . --no-deps --no-build-isolation``, that holds the compiled extension and installs.
 
 The wheel is built C++ only (``DUALPIPE_KERNELS_CUDA=0``: no CUDA translation units, which take minutes each on a
-small machine); the CUDA build is what the README's install command and tests/test_build.py check.  The sdist is
+small machine); the CUDA build is what the README's install command and tests/process/test_build.py check.  The sdist is
 unpacked and the wheel built from it, so a file setup.py needs but the sdist lacks fails here.
 """
 

@@ -15,7 +15,7 @@
    waits for a send before posting its own receives deadlocks here too.
 
 ``LoopbackPair`` is an in-process pair of endpoints (no processes, no
-sockets) with the same rendezvous semantics, for protocol tests of p2p.py.
+sockets) with the same rendezvous semantics, for protocol tests of runtime/boundary/transfer.py.
 
 Everything is module level so spawned ranks can import it (tests/ is on sys.path).
 """

@@ -1,7 +1,7 @@
 """The demo's text output: every figure labelled, the bubble read against the simulator, noise explained.
 
 In-process: the printer is fed a result of the shape ``run_demo`` returns (the JSON contract), so no
-ranks are spawned; tests/test_demo.py runs the real thing.
+ranks are spawned; tests/process/test_demo.py runs the real thing.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def test_variants_restore_the_launch_shape_and_are_skipped_without_a_gpu(tmp_pat
 @pytest.mark.timeout(300)
 def test_bench_kernels_sass_json_rows(tmp_path: Path) -> None:
     """``--sass``: one row per launch variant with the contract's keys (installed Triton only here: the
-    GPU machine's is covered by tests/test_kernels_offline.py)."""
+    GPU machine's is covered by tests/process/test_kernels_offline.py)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TRITON_INTERPRET", None)
     args = ["bench", "kernels", "--sass", "--formats", "packed", "--other-triton", "none", "--json", "--no-plots",

@@ -96,9 +96,9 @@ class Wire:
     """How this pipeline rank reaches its peers (shared by the boundary transfers and the mirror sync).
 
     ``to_group_rank[pipeline rank]``: the peer's rank in the process group;
-    ``layouts``: message layouts of the previous step (speculative receives, p2p.py);
+    ``layouts``: message layouts of the previous step (speculative receives, layout_memory.py);
     ``device``: where received tensors go; ``timeout_s``: every wait;
-    ``boundary_format``: how stage-boundary messages are encoded (boundary_codec.py;
+    ``boundary_format``: how stage-boundary messages are encoded (codec.py;
     the end-of-step exchanges always go unpacked).
     """
 

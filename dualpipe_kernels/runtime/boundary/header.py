@@ -108,7 +108,7 @@ Layout = tuple[tuple[torch.dtype, tuple[int, ...], bool] | None, ...]
 """What must match for a speculative receive: per tensor None or (dtype, shape, exact).
 
 ``exact``: the tensor is carried bit for bit under a lossy boundary format
-(boundary_codec.py); always False under ``none`` and ``packed``.
+(codec.py); always False under ``none`` and ``packed``.
 """
 
 

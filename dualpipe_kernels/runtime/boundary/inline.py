@@ -2,10 +2,10 @@
 
 Why: a stage boundary of a small micro-batch is a few KiB, and its cost is the
 per-message cost of the transport (a gloo message is ~100 us of CPU on both
-ends), not its bytes.  The general protocol (p2p.py) sends the fixed-size
+ends), not its bytes.  The general protocol (transfer.py) sends the fixed-size
 metadata and then one transfer per tensor (or one packed buffer): two or more
 messages per boundary.  When both ends remember the message's layout from
-the previous step (p2p.py's layout memory, which both ends keep in
+the previous step (layout_memory.py's layout memory, which both ends keep in
 agreement) and its data is at most :data:`INLINE_MAX_BYTES`, the receiver
 posts *one* receive of ``META_BYTES + plan.nbytes`` bytes and the sender
 sends one buffer of that size::

@@ -2,7 +2,7 @@
 
 A training loop sends the same shapes every step, so after the first step
 nearly every small boundary message travels inline (inline.py) in the layout
-both ends remember.  The general protocol (p2p.py) still works out, for every
+both ends remember.  The general protocol (transfer.py) still works out, for every
 message, all that this layout implies: the codec and the layout tuple, the
 cached metadata, the inline plan; and the receiver decodes the metadata
 header, rebuilds the layout from it and compares it with the remembered one.

@@ -142,7 +142,7 @@ class BoundarySend:
 
     ``memory``: the sender's layout memory (see the module docstring); None
     disables speculation for this message (the receiver must pass None too).
-    ``fmt``: the boundary format (boundary_codec.py; the receiver must use the
+    ``fmt``: the boundary format (codec.py; the receiver must use the
     same).  Every tensor posted is on the transport's device
     (:func:`wire_device`); payloads elsewhere are copied there first.
     ``data_bytes``: the bytes of the message's data transfers (without the
