@@ -51,6 +51,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2
 
 #: what a decoder layer's forward must accept (by name) to be called as the model's forward calls it
 _LAYER_ARGS = ("hidden_states", "attention_mask", "position_ids", "position_embeddings")
+#: what transformers' mask functions must accept (by name), as in transformers 5.25 (the version tested)
+_MASK_ARGS = ("config", "inputs_embeds", "attention_mask", "cache", "position_ids")
 
 
 class CausalLMEmbedding(nn.Module):
@@ -165,6 +167,19 @@ def _check_layer_signature(layer: nn.Module, index: int) -> None:
         )
 
 
+def _check_mask_functions() -> None:
+    import transformers
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    for fn in (create_causal_mask, create_sliding_window_causal_mask):
+        missing = [a for a in _MASK_ARGS if a not in inspect.signature(fn).parameters]
+        if missing:
+            raise ValueError(
+                f"split_causal_lm: transformers {transformers.__version__}'s {fn.__name__} takes no {missing}; "
+                "this split calls it as transformers 5.25 does (pip install 'dualpipe-kernels[transformers]')"
+            )
+
+
 def split_causal_lm(model: nn.Module, *, allow_unverified: bool = False) -> nn.Sequential:
     """``model`` (a transformers ``*ForCausalLM``) as ``nn.Sequential(embedding, decoder layer 0 .. L-1, head)``.
 
@@ -201,6 +216,7 @@ def split_causal_lm(model: nn.Module, *, allow_unverified: bool = False) -> nn.S
     for i, layer in enumerate(decoder):
         _check_layer_signature(layer, i)
     sliding = _sliding_layers(config, n)
+    _check_mask_functions()
     return nn.Sequential(
         CausalLMEmbedding(embed, rotary),
         *(CausalLMDecoderLayer(layer, config, s) for layer, s in zip(decoder, sliding, strict=True)),

@@ -34,7 +34,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", {"head_dim": 8}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4}),
     "qwen2_moe": ("Qwen2MoeConfig", {**_MOE, "num_experts": 4, "shared_expert_intermediate_size": 16}),
-    "qwen3_moe": ("Qwen3MoeConfig", {**_MOE, "num_experts": 4, "head_dim": 8, "use_sliding_window": True, "sliding_window": 4}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {**_MOE, "num_experts": 4, "head_dim": 8, "use_sliding_window": True, "sliding_window": 4},
+    ),
     "deepseek_v3": (
         "DeepseekV3Config",
         {
