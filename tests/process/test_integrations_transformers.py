@@ -24,34 +24,39 @@ from dualpipe_kernels.runtime import spawn
 
 REL = 1e-9
 
-#: name -> (family, tied, schedule, decoder layers, micro-batches, declared tie)
-TWO = {
-    f"llama:{'tied' if tied else 'untied'}:{s}": ("llama", tied, s, 2, 4, False)
-    for tied in (False, True)
-    for s in ("dualpipev", "1f1b", "zb1p")
-}
-TWO["llama:tied:1f1b:declared"] = ("llama", True, "1f1b", 2, 4, True)
-FOUR = {
+#: the 2-rank cases of each pair of ranks (0-1, 2-3): name -> hw.Case
+PAIRS: tuple[dict[str, hw.Case], ...] = tuple(
+    {f"llama:{tie}:{s}": ("llama", tie == "tied", s, 2, 4, False) for s in ("dualpipev", "1f1b", "zb1p")}
+    for tie in ("untied", "tied")
+)
+PAIRS[1]["llama:tied:1f1b:declared"] = ("llama", True, "1f1b", 2, 4, True)
+FOUR: dict[str, hw.Case] = {
     "mixtral:untied:dualpipev": ("mixtral", False, "dualpipev", 6, 8, False),
     "qwen3:tied:dualpipev": ("qwen3", True, "dualpipev", 6, 8, False),
 }
-
-
-def _checks(cases: dict[str, tuple[Any, ...]]) -> tuple[Check, ...]:
-    return tuple((name, hw.train, args) for name, args in cases.items())
+CHECKS: tuple[Check, ...] = (
+    ("pairs", hw.train_on_pairs, (PAIRS,)),
+    *((name, hw.train, case) for name, case in FOUR.items()),
+)
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[int, list[dict[str, Any]]]:
-    return {world: spawn(run_checks, world, _checks(cases), timeout_s=300) for world, cases in ((2, TWO), (4, FOUR))}
+def runs() -> list[dict[str, Any]]:
+    return spawn(run_checks, 4, CHECKS, timeout_s=300)
+
+
+def _ranks(runs: list[dict[str, Any]], name: str) -> tuple[hw.Case, list[Any]]:
+    if name in FOUR:
+        return FOUR[name], results(runs, name)
+    k = next(k for k, cases in enumerate(PAIRS) if name in cases)
+    per_rank = results(runs, "pairs")
+    return PAIRS[k][name], [per_rank[2 * k][name], per_rank[2 * k + 1][name]]
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", [*TWO, *FOUR])
-def test_training_steps_match_one_process(runs: dict[int, list[dict[str, Any]]], name: str) -> None:
-    world, case = (2, TWO[name]) if name in TWO else (4, FOUR[name])
-    family, tied, _, layers, n, _ = case
-    ranks = results(runs[world], name)
+@pytest.mark.parametrize("name", [*(n for cases in PAIRS for n in cases), *FOUR])
+def test_training_steps_match_one_process(runs: list[dict[str, Any]], name: str) -> None:
+    (family, tied, _, layers, n, _), ranks = _ranks(runs, name)
     ref = hw.reference_run(family, tied, layers, n)
 
     first = {m: v for r in ranks for m, v in r["losses"][0].items()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from hf_models import batch, make_model
 
 from dualpipe_kernels.integrations.transformers import (
@@ -29,20 +30,40 @@ def sgd(params: Any) -> None:
                 p.grad = None
 
 
+#: a case: (family, tied, schedule, decoder layers, micro-batches, declared tie)
+Case = tuple[str, bool, str, int, int, bool]
+
+
 def train(rank: int, world: int, family: str, tied: bool, schedule: str, layers: int, n: int, declared: bool) -> Any:
-    """This rank's per-step micro-batch losses and its parameters (the model's names) after ``STEPS`` steps.
-    ``declared``: stage modules from ``build_stage_modules`` and the tie given as ``tied_parameters=``
-    (``tied_parameter_names``) instead of ``Pipeline.from_sequential`` finding it."""
+    """:func:`train_on` over every rank of the default group."""
+    return train_on(None, world, (family, tied, schedule, layers, n, declared))
+
+
+def train_on_pairs(rank: int, world: int, pairs: tuple[dict[str, Case], ...]) -> dict[str, Any]:
+    """Ranks ``2k, 2k + 1`` train ``pairs[k]``'s cases on a 2-rank pipeline of their own, every pair at once
+    (one spawned group runs the 2-rank and the 4-rank cases): ``{case name: this rank's result}``."""
+    torch.set_num_threads(1)
+    groups = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]  # every rank creates each
+    mine = pairs[rank // 2] if rank // 2 < len(pairs) else {}
+    return {name: train_on(groups[rank // 2], 2, case) for name, case in mine.items()}
+
+
+def train_on(group: Any, ranks: int, case: Case) -> Any:
+    """This rank's per-step micro-batch losses and its parameters (the model's names) after ``STEPS`` steps of
+    ``case`` on a ``ranks``-rank pipeline over ``group``.  A declared tie: stage modules from
+    ``build_stage_modules`` and ``tied_parameters=tied_parameter_names(...)`` instead of
+    ``Pipeline.from_sequential`` finding it."""
+    family, tied, schedule, layers, n, declared = case
     torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)  # 2 or 4 ranks share 2 cores: more threads only contend
+    torch.set_num_threads(1)  # the ranks share 2 cores: more threads only contend
     model = make_model(family, tied, layers)
     seq = split_causal_lm(model)
-    sched = build_schedule(schedule, world, n)
+    sched = build_schedule(schedule, ranks, n)
     if declared:
-        mods = build_stage_modules(sched, seq)
-        pipe = Pipeline(sched, mods, tied_parameters=tied_parameter_names(seq), timeout_s=60)
+        mods = build_stage_modules(sched, seq, group=group)
+        pipe = Pipeline(sched, mods, group, tied_parameters=tied_parameter_names(seq), timeout_s=60)
     else:
-        pipe = Pipeline.from_sequential(sched, seq, wire=WireOptions(timeout_s=60))
+        pipe = Pipeline.from_sequential(sched, seq, group=group, wire=WireOptions(timeout_s=60))
     names = transformers_names(model, seq)
     params = {name for name, _ in model.named_parameters()}
     try:
