@@ -136,3 +136,16 @@ def test_an_unverified_family_needs_allow_unverified() -> None:
     with pytest.raises(ValueError, match=r"\(model_type 'gemma'\) is not one of the families"):
         split_causal_lm(model)
     assert len(split_causal_lm(model, allow_unverified=True)) == 4
+
+
+def test_mask_functions_of_another_signature_are_refused_naming_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers.masking_utils as mu
+
+    def create_causal_mask(config, input_embeds, attention_mask, cache_position, past_key_values):  # type: ignore[no-untyped-def]
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(mu, "create_causal_mask", create_causal_mask)
+    model = make_model("llama", tied=False, layers=2)
+    missing = r"\['inputs_embeds', 'cache', 'position_ids'\]"
+    with pytest.raises(ValueError, match=rf"create_causal_mask takes no {missing}.*5\.25"):
+        split_causal_lm(model)
