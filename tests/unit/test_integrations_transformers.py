@@ -141,7 +141,7 @@ def test_an_unverified_family_needs_allow_unverified() -> None:
 def test_mask_functions_of_another_signature_are_refused_naming_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers.masking_utils as mu
 
-    def create_causal_mask(config, input_embeds, attention_mask, cache_position, past_key_values):  # type: ignore[no-untyped-def]
+    def create_causal_mask(config, input_embeds, attention_mask, cache_position, past_key_values):  # older names
         raise AssertionError("not called")
 
     monkeypatch.setattr(mu, "create_causal_mask", create_causal_mask)
