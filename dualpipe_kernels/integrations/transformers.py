@@ -79,8 +79,8 @@ class CausalLMEmbedding(nn.Module):
 
 
 class CausalLMDecoderLayer(nn.Module):
-    """Decoder layer ``index`` of the model: ``(hidden, cos, sin, position_ids, attention_mask)`` -> the same
-    five, ``hidden`` the layer's output.  ``sliding``: the layer attends through a sliding-window mask."""
+    """One decoder layer of the model: ``(hidden, cos, sin, position_ids, attention_mask)`` -> the same five,
+    ``hidden`` the layer's output.  ``sliding``: the model's forward gives this layer the sliding-window mask."""
 
     def __init__(self, layer: nn.Module, config: Any, sliding: bool) -> None:
         super().__init__()
@@ -108,7 +108,7 @@ class CausalLMDecoderLayer(nn.Module):
             use_cache=False,
             position_embeddings=(cos, sin),
         )
-        if isinstance(out, tuple):  # decoder layers of older transformers return (hidden, ...)
+        if isinstance(out, tuple):  # a decoder layer returning (hidden, attention weights, ...)
             out = out[0]
         if not isinstance(out, torch.Tensor):
             raise TypeError(
