@@ -1,4 +1,4 @@
-"""Rank functions of tests/process/test_integrations_transformers.py: a tiny transformers LM (hf_models.py)
+"""Rank functions of tests/process/test_transformers_ranks.py: a tiny transformers LM (hf_models.py)
 split by ``integrations.transformers`` and trained 3 SGD steps on a pipeline; the one-process reference the
 test compares with (the model's own forward and loss, the same micro-batches) is :func:`reference_run`."""
 
