@@ -31,12 +31,22 @@ def _expect_same(what: str, got: Any, want: Any, errors: list[str]) -> None:
 
 
 def _count_actions(schedule: Any, rank: int) -> tuple[int, int]:
-    """(OVERLAP_F_B pairs, backward halves that are I) in ``rank``'s compute actions."""
+    """(OVERLAP_F_B pairs, backward halves that are I and defer their W) in ``rank``'s compute actions.
+
+    An I directly followed by its own W in the lowered program runs as one full B (runtime/loop.py
+    ``fused_input_weight``): its weight gradients are computed at once, not deferred, so it is not counted.
+    """
+    from dualpipe_kernels.runtime.loop import fused_input_weight
+    from dualpipe_kernels.schedules.lowering import lower_program
+    from dualpipe_kernels.schedules.validate import validate
+
     pairs = inputs_grad = 0
     for a in schedule.compute_actions(rank):
         pairs += a.type.value == "OVERLAP_F_B"
         inputs_grad += sum(c.type.value == "I" for c in a.computes())
-    return pairs, inputs_grad
+    program = validate(schedule)
+    lowered = (program if schedule.lowered else lower_program(program)).schedule
+    return pairs, inputs_grad - len(fused_input_weight(lowered.actions[rank]))
 
 
 def _gather(outs: Sequence[Tensors]) -> Any:
