@@ -6,9 +6,11 @@ The work is split into rooms, each with its own state:
 * :mod:`.loop`: the action loop and its window of posted receives;
 * :mod:`.compute`: stage compute (F, B, I/W split, F&B pair and the overlap hook);
 * :mod:`.boundary`: boundary communication (post, complete, reap);
-* :mod:`.mirror`: DualPipe's mirror-gradient sync at the end of a step;
-* :mod:`.data_parallel`: the per-stage data-parallel gradient reduction (PP x DP);
-* :mod:`.construction`: checking the modules and mapping given;
+* :mod:`.reductions`: the step's gradient reductions in one shape, built from explicit inputs:
+  :mod:`.data_parallel` (PP x DP), :mod:`.mirror` (DualPipe's mirror sum), :mod:`.tied` (tied parameters);
+* :mod:`.loss`: the step's mean loss;
+* :mod:`.construction`: checking the modules and mapping given; :mod:`.builders`: cutting a model
+  and reading a mesh for :meth:`Pipeline.from_sequential` / :meth:`Pipeline.from_mesh`;
 * :mod:`.options`: the configuration, grouped and checked (``Pipeline(..., wire=WireOptions(...))``);
 * :mod:`.result`: what a step returns (:class:`StepResult`).
 
@@ -107,15 +109,18 @@ class Pipeline(PipelineStep, nn.Module):
     (``transport``, ``boundary_format``, ``timeout_s``, ``recv_lookahead``,
     ``early_small_receives``, ``inline_limit_bytes``),
     ``gradients=GradientOptions(...)`` (``zero_bubble``, ``sync_mirror_grads``,
-    ``scale_grads``, ``dp_group``, ``dp_op``), ``memory=MemoryOptions(policy)``
-    and ``diagnostics=DiagnosticsOptions(record_timeline)``.  The flat keywords
-    (``timeout_s=30``, ``memory_policy="offload"``...) are shorthands for one
-    field of a group left at its defaults; None leaves the field alone.
+    ``scale_grads``, ``dp_group``, ``dp_op``), ``memory=MemoryOptions(policy)``,
+    ``diagnostics=DiagnosticsOptions(record_timeline)``,
+    ``model_options=ModelOptions(tied_parameters, allow_uneven)`` and
+    ``graphs=GraphOptions(...)``.  The flat keywords (``timeout_s=30``,
+    ``memory_policy="offload"``...) are shorthands for one field of a group
+    (the table ``options.SHORTHANDS``); None leaves the field alone, and a
+    shorthand that differs from the field of a group given too is an error.
     ``options``: the resolved :class:`PipelineOptions`.
 
-    In short: ``transport`` "auto" picks the native engine for same-host peers
-    when it is built, else torch (a given Transport instance is not closed by
-    :meth:`close`).  ``boundary_format``: how stage-boundary messages travel
+    In short: ``transport`` "auto" builds what transport/auto.py's rule picks
+    (on CPU the native engine when it is built and peers share a host, else
+    torch; a given Transport instance is not closed by :meth:`close`).  ``boundary_format``: how stage-boundary messages travel
     (``"none"``, ``"packed"``, ``"bf16"``, ``"fp8"``...; runtime/boundary/codec.py).
     ``scale_grads``: seed each micro-batch loss's backward with ``1/N`` (the full
     batch's mean-loss gradients for a mean criterion, as
