@@ -69,6 +69,8 @@ def fold_group(name: str, cls: type[Any], given: object | None, flat: Mapping[st
     too must agree with the group's field once both are normalised (``__post_init__``), else a ValueError
     names both.
     """
+    if not flat:  # a group without shorthands: nothing to fold (its holder checks its type)
+        return given if given is not None else cls()
     values = {f: v for f, v in flat.values() if v is not None}
     if given is None:
         return cls(**values)
