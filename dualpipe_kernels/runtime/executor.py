@@ -120,8 +120,9 @@ class Pipeline(PipelineStep, nn.Module):
 
     In short: ``transport`` "auto" builds what transport/auto.py's rule picks
     (on CPU the native engine when it is built and peers share a host, else
-    torch; a given Transport instance is not closed by :meth:`close`).  ``boundary_format``: how stage-boundary messages travel
-    (``"none"``, ``"packed"``, ``"bf16"``, ``"fp8"``...; runtime/boundary/codec.py).
+    torch; a given Transport instance is not closed by :meth:`close`).
+    ``boundary_format``: how stage-boundary messages travel (``"none"``,
+    ``"packed"``, ``"bf16"``, ``"fp8"``...; runtime/boundary/codec.py).
     ``scale_grads``: seed each micro-batch loss's backward with ``1/N`` (the full
     batch's mean-loss gradients for a mean criterion, as
     torch.distributed.pipelining does); False accumulates the plain sum (the
