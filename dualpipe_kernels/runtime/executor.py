@@ -119,8 +119,7 @@ class Pipeline(PipelineStep, nn.Module):
     ``options``: the resolved :class:`PipelineOptions`.
 
     In short: ``transport`` "auto" builds what transport/auto.py's rule picks
-    (on CPU the native engine when it is built and peers share a host, else
-    torch; a given Transport instance is not closed by :meth:`close`).
+    (on CPU the native engine when it is built, else torch; a given Transport instance is not closed by :meth:`close`).
     ``boundary_format``: how stage-boundary messages travel (``"none"``,
     ``"packed"``, ``"bf16"``, ``"fp8"``...; runtime/boundary/codec.py).
     ``scale_grads``: seed each micro-batch loss's backward with ``1/N`` (the full

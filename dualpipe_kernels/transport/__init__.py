@@ -72,7 +72,7 @@ def make_transport(
 
     ``"auto"`` (the runtime's default): what transport/auto.py's rule picks from the
     group's host ids (exchanged here), built: on CPU ``"native"`` when the compiled
-    engine is built and some peers share a host, else ``"torch"``.  On CUDA, "auto" is
+    engine is built (peers on other hosts through torch.distributed inside it), else ``"torch"``.  On CUDA, "auto" is
     ``"torch"`` unless :func:`cuda_ipc_auto` (``DUALPIPE_KERNELS_CUDA_IPC=1``):
     then it uses CUDA IPC (to same-host peers, beside torch for the others) only if
     every step of it works on every rank of ``group`` (exporting buffers and events,

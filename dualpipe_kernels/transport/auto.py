@@ -108,16 +108,17 @@ def auto_transport(
     """``(what make_transport("auto") builds, one of AUTO_BUILDS; the per-peer routes)``, from the rule.
 
     The transport is one object for every peer, so it is read off the routes of the whole group (every rank
-    has every host id, so all ranks decide alike, as the engines' collective set-up needs): the native
-    engine on CPU when some peers share a host and it is built; on CUDA, the CUDA IPC engine when the rule
-    gives it (to every peer when all share one host, else routed beside torch); torch otherwise.
+    has every host id, so all ranks decide alike, as the engines' collective set-up needs): on CPU the
+    native engine whenever it is built (it sends the peers the rule gives ``gloo``, those on other hosts,
+    through torch.distributed itself), else torch; on CUDA, the CUDA IPC engine when the rule gives it to
+    some peer (to every peer when all share one host, else routed beside torch), else torch.
     """
     routes = auto_routes(
         hosts, rank, device_type, backend, native_built=native_built, cuda_ipc_allowed=cuda_ipc_allowed
     )
-    shared_host = len(set(hosts)) < len(hosts) or len(hosts) == 1
     if device_type == "cpu":
-        return ("native" if native_built and shared_host else "torch"), routes
+        return ("native" if native_built else "torch"), routes
+    shared_host = len(set(hosts)) < len(hosts) or len(hosts) == 1
     if not (native_built and cuda_ipc_allowed and shared_host):
         return "torch", routes
     return ("cuda_ipc" if len(set(hosts)) == 1 else "routed"), routes

@@ -73,12 +73,14 @@ def _pick(hosts: list[str], device_type: str, **kw: bool) -> str:
 
 def test_the_rule_picks_one_transport_for_the_whole_group() -> None:
     assert _pick(TWO_HOSTS, "cpu", native_built=True, cuda_ipc_allowed=False) == "native"
-    assert _pick(["a", "b", "c"], "cpu", native_built=True, cuda_ipc_allowed=False) == "torch"  # no shared host
+    # no shared host: the engine still (it sends other-host peers through torch), as every rank decides
+    assert _pick(["a", "b", "c"], "cpu", native_built=True, cuda_ipc_allowed=False) == "native"
     assert _pick(TWO_HOSTS, "cpu", native_built=False, cuda_ipc_allowed=False) == "torch"
     assert _pick(["a"], "cpu", native_built=True, cuda_ipc_allowed=False) == "native"  # one rank: its own host
     assert _pick(TWO_HOSTS, "cuda", native_built=True, cuda_ipc_allowed=False) == "torch"  # NCCL in program order
     assert _pick(["a", "a"], "cuda", native_built=True, cuda_ipc_allowed=True) == "cuda_ipc"
     assert _pick(TWO_HOSTS, "cuda", native_built=True, cuda_ipc_allowed=True) == "routed"
+    assert _pick(["a", "b"], "cuda", native_built=True, cuda_ipc_allowed=True) == "torch"  # no same-host peer
     # a rank with no same-host peer decides as the others do (the engines' set-up is collective)
     kind, routes = auto_transport(["a", "a", "b"], 2, "cpu", "gloo", native_built=True, cuda_ipc_allowed=False)
     assert kind == "native" and {r.kind for r in routes.values()} == {"gloo"}
@@ -109,10 +111,9 @@ def _build_auto(monkeypatch: pytest.MonkeyPatch, hosts: list[str]) -> tuple[str,
 
 
 def test_make_transport_builds_what_the_rule_picks(one_rank_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    picked, built = _build_auto(monkeypatch, ["a"])
-    assert built == picked == ("native" if native_available("cpu") else "torch")
-    # the peer on another host: the rule says torch, and torch is what is built (the engine is not)
-    assert _build_auto(monkeypatch, ["a", "b"]) == ("torch", "torch")
+    engine = "native" if native_available("cpu") else "torch"
+    assert _build_auto(monkeypatch, ["a"]) == (engine, engine)
+    assert _build_auto(monkeypatch, ["a", "b"]) == (engine, engine)  # the engine routes the other host itself
 
 
 def test_make_transport_follows_the_rule_not_a_rule_of_its_own(
