@@ -340,7 +340,7 @@ class Pipeline(PipelineStep, nn.Module):
             schedule, self.rank, self.group, self.rank_mapping, self.to_group_rank, self.stage_modules,
             self._loop.actions, opts.gradients, mirror_sync, self.model_options.tied_parameters, self.timeout_s,
         )  # fmt: skip
-        self._dp = self._reductions.dp
+        self._dp = self._reductions.dp  # the DP reduction by name (its trigger actions: the PP x DP tests)
         self._loss = LossReduction(self.rank, self.device, self.group, self.dp_group, self.timeout_s, self._watch)
 
     # ---- introspection: what this pipeline chose ----------------------------
