@@ -33,8 +33,9 @@ and ``step(*inputs, num_chunks=0, criterion=None, labels=[], return_outputs=Fals
 Differences: CPU and CUDA both work (the reference requires CUDA); P2P shapes
 and dtype are exchanged at run time, so ``set_p2p_tensor_shapes`` /
 ``set_p2p_tensor_dtype`` are accepted and only validated; bad input raises
-ValueError (the reference asserts).  Keyword-only extras: ``wire``, a
-``runtime.WireOptions``, or its shorthands ``transport`` ("auto", the default:
+ValueError (the reference asserts).  Keyword-only extras: Pipeline's option
+groups ``wire``, ``memory``, ``diagnostics`` and ``graphs`` (the others are the
+reference's: ``FIXED_OPTION_GROUPS``), and ``wire``'s shorthands ``transport`` ("auto", the default:
 the native engine for same-host peers when built | "torch" | "native" | a
 Transport), ``timeout_s`` (every wait) and ``boundary_format`` ("none", the
 default | "packed" | "bf16" | "fp8", or one per direction as
@@ -54,14 +55,15 @@ exactly as the reference does when zero-bubble is off.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
-    from dualpipe_kernels.runtime.options import WireOptions
+    from dualpipe_kernels.runtime.graph_options import GraphOptions
+    from dualpipe_kernels.runtime.options import DiagnosticsOptions, MemoryOptions, WireOptions
 
 __all__ = [
     "DualPipe",
@@ -231,6 +233,12 @@ class _DualPipeBase(nn.Module):
     """Shared constructor and step of DualPipe and DualPipeV (``_SCHEDULE`` tells them apart)."""
 
     _SCHEDULE = ""
+    #: Pipeline's option groups this API sets itself (the reference's semantics), and why; it takes the others
+    FIXED_OPTION_GROUPS: ClassVar[dict[str, str]] = {
+        "layout": "batch_dim and rank_mapping are the reference's own arguments",
+        "gradients": "the reference sums the micro-batch losses' gradients and syncs no mirror copies",
+        "model_options": "the reference splits any batch and knows no tied parameters",
+    }
     _pipe: Any  # the runtime Pipeline for the current num_chunks (kept out of the module tree; see __init__)
 
     def __init__(
@@ -241,6 +249,9 @@ class _DualPipeBase(nn.Module):
         rank_mapping: Sequence[int] | None = None,
         *,
         wire: WireOptions | None = None,
+        memory: MemoryOptions | None = None,
+        diagnostics: DiagnosticsOptions | None = None,
+        graphs: GraphOptions | None = None,
         transport: Any = None,
         timeout_s: float | None = None,
         boundary_format: Any = None,
@@ -248,9 +259,12 @@ class _DualPipeBase(nn.Module):
         super().__init__()
         from dualpipe_kernels.runtime.options import PipelineOptions
 
-        # ``wire``: a WireOptions; ``transport`` / ``timeout_s`` / ``boundary_format``: its shorthands (as Pipeline's)
+        # the option groups (as Pipeline's); ``transport`` / ``timeout_s`` / ``boundary_format``: shorthands
+        # of ``wire`` (options.SHORTHANDS), folded by Pipeline's one rule (ValueError naming the field)
         shorthands = {"transport": transport, "timeout_s": timeout_s, "boundary_format": boundary_format}
-        self._wire = PipelineOptions.fold({"wire": wire}, shorthands).wire  # checked (ValueError naming the field)
+        groups = {"wire": wire, "memory": memory, "diagnostics": diagnostics, "graphs": graphs}
+        self._options = PipelineOptions.fold(groups, shorthands)
+        self._wire = self._options.wire
         timeout_s = self._wire.timeout_s
         #: how stage-boundary messages travel (validated here, used by every pipeline built)
         self.boundary_format = self._wire.format
@@ -310,6 +324,9 @@ class _DualPipeBase(nn.Module):
             self.group,
             layout=LayoutOptions(rank_mapping=self.rank_mapping, batch_dim=self.batch_dim),
             wire=self._wire,
+            memory=self._options.memory,
+            diagnostics=self._options.diagnostics,
+            graphs=self._options.graphs,
             # the reference sums the micro-batch losses' gradients, and syncs no mirror copies
             gradients=GradientOptions(sync_mirror_grads=False, scale_grads=False),
             model_options=ModelOptions(allow_uneven=True),  # the reference splits any batch (seeds stay 1)

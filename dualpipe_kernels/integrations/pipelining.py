@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -59,7 +60,16 @@ from torch.distributed.pipelining.microbatch import (
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from dualpipe_kernels.runtime import GradientOptions, LayoutOptions, MemoryOptions, Pipeline, WireOptions
+from dualpipe_kernels.runtime import (
+    DiagnosticsOptions,
+    GradientOptions,
+    GraphOptions,
+    LayoutOptions,
+    MemoryOptions,
+    ModelOptions,
+    Pipeline,
+    WireOptions,
+)
 from dualpipe_kernels.schedules import build_schedule
 
 __all__ = [
@@ -118,6 +128,17 @@ class _Keyworded(nn.Module):
         return (*out, index) if isinstance(out, (tuple, list)) else (out, index)
 
 
+@dataclass(frozen=True)
+class _Groups:
+    """The option groups a drop-in passes through to its Pipeline as given."""
+
+    wire: WireOptions | None
+    memory: MemoryOptions | None
+    diagnostics: DiagnosticsOptions | None
+    model_options: ModelOptions | None
+    graphs: GraphOptions | None
+
+
 class _DropIn:
     """What every drop-in schedule shares: the Pipeline it runs on and torch's ``step`` / ``eval``."""
 
@@ -127,6 +148,11 @@ class _DropIn:
     PER_RANK: ClassVar[int | None]
     #: the default of the constructor's ``keyword_inputs``
     KEYWORD_INPUTS: ClassVar[bool] = False
+    #: Pipeline's option groups set from torch's arguments, and why; the constructors take the others
+    FIXED_OPTION_GROUPS: ClassVar[dict[str, str]] = {
+        "layout": "the device is the stages' (PipelineStage.device)",
+        "gradients": "scale_grads is torch's own argument",
+    }
 
     _pipe: Pipeline
 
@@ -140,8 +166,7 @@ class _DropIn:
         output_merge_spec: Any,
         scale_grads: bool,
         group: dist.ProcessGroup | None,
-        wire: WireOptions | None,
-        memory: MemoryOptions | None,
+        groups: _Groups,
         keyword_inputs: bool | None,
     ) -> None:
         who = type(self).__name__
@@ -189,9 +214,12 @@ class _DropIn:
             modules,
             group,
             layout=LayoutOptions(device=device),
-            wire=wire,
+            wire=groups.wire,
             gradients=GradientOptions(scale_grads=scale_grads),
-            memory=memory,
+            memory=groups.memory,
+            diagnostics=groups.diagnostics,
+            model_options=groups.model_options,
+            graphs=groups.graphs,
         )
         # torch's schedules own nothing to release; this one owns a transport: released with the object
         self._finalizer = weakref.finalize(self, self._pipe.close)
@@ -338,18 +366,22 @@ class _Multi(_DropIn, PipelineScheduleMulti):
         group: dist.ProcessGroup | None = None,
         wire: WireOptions | None = None,
         memory: MemoryOptions | None = None,
+        diagnostics: DiagnosticsOptions | None = None,
+        model_options: ModelOptions | None = None,
+        graphs: GraphOptions | None = None,
         keyword_inputs: bool | None = None,
     ) -> None:
         """torch's arguments; ``backward_requires_autograd`` must be True (the backward is autograd's) and
         ``defer_pp_recv`` is accepted (receives are posted ahead by the runtime).  Keyword-only extras:
-        ``group`` (with a ``{stage: module}`` mapping), ``wire`` and ``memory`` (the Pipeline's option groups),
+        ``group`` (with a ``{stage: module}`` mapping), the Pipeline's option groups ``wire``, ``memory``,
+        ``diagnostics``, ``model_options`` and ``graphs`` (the others come from torch's arguments),
         ``keyword_inputs`` (True: ``step`` takes keyword stage inputs, given to every stage of each micro-batch,
         as torch does; default the class's ``KEYWORD_INPUTS``, False)."""
         if not backward_requires_autograd:
             raise ValueError(f"{type(self).__name__}: backward_requires_autograd=False is not supported")
         self._build(
             stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
-            group, wire, memory, keyword_inputs,
+            group, _Groups(wire, memory, diagnostics, model_options, graphs), keyword_inputs,
         )  # fmt: skip
 
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
@@ -372,6 +404,9 @@ class _Single(_DropIn, PipelineScheduleSingle):
         group: dist.ProcessGroup | None = None,
         wire: WireOptions | None = None,
         memory: MemoryOptions | None = None,
+        diagnostics: DiagnosticsOptions | None = None,
+        model_options: ModelOptions | None = None,
+        graphs: GraphOptions | None = None,
         keyword_inputs: bool | None = None,
     ) -> None:
         """torch's arguments; ``stage`` a PipelineStage or this rank's module (its stage index is the rank)."""
@@ -385,7 +420,7 @@ class _Single(_DropIn, PipelineScheduleSingle):
             raise ValueError(f"{type(self).__name__}: stage must be a PipelineStage or an nn.Module")
         self._build(
             stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads,
-            group, wire, memory, keyword_inputs,
+            group, _Groups(wire, memory, diagnostics, model_options, graphs), keyword_inputs,
         )  # fmt: skip
 
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:

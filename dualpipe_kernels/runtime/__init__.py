@@ -2,8 +2,8 @@
 
 ``Pipeline`` / ``StepResult``: the per-rank executor, configured with the option
 groups ``LayoutOptions``, ``WireOptions``, ``GradientOptions``, ``MemoryOptions``,
-``DiagnosticsOptions`` (``PipelineOptions`` holds one of each; docs/runtime_options.md); ``GraphOptions``:
-per-chunk CUDA graphs (``Pipeline(..., graphs=...)``, off by default).  ``build_stage_modules``:
+``DiagnosticsOptions``, ``ModelOptions`` (tied parameters, uneven batches) and ``GraphOptions`` (per-chunk
+CUDA graphs, off by default); ``PipelineOptions`` holds one of each (docs/runtime_options.md).  ``build_stage_modules``:
 this rank's stage modules for any schedule.  ``save_pipeline`` / ``load_pipeline``:
 DCP checkpoints under the full model's parameter names.  ``run_reference``: the
 single-process reference the executor is checked against.  ``spawn`` /
@@ -11,11 +11,11 @@ single-process reference the executor is checked against.  ``spawn`` /
 ``pipeline_expert_groups``: the process groups of a pipeline x expert-parallel layout.
 
 Layers (bottom first; a module imports only modules below it, held by
-tests/unit/test_import_graph.py): foundations (checks, construction, groups,
-launch, microbatch, timeline, memory_plan, memory_store, zero_bubble), the
-boundary wing (boundary/), options, the subsystems (fingerprint, stages,
-memory_records, memory, reference, mirror, checkpoint, compute, data_parallel), the step (loop,
-result), the pipeline (conveniences, executor), and this package's face.
+tests/unit/test_import_graph.py): foundations (checks, model_options, construction, groups,
+launch, microbatch, timeline, memory_plan, memory_store, zero_bubble, graph_options, loss...), the
+boundary wing (boundary/), options, the subsystems (fingerprint, stages, memory_records, memory,
+reference, mirror, compute, data_parallel, tied, reductions, builders, checkpoint, graphs), the step
+(loop, result), the pipeline (conveniences, step, executor), and this package's face.
 """
 
 from dualpipe_kernels.runtime.checkpoint import load_pipeline, load_stage_state_dict, save_pipeline, stage_state_dict

@@ -115,8 +115,9 @@ def load_stage_state_dict(
 
 
 def _ties_of(pipe: Any) -> dict[str, str]:
-    ties = getattr(pipe, "_ties", None)
-    return ties.canonical() if ties is not None else {}
+    """name -> first name of its tie group, for the groups this rank holds (runtime/reductions.py's ties)."""
+    reductions = getattr(pipe, "_reductions", None)
+    return reductions.ties.canonical() if reductions is not None else {}
 
 
 def _pipeline_params(pipe: Any, full_name: NameMap | None) -> dict[str, list[nn.Parameter]]:

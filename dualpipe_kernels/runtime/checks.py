@@ -4,12 +4,15 @@
   the transports' own check, ``transport.base.check_timeout``).
 * :func:`check_stage_devices`: no parameter or buffer on the ``meta`` device
   (a module built without data fails at construction, naming its stage).
+* :func:`fold_group`: an option group and the flat shorthands of its fields, with the one conflict rule
+  (``PipelineOptions.fold`` applies it to every group).
 * :func:`call_criterion`: a criterion that cannot take the stage's outputs and
   the labels given gets a message saying what it was given, not a bare TypeError.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
@@ -56,3 +59,28 @@ def call_criterion(
         except ValueError:  # no inspectable signature (a builtin): keep the original error
             pass
         raise
+
+
+def fold_group(name: str, cls: type[Any], given: object | None, flat: Mapping[str, tuple[str, object | None]]) -> Any:
+    """The option group ``name`` (a frozen dataclass ``cls``) from ``given`` (an instance or None) and its
+    shorthands ``flat`` (``{keyword: (field, value or None)}``; None: not given).
+
+    A shorthand sets its field (a group left out starts from its defaults); a shorthand whose group is given
+    too must agree with the group's field once both are normalised (``__post_init__``), else a ValueError
+    names both.
+    """
+    if not flat:  # a group without shorthands: nothing to fold (its holder checks its type)
+        return given if given is not None else cls()
+    values = {f: v for f, v in flat.values() if v is not None}
+    if given is None:
+        return cls(**values)
+    if not isinstance(given, cls):
+        raise ValueError(f"{name} must be a {cls.__name__} or None, got {type(given).__name__}")
+    merged = dataclasses.replace(given, **values)  # the shorthands normalised as the group stores them
+    for key, (f, v) in flat.items():
+        if v is not None and getattr(merged, f) != getattr(given, f):
+            raise ValueError(
+                f"{key}= and {name}={cls.__name__}(...) both given with different values: {key}={v!r} "
+                f"both as a keyword and in {name} as {f}={getattr(given, f)!r}; set the field in {cls.__name__} only"
+            )
+    return given

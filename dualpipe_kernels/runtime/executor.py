@@ -6,9 +6,11 @@ The work is split into rooms, each with its own state:
 * :mod:`.loop`: the action loop and its window of posted receives;
 * :mod:`.compute`: stage compute (F, B, I/W split, F&B pair and the overlap hook);
 * :mod:`.boundary`: boundary communication (post, complete, reap);
-* :mod:`.mirror`: DualPipe's mirror-gradient sync at the end of a step;
-* :mod:`.data_parallel`: the per-stage data-parallel gradient reduction (PP x DP);
-* :mod:`.construction`: checking the modules and mapping given;
+* :mod:`.reductions`: the step's gradient reductions in one shape, built from explicit inputs:
+  :mod:`.data_parallel` (PP x DP), :mod:`.mirror` (DualPipe's mirror sum), :mod:`.tied` (tied parameters);
+* :mod:`.loss`: the step's mean loss;
+* :mod:`.construction`: checking the modules and mapping given; :mod:`.builders`: cutting a model
+  and reading a mesh for :meth:`Pipeline.from_sequential` / :meth:`Pipeline.from_mesh`;
 * :mod:`.options`: the configuration, grouped and checked (``Pipeline(..., wire=WireOptions(...))``);
 * :mod:`.result`: what a step returns (:class:`StepResult`).
 
@@ -36,23 +38,21 @@ from dualpipe_kernels.runtime.boundary.exchange import Boundary, Wire, pair_orde
 from dualpipe_kernels.runtime.boundary.header import TagSpace
 from dualpipe_kernels.runtime.boundary.inline import INLINE_MAX_BYTES, inline_limit
 from dualpipe_kernels.runtime.boundary.layout_memory import LayoutMemory
+from dualpipe_kernels.runtime.builders import mesh_groups, sequential_stages
 from dualpipe_kernels.runtime.checks import check_stage_devices
 from dualpipe_kernels.runtime.compute import StageCompute
-from dualpipe_kernels.runtime.construction import (
-    check_mapping,
-    check_modules,
-    module_device,
-)
-from dualpipe_kernels.runtime.data_parallel import DataParallelReducer, mirror_dp_groups
+from dualpipe_kernels.runtime.construction import check_mapping, check_modules, module_device
 from dualpipe_kernels.runtime.fingerprint import Fingerprint, agree, fingerprint, resolved_transport
 from dualpipe_kernels.runtime.graph_options import GraphOptions
 from dualpipe_kernels.runtime.graphs import GraphStatus, StageGraphs
 from dualpipe_kernels.runtime.loop import ActionLoop
+from dualpipe_kernels.runtime.loss import LossReduction
 from dualpipe_kernels.runtime.memory import ActivationMemory
 from dualpipe_kernels.runtime.mirror import MirrorSync, mirrors
 from dualpipe_kernels.runtime.model_options import ModelOptions
-from dualpipe_kernels.runtime.model_options import model_options as model_options_of
 from dualpipe_kernels.runtime.options import (
+    GROUP_NAMES,
+    SHORTHANDS,
     BoundaryFormatSpec,
     DiagnosticsOptions,
     GradientOptions,
@@ -63,9 +63,9 @@ from dualpipe_kernels.runtime.options import (
     WireOptions,
 )
 from dualpipe_kernels.runtime.peer_watch import PeerWatch, WatchedTransport
+from dualpipe_kernels.runtime.reductions import build_reductions
 from dualpipe_kernels.runtime.result import StepResult
 from dualpipe_kernels.runtime.step import PipelineStep, on_group
-from dualpipe_kernels.runtime.tied import TiedGradients
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
 from dualpipe_kernels.schedules.deps import Program
 from dualpipe_kernels.schedules.ir import Schedule
@@ -109,16 +109,19 @@ class Pipeline(PipelineStep, nn.Module):
     (``transport``, ``boundary_format``, ``timeout_s``, ``recv_lookahead``,
     ``early_small_receives``, ``inline_limit_bytes``),
     ``gradients=GradientOptions(...)`` (``zero_bubble``, ``sync_mirror_grads``,
-    ``scale_grads``, ``dp_group``, ``dp_op``), ``memory=MemoryOptions(policy)``
-    and ``diagnostics=DiagnosticsOptions(record_timeline)``.  The flat keywords
-    (``timeout_s=30``, ``memory_policy="offload"``...) are shorthands for one
-    field of a group left at its defaults; None leaves the field alone.
+    ``scale_grads``, ``dp_group``, ``dp_op``), ``memory=MemoryOptions(policy)``,
+    ``diagnostics=DiagnosticsOptions(record_timeline)``,
+    ``model_options=ModelOptions(tied_parameters, allow_uneven)`` and
+    ``graphs=GraphOptions(...)``.  The flat keywords (``timeout_s=30``,
+    ``memory_policy="offload"``...) are shorthands for one field of a group
+    (the table ``options.SHORTHANDS``); None leaves the field alone, and a
+    shorthand that differs from the field of a group given too is an error.
     ``options``: the resolved :class:`PipelineOptions`.
 
-    In short: ``transport`` "auto" picks the native engine for same-host peers
-    when it is built, else torch (a given Transport instance is not closed by
-    :meth:`close`).  ``boundary_format``: how stage-boundary messages travel
-    (``"none"``, ``"packed"``, ``"bf16"``, ``"fp8"``...; runtime/boundary/codec.py).
+    In short: ``transport`` "auto" builds what transport/auto.py's rule picks
+    (on CPU the native engine when it is built, else torch; a given Transport instance is not closed by :meth:`close`).
+    ``boundary_format``: how stage-boundary messages travel (``"none"``,
+    ``"packed"``, ``"bf16"``, ``"fp8"``...; runtime/boundary/codec.py).
     ``scale_grads``: seed each micro-batch loss's backward with ``1/N`` (the full
     batch's mean-loss gradients for a mean criterion, as
     torch.distributed.pipelining does); False accumulates the plain sum (the
@@ -152,6 +155,9 @@ class Pipeline(PipelineStep, nn.Module):
         gradients: GradientOptions | None = None,
         memory: MemoryOptions | None = None,
         diagnostics: DiagnosticsOptions | None = None,
+        model_options: ModelOptions | None = None,
+        graphs: GraphOptions | None = None,
+        # the flat shorthands: options.SHORTHANDS, in its order (tests/unit/test_builder_signatures.py)
         rank_mapping: Sequence[int] | None = None,
         batch_dim: int | None = None,
         device: torch.device | str | None = None,
@@ -167,40 +173,14 @@ class Pipeline(PipelineStep, nn.Module):
         dp_op: str | None = None,
         memory_policy: MemoryPolicySpec | None = None,
         record_timeline: bool | None = None,
-        model_options: ModelOptions | None = None,
         tied_parameters: Sequence[Sequence[str]] | None = None,
         allow_uneven: bool | None = None,
-        graphs: GraphOptions | None = None,
     ) -> None:
         """Check the arguments and options, lower the schedule, agree across ranks, set up the transport, build the
         subsystems (collective: every rank of the group builds its Pipeline)."""
-        options = PipelineOptions.fold(
-            {"layout": layout, "wire": wire, "gradients": gradients, "memory": memory, "diagnostics": diagnostics},
-            {
-                "rank_mapping": rank_mapping,
-                "batch_dim": batch_dim,
-                "device": device,
-                "transport": transport,
-                "boundary_format": boundary_format,
-                "timeout_s": timeout_s,
-                "recv_lookahead": recv_lookahead,
-                "early_small_receives": early_small_receives,
-                "zero_bubble": zero_bubble,
-                "sync_mirror_grads": sync_mirror_grads,
-                "scale_grads": scale_grads,
-                "dp_group": dp_group,
-                "dp_op": dp_op,
-                "memory_policy": memory_policy,
-                "record_timeline": record_timeline,
-            },
-        )
-        nn.Module.__init__(self)  # the conveniences mixin has no state of its own
-        if graphs is not None and not isinstance(graphs, GraphOptions):
-            raise ValueError(f"graphs must be a GraphOptions, got {type(graphs).__name__}")
-        #: per-chunk CUDA graphs (runtime/graphs.py; off by default)
-        self.graph_options = graphs if graphs is not None else GraphOptions()
-        #: the model's ties and batch rule (runtime/model_options.py)
-        self.model_options = model_options_of(model_options, tied_parameters, allow_uneven)
+        given = locals()
+        options = PipelineOptions.fold({g: given[g] for g in GROUP_NAMES}, {k: given[k] for k in SHORTHANDS})
+        nn.Module.__init__(self)  # the mixins have no state of their own
         self._set_options(options)
         self.program = _lowered_program(schedule)  # validates: a broken schedule fails here, on every rank
         self._place(self.program.schedule, modules, group)
@@ -219,6 +199,10 @@ class Pipeline(PipelineStep, nn.Module):
         """Keep the checked options, and each setting as an attribute of its own (read by the step and the
         conveniences)."""
         self.options = options
+        #: per-chunk CUDA graphs (runtime/graphs.py; off by default)
+        self.graph_options = options.graphs
+        #: the model's ties and batch rule (runtime/model_options.py)
+        self.model_options = options.model_options
         layout, wire, grads = options.layout, options.wire, options.gradients
         self.batch_dim = layout.batch_dim
         self.timeout_s = wire.timeout_s
@@ -266,8 +250,6 @@ class Pipeline(PipelineStep, nn.Module):
         the placement, the transport and the options' shared fields (``PipelineOptions.agreed_fields``)."""
         schedule = self.schedule
         shared, stated = self.options.agreed_fields(schedule.num_stages, bool(mirrors(schedule)))
-        # how a batch is split into micro-batches (the loss weights depend on it)
-        shared = {**shared, "allow_uneven": str(self.model_options.allow_uneven)}
         transport = resolved_transport(self.options.wire.transport, self.device)
         # the order both ends of each pair post its messages in, on an in-order (NCCL) channel
         shared["pair order"] = pair_order_digest(self.program)
@@ -350,39 +332,136 @@ class Pipeline(PipelineStep, nn.Module):
             self.boundary_format,
         )
         self._boundary = Boundary(wire, self.program)
-        self._mirrors = MirrorSync(wire, schedule, self.stage_modules)
-        self.mirror_of = self._mirrors.mirror_of
+        mirror_sync = MirrorSync(wire, schedule, self.stage_modules)
+        self.mirror_of = mirror_sync.mirror_of
         self._loop = ActionLoop(schedule.actions[self.rank], self.recv_lookahead, self.early_small_receives)
-        self._dp: DataParallelReducer | None = None
-        if self.dp_group is not None:
-            folded = (
-                mirror_dp_groups(schedule, self.rank, self.group, self.to_group_rank, self.dp_group)
-                if self.sync_mirror_grads and self._mirrors
-                else None
-            )
-            self._dp = DataParallelReducer(
-                self.dp_group,
-                self.rank,
-                self._loop.actions,
-                self.stage_modules,
-                opts.gradients.reduce_op,
-                self.timeout_s,
-                folded,
-            )
-        # Tied parameters: found/declared names -> one gradient all-reduce per tie group (runtime/tied.py).
-        self._ties = TiedGradients.build(self, self.model_options.tied_parameters)
-        if self._ties.ties and self._dp is not None and self._dp.folds_mirrors:
-            raise ValueError(
-                "tied parameters with DualPipe's mirror copies and a dp_group are not supported "
-                "(the folded mirror reduction would sum them twice); use sync_mirror_grads=False or no dp_group"
-            )
-        self._mirrors.skip = self._ties.param_ids()  # a tied parameter's copies are summed by the tie group
+        # DP, DualPipe's mirror sum, the tied parameters (runtime/reductions.py): the step runs them in order
+        self._reductions = build_reductions(
+            schedule, self.rank, self.group, self.rank_mapping, self.to_group_rank, self.stage_modules,
+            self._loop.actions, opts.gradients, mirror_sync, self.model_options.tied_parameters, self.timeout_s,
+        )  # fmt: skip
+        self._dp = self._reductions.dp  # the DP reduction by name (its trigger actions: the PP x DP tests)
+        self._loss = LossReduction(self.rank, self.device, self.group, self.dp_group, self.timeout_s, self._watch)
 
+    # ---- introspection: what this pipeline chose ----------------------------
     @property
     def graph_status(self) -> dict[int, GraphStatus]:
         """``{stage: GraphStatus}`` of the stages this rank graphs or runs eager for a reason (empty when
         graphs are off)."""
         return dict(self._graphs.status)
+
+    @property
+    def transport_name(self) -> str:
+        """The transport actually in use (``"native"``, ``"torch"``, ``"cuda_ipc"``...), never ``"auto"``."""
+        return str(self._base_transport().name)
+
+    @property
+    def inline_limit_bytes(self) -> int:
+        """The data bytes up to which a message with a remembered layout travels as one transfer (the same on
+        every rank: ``WireOptions.inline_limit_bytes``, or the transport's choice)."""
+        return int(self._layouts.inline_max_bytes)
+
+    def boundary_bytes(self) -> dict[str, tuple[int, int]]:
+        """``{"activations" | "gradients": (messages, data bytes)}`` this rank sent so far (metadata excluded)."""
+        b = self._boundary
+        return {name: (b.messages_sent[d], b.bytes_sent[d]) for d, name in enumerate(("activations", "gradients"))}
+
+    def receive_buffers(self) -> tuple[int, int]:
+        """``(allocated, pooled bytes)`` of the pool of small-message receive buffers (runtime/boundary/inline.py):
+        buffers ever allocated (flat after the first steps of a training loop) and the bytes held free now."""
+        pool = self._layouts.pool
+        return pool.allocations, pool.free_bytes()
+
+    def _base_transport(self) -> Transport:
+        inner = getattr(self._transport, "inner", None)  # a wrapper (the benchmarks' payload switch) names its inner
+        return inner if isinstance(inner, Transport) else self._transport
+
+    def _describe(self) -> str:
+        """One line: what this pipeline runs and what it chose (transport per peer, policies)."""
+        t = self._base_transport()
+        local = getattr(t, "local_peers", None)  # native: same-host peers; the others go through torch
+        single_of = getattr(t, "single_copy_peers", None)
+        single = set(single_of()) if callable(single_of) else set()
+        kinds = []
+        for p in sorted({a.peer for a in self._loop.actions if a.is_comm and a.peer is not None}):
+            g = self.to_group_rank[p]
+            kind = self.transport_name if local is None or g in local else "torch (other host)"
+            kinds.append(f"{p}: {kind}{' single-copy' if g in single else ''}")
+        return (
+            f"pipeline rank {self.rank} (group rank {self.group_rank}) of {self.schedule.name!r}: stages "
+            f"{list(self.stages)}, {len(self._loop.actions)} actions; transport per peer {{{', '.join(kinds)}}}; "
+            f"device {self.device}, zero_bubble={self.zero_bubble}, scale_grads={self.scale_grads}, "
+            f"recv_lookahead={self.recv_lookahead}, early_small_receives={self.early_small_receives}, "
+            f"sync_mirror_grads={self.sync_mirror_grads}, overlap hook={'on' if self.overlap_hook else 'off'}"
+        )
+
+    # ---- builders: the same option groups as the constructor (tests/unit/test_builder_signatures.py) ----
+    @classmethod
+    def from_sequential(
+        cls,
+        schedule: Schedule,
+        model: nn.Sequential,
+        partition: Sequence[int] | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        layout: LayoutOptions | None = None,
+        wire: WireOptions | None = None,
+        gradients: GradientOptions | None = None,
+        memory: MemoryOptions | None = None,
+        diagnostics: DiagnosticsOptions | None = None,
+        model_options: ModelOptions | None = None,
+        graphs: GraphOptions | None = None,
+    ) -> Pipeline:
+        """A pipeline running this rank's share of the full ``model`` (every rank builds the same model).
+
+        ``partition[m]``: number of layers of model stage ``m`` (default: as even
+        as possible, earlier stages one layer more).  ``group`` and the option
+        groups: as for ``Pipeline`` (runtime/options.py).  The stage modules are
+        :func:`build_stage_modules`'s (``StageLayers`` sharing the model's
+        layers; a second copy of a model stage held by the same rank is a deep
+        copy), so parameter names map back to ``model``'s (``runtime.checkpoint``).
+        Parameters shared by identity (an embedding tied to the head) are tie
+        groups, added to those ``model_options`` declares.  Example::
+
+            model = nn.Sequential(*layers)  # same seed on every rank
+            pipe = Pipeline.from_sequential(build_schedule("dualpipev", 2, 8), model, wire=WireOptions(timeout_s=60))
+        """
+        mods, found = sequential_stages(schedule, model, partition, group, layout, model_options)
+        return cls(
+            schedule, mods, group, layout=layout, wire=wire, gradients=gradients, memory=memory,
+            diagnostics=diagnostics, model_options=found, graphs=graphs,
+        )  # fmt: skip
+
+    @classmethod
+    def from_mesh(
+        cls,
+        schedule: Schedule,
+        modules: Mapping[int, nn.Module] | Sequence[nn.Module] | nn.Sequential,
+        mesh: Any,
+        partition: Sequence[int] | None = None,
+        *,
+        layout: LayoutOptions | None = None,
+        wire: WireOptions | None = None,
+        gradients: GradientOptions | None = None,
+        memory: MemoryOptions | None = None,
+        diagnostics: DiagnosticsOptions | None = None,
+        model_options: ModelOptions | None = None,
+        graphs: GraphOptions | None = None,
+    ) -> Pipeline:
+        """Build from a 2-D ``torch.distributed.DeviceMesh`` with dimensions named ``"pp"`` and ``"dp"``.
+
+        The pipeline group is the mesh's ``"pp"`` group and the data-parallel
+        group its ``"dp"`` group (``gradients`` must leave ``dp_group`` unset).
+        ``modules``: this rank's stage modules, or the whole ``nn.Sequential``
+        (cut as by :meth:`from_sequential`).  The option groups: as for ``Pipeline``.
+        """
+        group, gradients = mesh_groups(mesh, gradients)
+        if isinstance(modules, nn.Sequential):
+            modules, model_options = sequential_stages(schedule, modules, partition, group, layout, model_options)
+        return cls(
+            schedule, modules, group, layout=layout, wire=wire, gradients=gradients, memory=memory,
+            diagnostics=diagnostics, model_options=model_options, graphs=graphs,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Release the transport if this pipeline created it (a given Transport stays the caller's). Idempotent."""

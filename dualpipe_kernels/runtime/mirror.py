@@ -3,12 +3,13 @@
 DualPipe holds each model stage twice (stage ``s`` and its mirror ``t``, on
 two ranks or, for DualPipeV's middle, on one).  At the end of a training step
 each copy's gradients become the sum of both: on one rank by adding in place,
-across ranks by one exchange of a few packed tensors per stage.
+across ranks by one exchange of a few packed tensors per stage.  One of the step's gradient
+reductions (runtime/reductions.py); its inputs are the wire, the schedule and this rank's stage modules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,11 @@ class MirrorSync:
 
     def __bool__(self) -> bool:
         return bool(self.mirror_of)
+
+    def begin(self, t0: float) -> _MirrorStep:
+        """This step's mirror sum (one of the step's gradient reductions, runtime/reductions.py): nothing to
+        post during the step, the exchange at its end (``t0``: the step's start, unused)."""
+        return _MirrorStep(self)
 
     def _local(self, s: int, t: int) -> None:
         params, other = self._params(s), self._params(t)
@@ -147,6 +153,19 @@ class MirrorSync:
         host = w.layouts.channels(w.transport).host
         tag = w.tags.tag(_DIR_MIRROR, t, 0, _MASK_SLOT)
         return recv, mask, host.irecv(mask, w.to_group_rank[peer], tag, f"{what} has-grad mask")
+
+
+@dataclass
+class _MirrorStep:
+    """One step's mirror sum: no hook during the loop; :meth:`finish` runs the exchange."""
+
+    sync: MirrorSync
+
+    def hooks(self) -> Mapping[int, Callable[[], None]]:
+        return {}
+
+    def finish(self) -> None:
+        self.sync.run()
 
 
 def _or_zeros(p: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,10 @@ modules): their gradient is summed across the ranks holding a member
 ``allow_uneven``: accept a batch whose rows the micro-batch count does not
 divide, weighting each micro-batch's loss by its rows.
 
+One of the pipeline's option groups (``PipelineOptions.model_options``):
 ``Pipeline(..., model_options=ModelOptions(...))`` or the same names as flat
-keywords (``Pipeline(..., tied_parameters=..., allow_uneven=True)``).
+shorthands (``Pipeline(..., tied_parameters=..., allow_uneven=True)``), folded
+by the options' one rule (runtime/options.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from dualpipe_kernels.runtime.checks import fold_group
 
 __all__ = ["ModelOptions", "model_options", "check_tie_groups"]
 
@@ -57,19 +61,17 @@ class ModelOptions:
         if not isinstance(self.allow_uneven, bool):
             raise ValueError(f"allow_uneven must be True or False, got {self.allow_uneven!r}")
 
+    def agreed_fields(self) -> dict[str, str]:
+        """What every rank must share: how a batch is split into micro-batches (the loss weights depend on
+        it).  Tie groups are each rank's own view (runtime/tied.py agrees on who holds what)."""
+        return {"allow_uneven": str(self.allow_uneven)}
+
 
 def model_options(
     options: ModelOptions | None, tied_parameters: Any = None, allow_uneven: bool | None = None
 ) -> ModelOptions:
-    """One ModelOptions from a record and/or the flat keywords (both for the same field is an error)."""
-    if options is not None and not isinstance(options, ModelOptions):
-        raise ValueError(f"model_options must be a ModelOptions, got {type(options).__name__}")
-    base = options or ModelOptions()
-    if tied_parameters is not None and base.tied_parameters:
-        raise ValueError("tied_parameters given both as a keyword and in model_options; pass one")
-    if allow_uneven is not None and options is not None and options.allow_uneven != allow_uneven:
-        raise ValueError("allow_uneven given both as a keyword and in model_options with different values")
-    return ModelOptions(
-        tied_parameters=check_tie_groups(tied_parameters) if tied_parameters is not None else base.tied_parameters,
-        allow_uneven=base.allow_uneven if allow_uneven is None else allow_uneven,
-    )
+    """One ModelOptions from a record and/or its flat keywords (the options' one conflict rule,
+    :func:`~dualpipe_kernels.runtime.checks.fold_group`)."""
+    flat = {"tied_parameters": ("tied_parameters", tied_parameters), "allow_uneven": ("allow_uneven", allow_uneven)}
+    out: ModelOptions = fold_group("model_options", ModelOptions, options, flat)
+    return out

@@ -6,9 +6,13 @@
 * :class:`GradientOptions`: what the backward produces (``zero_bubble``, ``sync_mirror_grads``,
   ``scale_grads``, ``dp_group``, ``dp_op``);
 * :class:`MemoryOptions`: what happens to saved activations (``policy``: one for every stage or per stage);
-* :class:`DiagnosticsOptions`: what a step records (``record_timeline``).
+* :class:`DiagnosticsOptions`: what a step records (``record_timeline``);
+* :class:`~dualpipe_kernels.runtime.model_options.ModelOptions` (``model_options``): the model's tied
+  parameters and batch rule (``tied_parameters``, ``allow_uneven``);
+* :class:`~dualpipe_kernels.runtime.graph_options.GraphOptions` (``graphs``): per-chunk CUDA graphs.
 
-:class:`PipelineOptions` holds one of each.  Every field is checked in its
+:class:`PipelineOptions` holds one of each (its fields, ``GROUP_NAMES``, are the keywords every builder
+takes).  Every field is checked in its
 group's ``__post_init__`` (a ValueError naming the field), so a bad value fails
 where it is written, before any process group is touched.  Values given in a
 loose form are stored normalised: a boundary format name becomes a
@@ -18,7 +22,9 @@ here), a memory policy name a :class:`~dualpipe_kernels.runtime.memory_plan.Memo
 ``scale_grads`` implies.
 
 :meth:`PipelineOptions.fold` is the one place where ``Pipeline``'s flat keyword
-shorthands (``Pipeline(sched, mods, timeout_s=30)``) are folded into the groups.
+shorthands (``Pipeline(sched, mods, timeout_s=30)``), listed in the one table ``SHORTHANDS``, are folded into
+the groups, with one conflict rule (a shorthand and its group's field given with different values: a ValueError
+naming both).
 :meth:`PipelineOptions.agreed_fields` is the one place that says which settings
 every rank of a pipeline must share: the construction fingerprint
 (runtime/fingerprint.py) is built from it.  A new option goes into a group (or a
@@ -37,8 +43,10 @@ import torch
 import torch.distributed as dist
 
 from dualpipe_kernels.runtime.boundary.codec import BoundaryFormat, boundary_format
-from dualpipe_kernels.runtime.checks import check_timeout
+from dualpipe_kernels.runtime.checks import check_timeout, fold_group
+from dualpipe_kernels.runtime.graph_options import GraphOptions
 from dualpipe_kernels.runtime.memory_plan import MemoryPolicy, parse_memory_policy
+from dualpipe_kernels.runtime.model_options import ModelOptions
 from dualpipe_kernels.transport import TRANSPORT_NAMES, Transport
 
 __all__ = [
@@ -50,6 +58,8 @@ __all__ = [
     "MemoryOptions",
     "DiagnosticsOptions",
     "PipelineOptions",
+    "GROUP_NAMES",
+    "SHORTHANDS",
     "BoundaryFormatSpec",
     "MemoryPolicySpec",
 ]
@@ -303,19 +313,21 @@ class DiagnosticsOptions:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"DiagnosticsOptions.{name} must be a finite number of seconds > 0, got {value!r}")
         if not self.poll_s < self.liveness_s:
-            raise ValueError(
-                f"DiagnosticsOptions.poll_s ({self.poll_s}) must be below liveness_s ({self.liveness_s})"
-            )
+            raise ValueError(f"DiagnosticsOptions.poll_s ({self.poll_s}) must be below liveness_s ({self.liveness_s})")
 
 
-_GROUPS = {
+_GROUPS: dict[str, type[Any]] = {
     "layout": LayoutOptions,
     "wire": WireOptions,
     "gradients": GradientOptions,
     "memory": MemoryOptions,
     "diagnostics": DiagnosticsOptions,
+    "model_options": ModelOptions,
+    "graphs": GraphOptions,
 }
-#: flat keyword -> (group, field): Pipeline's shorthands
+#: the option groups every builder takes, as keywords: ``Pipeline(..., wire=WireOptions(...))``
+GROUP_NAMES = tuple(_GROUPS)
+#: flat keyword -> (group, field): Pipeline's shorthands, the one table they are read from
 SHORTHANDS = {
     "rank_mapping": ("layout", "rank_mapping"),
     "batch_dim": ("layout", "batch_dim"),
@@ -332,6 +344,8 @@ SHORTHANDS = {
     "dp_op": ("gradients", "dp_op"),
     "memory_policy": ("memory", "policy"),
     "record_timeline": ("diagnostics", "record_timeline"),
+    "tied_parameters": ("model_options", "tied_parameters"),
+    "allow_uneven": ("model_options", "allow_uneven"),
 }
 
 
@@ -345,6 +359,8 @@ class PipelineOptions:
     gradients: GradientOptions = field(default_factory=GradientOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     diagnostics: DiagnosticsOptions = field(default_factory=DiagnosticsOptions)
+    model_options: ModelOptions = field(default_factory=ModelOptions)
+    graphs: GraphOptions = field(default_factory=GraphOptions)
 
     def __post_init__(self) -> None:
         for name, cls in _GROUPS.items():
@@ -361,28 +377,17 @@ class PipelineOptions:
         """The options from the groups given (``{"wire": WireOptions(...) or None, ...}``) and the flat
         shorthands (``{"timeout_s": 30.0 or None, ...}``; None: not given).
 
-        A shorthand sets its field in a group left to its defaults; giving both a group and one of its
-        shorthands is an error (which would win is not obvious).
+        The one conflict rule: a shorthand sets its field in its group (a group left out starts from its
+        defaults); a shorthand whose group is given too must agree with the group's field (compared once
+        both are normalised), else a ValueError names both.
         """
         unknown = sorted(set(groups) - set(_GROUPS)) + sorted(set(shorthands) - set(SHORTHANDS))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown}")
-        built: dict[str, Any] = {}
+        built = {}
         for name, group_cls in _GROUPS.items():
-            given = groups.get(name)
-            flat = {f: shorthands[k] for k, (g, f) in SHORTHANDS.items() if g == name and shorthands.get(k) is not None}
-            if given is not None and flat:
-                keys = ", ".join(f"{k}=" for k, (g, _) in SHORTHANDS.items() if g == name and k in shorthands and
-                                 shorthands[k] is not None)  # fmt: skip
-                raise ValueError(
-                    f"{keys} and {name}={group_cls.__name__}(...) both given: set the field in {group_cls.__name__}"
-                )
-            if given is None:
-                built[name] = group_cls(**flat)
-            elif isinstance(given, group_cls):
-                built[name] = given
-            else:
-                raise ValueError(f"{name} must be a {group_cls.__name__} or None, got {type(given).__name__}")
+            flat = {k: (f, shorthands.get(k)) for k, (g, f) in SHORTHANDS.items() if g == name}
+            built[name] = fold_group(name, group_cls, groups.get(name), flat)
         return cls(**built)
 
     def agreed_fields(self, num_stages: int, has_mirrors: bool) -> tuple[dict[str, str], dict[str, str]]:
@@ -393,5 +398,6 @@ class PipelineOptions:
             **self.layout.agreed_fields(),
             **self.wire.agreed_fields(),
             **self.gradients.agreed_fields(has_mirrors),
+            **self.model_options.agreed_fields(),
         }
         return shared, self.memory.stated_fields(num_stages)

@@ -1,9 +1,11 @@
 """The step of a :class:`~dualpipe_kernels.runtime.executor.Pipeline`: the step's arguments checked and split
 into this rank's compute state, the action loop run with its per-step states, the reductions after it.
 
-A mixin of ``Pipeline`` (construction lives in :mod:`.executor`, the rest in :mod:`.conveniences`): it reads
-the subsystems the constructor built (``_loop``, ``_compute``, ``_boundary``, ``_mirrors``, ``_dp``,
-``_ties``, ``activation_memory``, ``weight_grad_store``) and owns no state beyond ``_broken``.
+A mixin of ``Pipeline`` (construction and introspection live in :mod:`.executor`, traces, checkpoints and
+accumulation in :mod:`.conveniences`): it reads the subsystems the constructor built (``_loop``,
+``_compute``, ``_boundary``, ``_reductions``, ``_loss``, ``activation_memory``, ``weight_grad_store``) and
+owns no state beyond ``_broken``.  After the loop it runs the list of gradient reductions
+(runtime/reductions.py) and the loss (runtime/loss.py).
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ from typing import Any
 
 import torch
 
-from dualpipe_kernels.runtime.boundary.exchange import BoundaryState
+from dualpipe_kernels.runtime.boundary.exchange import Boundary, BoundaryState
 from dualpipe_kernels.runtime.compute import ComputeState, StageCompute
 from dualpipe_kernels.runtime.construction import presplit
 from dualpipe_kernels.runtime.conveniences import PipelineConveniences
 from dualpipe_kernels.runtime.graphs import StageGraphs
-from dualpipe_kernels.runtime.loop import StepRun
+from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
+from dualpipe_kernels.runtime.loss import LossReduction
 from dualpipe_kernels.runtime.memory import ActivationMemory
 from dualpipe_kernels.runtime.microbatch import batch_size_of, split_microbatches
-from dualpipe_kernels.runtime.mirror import MirrorSync
 from dualpipe_kernels.runtime.model_options import ModelOptions
+from dualpipe_kernels.runtime.peer_watch import PeerWatch
 from dualpipe_kernels.runtime.result import StepResult
 from dualpipe_kernels.runtime.timeline import TimelineRecorder
 from dualpipe_kernels.runtime.zero_bubble import WeightGradStore
@@ -54,14 +57,19 @@ class PipelineStep(PipelineConveniences):
     """:meth:`step` of :class:`Pipeline` and its compute-state set-up (see the module docstring)."""
 
     channel: int
+    rank: int
     batch_dim: int
+    scale_grads: bool
     model_options: ModelOptions
     activation_memory: ActivationMemory
     weight_grad_store: WeightGradStore
     _broken: str | None
     _compute: StageCompute
     _graphs: StageGraphs
-    _mirrors: MirrorSync
+    _loop: ActionLoop
+    _boundary: Boundary
+    _loss: LossReduction
+    _watch: PeerWatch | None
     _first_mbs: list[int]
     _last_mbs: list[int]
 
@@ -98,26 +106,18 @@ class PipelineStep(PipelineConveniences):
         cst = self._compute_state(inputs, tuple(labels), criterion, return_outputs, microbatches, microbatch_labels)
         rec = TimelineRecorder(self.rank, self.record_timeline)
         t0 = rec.t0
-        red = self._dp.begin(t0) if self._dp is not None and not cst.forward_only else None
         run = StepRun(self._loop, self._compute, self._boundary, cst, BoundaryState(cst.forward_only), rec)
-        ties = self._ties.begin(t0) if not cst.forward_only else None
+        # DP, the mirror sum, the tie groups: posted as their stages' gradient work ends, waited for after the loop
+        red = self._reductions.begin(t0) if not cst.forward_only else None
         if red is not None:
             run.done_hooks = red.hooks()
-        elif ties is not None:
-            run.done_hooks = ties.hooks()  # posted as early as the DP reduction would be
         cst.mem = self.activation_memory.begin_step(training=not cst.forward_only)
         self.weight_grad_store.clear()
         try:
             with self.weight_grad_store.bind():
                 self._loop.run(run)
                 if red is not None:
-                    red.finish()  # before an unfolded mirror sum: each copy first sums over its replicas
-                folded = self._dp is not None and self._dp.folds_mirrors  # also under no_sync()
-                if not cst.forward_only and self.sync_mirror_grads and self._mirrors and not folded:
-                    # Not a schedule action, so not in the timeline (entries must parse as actions).
-                    self._mirrors.run()
-                if ties is not None:
-                    ties.finish(start_all=red is not None)  # with DP: after it, on the replica-summed gradients
+                    red.finish()  # not schedule actions, so not in the timeline (entries must parse as actions)
             self.activation_memory.end_step(cst.mem)
         except BaseException as exc:
             self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -136,7 +136,7 @@ class PipelineStep(PipelineConveniences):
         self._graphs.end_step(training=not cst.forward_only)  # the first training step's end captures
         if reduce_loss:  # a collective: every rank enters it now, in the step
             try:
-                reduced = self._mean_loss(cst.losses, True, cst.loss_rows)
+                reduced = self._loss.mean(cst.losses, True, cst.loss_rows)
             except BaseException as exc:
                 if self._watch is not None:
                     self._watch.publish(exc)
@@ -144,7 +144,7 @@ class PipelineStep(PipelineConveniences):
             loss_of: Callable[[], torch.Tensor | None] | None = lambda: reduced  # noqa: E731
         elif cst.losses:  # this rank's mean, local: worked out when the result's loss is read
             losses, rows = cst.losses, cst.loss_rows
-            loss_of = lambda: self._mean_loss(losses, False, rows)  # noqa: E731
+            loss_of = lambda: self._loss.mean(losses, False, rows)  # noqa: E731
         else:
             loss_of = None
         elapsed = time.perf_counter() - t0

@@ -10,7 +10,7 @@ every rank finds the members its stage modules hold (names through the modules'
 ranks gets a process group of just those ranks (created by its members only).
 
 Each step, after the last gradient action of the stages holding a member
-(without a ``dp_group``; with one, right after the DP reduction), a rank posts
+(``post_early``: without a ``dp_group``; with one, right after the DP reduction), a rank posts
 one async all_reduce of its contribution: the sum of the gradients of the
 distinct parameter objects it holds for the group (one object shared by two
 stage modules counts once: autograd already summed it).  At the end of the step
@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dualpipe_kernels.runtime.data_parallel import last_grad_actions
+from dualpipe_kernels.schedules.ir import Action
 
 __all__ = ["TiedGradients", "find_ties", "canonical_names"]
 
@@ -77,7 +78,8 @@ class _Posted:
 
 @dataclass
 class TiedGradients:
-    """The tie groups of one pipeline rank and their per-step reduction (see the module docstring)."""
+    """The tie groups of one pipeline rank and their per-step reduction (see the module docstring): one of
+    the step's gradient reductions (runtime/reductions.py)."""
 
     rank: int
     ties: list[_Tie]
@@ -86,13 +88,29 @@ class TiedGradients:
     paused: bool = False
 
     @classmethod
-    def build(cls, pipe: Any, groups: Sequence[Sequence[str]]) -> TiedGradients:
-        """The tie groups ``groups`` (full model names) of ``pipe``'s stage modules (collective when non-empty)."""
+    def build(
+        cls,
+        groups: Sequence[Sequence[str]],
+        *,
+        rank: int,
+        group: dist.ProcessGroup,
+        rank_mapping: Sequence[int],
+        to_group_rank: Sequence[int],
+        modules: Mapping[int, nn.Module],
+        actions: Sequence[Action],
+        timeout_s: float,
+        post_early: bool,
+    ) -> TiedGradients:
+        """The tie groups ``groups`` (full model names) of this rank's stage ``modules`` (collective over the
+        pipeline ``group`` when non-empty).  ``rank_mapping`` / ``to_group_rank``: group rank <-> pipeline
+        rank; ``actions``: this rank's lowered action list (where each tie's reduction is posted);
+        ``post_early``: post each tie after its last gradient action (False: at the step's end, after the
+        data-parallel reduction, on the replica-summed gradients)."""
         if not groups:
-            return cls(pipe.rank, [], pipe.timeout_s)
+            return cls(rank, [], timeout_s)
         wanted = canonical_names(groups)
         found: dict[str, list[tuple[int, nn.Parameter]]] = {}
-        for s, m in sorted(pipe.stage_modules.items()):
+        for s, m in sorted(modules.items()):
             namer = getattr(m, "full_name", None)
             if not callable(namer):
                 raise ValueError(
@@ -103,22 +121,22 @@ class TiedGradients:
                 full = namer(local)
                 if full in wanted:
                     found.setdefault(full, []).append((s, p))
-        table: list[Any] = [None] * dist.get_world_size(pipe.group)
-        dist.all_gather_object(table, sorted(found), group=pipe.group)
+        table: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(table, sorted(found), group=group)
         holders_of: dict[str, set[int]] = {}
         for g, names in enumerate(table):
             for n in names:
-                holders_of.setdefault(n, set()).add(pipe.rank_mapping[g])
+                holders_of.setdefault(n, set()).add(rank_mapping[g])
         missing = [n for n in wanted if n not in holders_of]
         if missing:
             raise ValueError(f"tied_parameters: no pipeline rank holds a parameter named {missing[:5]}")
-        pp_globals = dist.get_process_group_ranks(pipe.group)
-        backend = dist.get_backend(pipe.group)
+        pp_globals = dist.get_process_group_ranks(group)
+        backend = dist.get_backend(group)
         made: dict[tuple[int, ...], Any] = {}
         ties: list[_Tie] = []
         for i, names in enumerate(groups):
             holders = tuple(sorted(set().union(*(holders_of[n] for n in names))))
-            if pipe.rank not in holders:
+            if rank not in holders:
                 continue
             params: list[nn.Parameter] = []
             stages: list[int] = []
@@ -131,18 +149,17 @@ class TiedGradients:
             tie = _Tie(i, tuple(names), params, sorted(stages), holders)
             if len(holders) > 1:
                 if len(holders) == len(pp_globals):
-                    made.setdefault(holders, pipe.group)  # every pipeline rank holds it: the pipeline group
+                    made.setdefault(holders, group)  # every pipeline rank holds it: the pipeline group
                 if holders not in made:
-                    members = sorted(pp_globals[pipe.to_group_rank[r]] for r in holders)
+                    members = sorted(pp_globals[to_group_rank[r]] for r in holders)
                     pg = dist.new_group(members, backend=backend, use_local_synchronization=True)
                     if not isinstance(pg, dist.ProcessGroup):
-                        raise RuntimeError(f"pipeline rank {pipe.rank}: not a member of its tie group {members}")
+                        raise RuntimeError(f"pipeline rank {rank}: not a member of its tie group {members}")
                     made[holders] = pg
                 tie.group = made[holders]
             ties.append(tie)
-        out = cls(pipe.rank, ties, pipe.timeout_s)
-        actions = pipe._loop.actions
-        for tie in out.reduced():
+        out = cls(rank, ties, timeout_s)
+        for tie in out.reduced() if post_early else ():
             # posted right after the last gradient action of this rank's stages holding a member
             at = max(last_grad_actions(actions, tie.stages).values(), default=len(actions) - 1)
             out.post_at.setdefault(at, []).append(tie)
@@ -162,8 +179,8 @@ class TiedGradients:
         return canonical_names([t.names for t in self.ties])
 
     def begin(self, t0: float) -> _StepTies | None:
-        """This step's reductions (None when there is no tie or inside ``no_sync``)."""
-        if not self.post_at or self.paused:
+        """This step's reductions (None when there is no tie to reduce or inside ``no_sync``)."""
+        if not self.reduced() or self.paused:
             return None
         return _StepTies(self, t0)
 
@@ -206,8 +223,8 @@ class _StepTies:
         work = dist.all_reduce(flat, group=tie.group, async_op=True) if tie.group is not None else None
         self.posted.append(_Posted(tie, flat, work, time.perf_counter()))
 
-    def finish(self, start_all: bool = False) -> None:
-        """Post what is not posted yet (all of them with ``start_all``), wait, write the totals into ``.grad``."""
+    def finish(self) -> None:
+        """Post what is not posted yet, wait, write the totals into ``.grad``."""
         for t in self.owner.reduced():
             self._post(t)
         for x in self.posted:

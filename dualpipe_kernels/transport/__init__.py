@@ -70,12 +70,14 @@ def make_transport(
 ) -> Transport:
     """Build the transport named ``kind`` for ``group`` (default: the default group).
 
-    ``"auto"`` (the runtime's default): ``"native"`` when the compiled engine is
-    available for ``device`` (CPU tensors), else ``"torch"``.  On CUDA, "auto" is
+    ``"auto"`` (the runtime's default): what transport/auto.py's rule picks from the
+    group's host ids (exchanged here), built: on CPU ``"native"`` when the compiled
+    engine is built (peers on other hosts through torch.distributed inside it), else ``"torch"``.  On CUDA, "auto" is
     ``"torch"`` unless :func:`cuda_ipc_auto` (``DUALPIPE_KERNELS_CUDA_IPC=1``):
-    then it uses CUDA IPC only if every step of it works on every rank of ``group``
-    (exporting buffers and events, opening the peers'), and otherwise warns
-    which step failed on which rank and returns ``"torch"`` (see fallback.py).
+    then it uses CUDA IPC (to same-host peers, beside torch for the others) only if
+    every step of it works on every rank of ``group`` (exporting buffers and events,
+    opening the peers'), and otherwise warns which step failed on which rank and
+    returns ``"torch"`` (see fallback.py).
     ``"torch"``: torch.distributed point-to-point over a gloo group (CUDA tensors
     are staged through host memory; over an NCCL group transfers are sequenced per pair, see ordered.py).
     ``"native"``: the compiled engine (shared memory between CPU processes, CUDA
@@ -91,28 +93,17 @@ def make_transport(
     import torch
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    built = _make(kind, group, dev, timeout_s)
     if kind == "auto":
-        _log_auto(built, group, dev)
-    return built
+        return _make_auto(group, dev, timeout_s)
+    return _make(kind, group, dev, timeout_s)
 
 
 def _make(kind: str, group: dist.ProcessGroup | None, dev: torch.device, timeout_s: float) -> Transport:
-    if kind == "auto" and auto_kind(dev) == "torch":
-        kind = "torch"
-    if kind in ("auto", "native") and dev.type == "cuda" and native_available(dev):
+    """The transport named ``kind`` (``"torch"`` or ``"native"``)."""
+    if kind == "native" and dev.type == "cuda" and native_available(dev):
         routed = _routed_by_host(kind, group, dev, timeout_s)
         if routed is not None:
             return routed
-    if kind == "auto" and dev.type == "cuda":
-        from dualpipe_kernels.transport.fallback import cuda_ipc_or_none
-
-        ipc = cuda_ipc_or_none(group, dev, timeout_s)
-        if ipc is not None:
-            return ipc
-        kind = "torch"
-    if kind == "auto":
-        kind = "native"
     if kind == "torch":
         from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
@@ -130,35 +121,55 @@ def _make(kind: str, group: dist.ProcessGroup | None, dev: torch.device, timeout
     )
 
 
-def _log_auto(built: Transport, group: dist.ProcessGroup | None, dev: torch.device) -> None:
-    """The debug line per peer of what "auto" gave it and why (auto.py's rule, read off what was built: the
-    peers a transport serves on this host are the ones it lists as local; no further exchange)."""
+def _make_auto(group: dist.ProcessGroup | None, dev: torch.device, timeout_s: float) -> Transport:
+    """What auto.py's rule picks from the group's host ids (exchanged here: collective), built; the debug line
+    per peer says what each got and why (after a failed CUDA IPC vote: torch, as built)."""
     import warnings
 
     import torch.distributed as dist
 
-    from dualpipe_kernels.transport.auto import CUDA_IPC_OFF_REASON, auto_routes, log_routes
+    from dualpipe_kernels.transport import auto
+    from dualpipe_kernels.transport.hosts import host_id
+    from dualpipe_kernels.transport.per_peer import exchange_hosts
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    local = getattr(built, "local_peers", None)
-    kinds = set(getattr(built, "routes", {}).values())
-    if local is None and str(getattr(built, "name", "")) == "cuda_ipc":
-        local = tuple(p for p in range(world) if p != rank)
-    local_set = set(local) if local is not None else set(range(world))  # none listed: one host assumed
-    hosts = ["this" if p == rank or p in local_set else f"host of rank {p}" for p in range(world)]
-    ipc = dev.type == "cuda" and (str(getattr(built, "name", "")) == "cuda_ipc" or "cuda_ipc" in kinds)
-    native = native_available(dev)
-    routes = auto_routes(hosts, rank, dev.type, str(dist.get_backend(group)), native_built=native,
-                         cuda_ipc_allowed=ipc)  # fmt: skip
-    log_routes(rank, routes)
-    if dev.type == "cuda" and native and not ipc and any(p in local_set for p in routes):
-        warnings.warn(f"rank {rank}: {CUDA_IPC_OFF_REASON}", stacklevel=3)
+    hosts = exchange_hosts(group, rank, world, host_id(), timeout_s)
+    native, allowed, backend = native_available(dev), cuda_ipc_auto(), str(dist.get_backend(group))
+    pick, routes = auto.auto_transport(hosts, rank, dev.type, backend, native_built=native, cuda_ipc_allowed=allowed)
+    built: Transport | None = None
+    if pick == "routed":
+        built = _routed_by_host("auto", group, dev, timeout_s, hosts=hosts)
+    elif pick == "cuda_ipc":
+        from dualpipe_kernels.transport.fallback import cuda_ipc_or_none
+
+        built = cuda_ipc_or_none(group, dev, timeout_s)  # None (warned): CUDA IPC failed on some rank
+    elif pick in ("native", "torch"):
+        built = _make(pick, group, dev, timeout_s)
+    else:
+        raise ValueError(f"transport/auto.py picked {pick!r}; make_transport builds one of {auto.AUTO_BUILDS}")
+    if built is None:
+        built = _make("torch", group, dev, timeout_s)
+    ipc_failed = pick in ("cuda_ipc", "routed") and "cuda_ipc" not in {
+        built.name,
+        *getattr(built, "routes", {}).values(),
+    }
+    if ipc_failed:  # what was built: torch where CUDA IPC would have been
+        routes = auto.auto_routes(hosts, rank, dev.type, backend, native_built=native, cuda_ipc_allowed=False)
+    auto.log_routes(rank, routes)
+    if dev.type == "cuda" and native and not allowed and any(hosts[p] == hosts[rank] for p in routes):
+        warnings.warn(f"rank {rank}: {auto.CUDA_IPC_OFF_REASON}", stacklevel=3)
+    return built
 
 
 def _routed_by_host(
-    kind: str, group: dist.ProcessGroup | None, dev: torch.device, timeout_s: float
+    kind: str,
+    group: dist.ProcessGroup | None,
+    dev: torch.device,
+    timeout_s: float,
+    hosts: list[str] | None = None,
 ) -> Transport | None:
-    """GPUs on several hosts: CUDA IPC to same-host peers, torch to the others; None when all share one host."""
+    """GPUs on several hosts: CUDA IPC to same-host peers, torch to the others; None when all share one host.
+    ``hosts``: the group's host ids when already exchanged (else exchanged here: collective)."""
     import torch.distributed as dist
 
     from dualpipe_kernels.transport.hosts import host_id
@@ -166,7 +177,8 @@ def _routed_by_host(
     from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    hosts = exchange_hosts(group, rank, world, host_id(), timeout_s)
+    if hosts is None:
+        hosts = exchange_hosts(group, rank, world, host_id(), timeout_s)
     if len(set(hosts)) == 1:
         return None
     routes = peer_routes(hosts, rank, "cuda")

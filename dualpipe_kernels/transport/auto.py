@@ -12,7 +12,8 @@ backend and what this build and this machine allow:
 * CUDA over a gloo group: torch over gloo, the tensors staged through pinned host memory; that path is
   slow and "auto" says so (an NCCL group gives the fast path).
 
-:func:`auto_routes` is the rule; :func:`log_routes` writes one debug line per peer (logger
+:func:`auto_routes` is the rule per peer; :func:`auto_transport` reads off it what ``make_transport("auto")``
+builds (transport/__init__.py builds exactly that); :func:`log_routes` writes one debug line per peer (logger
 ``dualpipe_kernels.transport``) with the transport it got and why.
 """
 
@@ -22,7 +23,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["CUDA_IPC_OFF_REASON", "PeerRoute", "auto_routes", "log_routes"]
+__all__ = ["AUTO_BUILDS", "CUDA_IPC_OFF_REASON", "PeerRoute", "auto_routes", "auto_transport", "log_routes"]
+
+#: what ``make_transport("auto")`` builds: the native engine (CPU; it sends other-host peers through torch
+#: itself), torch.distributed, the CUDA IPC engine to every peer, or a RoutedTransport (CUDA IPC to
+#: same-host peers, torch to the others)
+AUTO_BUILDS = ("native", "torch", "cuda_ipc", "routed")
 
 _log = logging.getLogger("dualpipe_kernels.transport")
 
@@ -88,6 +94,34 @@ def auto_routes(
                 "(slow; an NCCL group gives the fast path)",
             )
     return out
+
+
+def auto_transport(
+    hosts: Sequence[str],
+    rank: int,
+    device_type: str,
+    backend: str,
+    *,
+    native_built: bool,
+    cuda_ipc_allowed: bool,
+) -> tuple[str, dict[int, PeerRoute]]:
+    """``(what make_transport("auto") builds, one of AUTO_BUILDS; the per-peer routes)``, from the rule.
+
+    The transport is one object for every peer, so it is read off the routes of the whole group (every rank
+    has every host id, so all ranks decide alike, as the engines' collective set-up needs): on CPU the
+    native engine whenever it is built (it sends the peers the rule gives ``gloo``, those on other hosts,
+    through torch.distributed itself), else torch; on CUDA, the CUDA IPC engine when the rule gives it to
+    some peer (to every peer when all share one host, else routed beside torch), else torch.
+    """
+    routes = auto_routes(
+        hosts, rank, device_type, backend, native_built=native_built, cuda_ipc_allowed=cuda_ipc_allowed
+    )
+    if device_type == "cpu":
+        return ("native" if native_built else "torch"), routes
+    shared_host = len(set(hosts)) < len(hosts) or len(hosts) == 1
+    if not (native_built and cuda_ipc_allowed and shared_host):
+        return "torch", routes
+    return ("cuda_ipc" if len(set(hosts)) == 1 else "routed"), routes
 
 
 def log_routes(rank: int, routes: dict[int, PeerRoute]) -> None:

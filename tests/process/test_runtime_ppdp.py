@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ppdp_workers import full_batch_reference, ppdp_ranks, sharded_reference
+from ppdp_workers import TIED, full_batch_reference, ppdp_ranks, sharded_reference, tied_uneven_reference
 
 from dualpipe_kernels.runtime import spawn
 
@@ -42,6 +42,7 @@ def runs():
     per_rank = spawn(ppdp_ranks, PP * DP, tuple(configs.values()), "auto", timeout_s=240)
     out = {label: [r[c] for r in per_rank] for label, c in configs.items()}
     out["errors"] = [r["errors"] for r in per_rank]
+    out["tied_uneven"] = [r["tied_uneven"] for r in per_rank]
     return out
 
 
@@ -128,3 +129,30 @@ def test_no_sync_accumulates_then_reduces_once(runs, label):
             for acc, one in zip(grads, res["grads"][s], strict=True):
                 assert cosine_distance(acc, 2 * one) <= 1e-12, f"stage {s}"
                 assert abs(float(acc.norm() / (2 * one).norm()) - 1) <= 1e-12, f"stage {s}"
+
+
+@pytest.mark.timeout(400)
+def test_from_mesh_with_tied_parameters_and_uneven_batches_trains_as_one_process(runs):
+    """``from_mesh(..., model_options=ModelOptions(tied_parameters, allow_uneven=True))``, PP=2 x DP=2, 1F1B
+    (the tied layers 0 and 6 on different pipeline ranks), 7 rows per replica in 4 micro-batches: two SGD
+    steps of the global batch's mean loss match one process whose tied weight is one Parameter (gradients and
+    weights within cosine distance 1e-12: the sums run in another order; the float32 step loss within one
+    ulp), and both copies of the tied weight stay bit-identical."""
+    ref = tied_uneven_reference(DP)
+    results = runs["tied_uneven"]
+    assert all(r["microbatch_rows"] == [2, 2, 2, 1] for r in results)  # the batch is uneven indeed
+    seen: set[str] = set()
+    for r in results:
+        for got, want in zip(r["losses"], ref["losses"], strict=True):
+            # StepResult.loss is float32 (the float64 mean rounded): within one float32 ulp
+            assert abs(got - want) <= 2**-23 * abs(want), (r["losses"], ref["losses"])
+        for name, grad in r["grads"].items():
+            seen.add(name)
+            assert cosine_distance(grad, ref["grads"][name]) <= 1e-12, name
+            assert abs(float(grad.norm() / ref["grads"][name].norm()) - 1) <= 1e-12, name
+            assert cosine_distance(r["params"][name], ref["params"][name]) <= 1e-12, name
+    assert seen == set(ref["grads"])  # every parameter of the model, the tied weight under both names
+    holders = {name: r for r in results for name in r["grads"] if name in TIED}
+    a, b = (holders[n] for n in TIED)
+    assert torch.equal(a["grads"][TIED[0]], b["grads"][TIED[1]]), "the two copies of the tied weight differ"
+    assert torch.equal(a["params"][TIED[0]], b["params"][TIED[1]])

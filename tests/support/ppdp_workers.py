@@ -157,8 +157,87 @@ def bad_layouts(pp: int, n: int) -> list[str]:
     return errors
 
 
+#: tied_uneven: Linear layers 0 and 6 share their weight (declared: the ranks build separate copies); each
+#: replica's 7 rows do not divide into its 4 micro-batches; two SGD steps of the global batch's mean loss
+TIED = ("0.weight", "6.weight")
+UNEVEN_ROWS, TIED_STEPS, LR = 7, 2, 0.1
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def tied_model(shared: bool) -> nn.Sequential:
+    """:func:`make_model` with layer 6's weight layer 0's: the same Parameter (``shared``, the one-process
+    reference) or a copy of its values (the pipeline's ranks, which declare the tie)."""
+    model = make_model()
+    if shared:
+        model[6].weight = model[0].weight
+    else:
+        with torch.no_grad():
+            model[6].weight.copy_(model[0].weight)
+    return model
+
+
+def tied_uneven_reference(dp: int) -> dict[str, Any]:
+    """One process, the global batch, the tied weight one Parameter: losses of each step and the final state."""
+    model = tied_model(shared=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = global_batch(dp * UNEVEN_ROWS)
+    losses = []
+    for _ in range(TIED_STEPS):
+        opt.zero_grad()
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def tied_uneven_rank(pp: int, dp: int, n: int, transport: str) -> dict[str, Any]:
+    """:func:`tied_uneven_reference`'s training on a ("dp", "pp") mesh: ``from_mesh`` with ``model_options``
+    declaring the tie and ``allow_uneven``; 1F1B puts the two tied layers on different pipeline ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dualpipe_kernels.runtime import ModelOptions, Pipeline, WireOptions
+    from dualpipe_kernels.schedules.generators import build_schedule
+
+    mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    dp_rank = mesh.get_local_rank("dp")
+    pipe = Pipeline.from_mesh(
+        build_schedule("1f1b", pp, n),
+        tied_model(shared=False),
+        mesh,
+        wire=WireOptions(transport=transport, timeout_s=60),
+        model_options=ModelOptions(tied_parameters=(TIED,), allow_uneven=True),
+    )
+    try:
+        opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+        x, y = global_batch(dp * UNEVEN_ROWS)
+        rows = slice(dp_rank * UNEVEN_ROWS, (dp_rank + 1) * UNEVEN_ROWS)
+        losses = []
+        for _ in range(TIED_STEPS):
+            opt.zero_grad()
+            res = pipe.step(x[rows], labels=(y[rows],), criterion=mse, reduce_loss=True)
+            opt.step()
+            losses.append(float(res.loss))
+        named = [(m.full_name(local), p) for m in pipe.stage_modules.values() for local, p in m.named_parameters()]
+        return {
+            "losses": losses,
+            "grads": {name: p.grad.clone() for name, p in named},
+            "params": {name: p.detach().clone() for name, p in named},
+            "microbatch_rows": [len(mb) for mb in x[rows].tensor_split(n)],
+        }
+    finally:
+        pipe.close()
+
+
 def ppdp_ranks(rank: int, world: int, configs: tuple[tuple[str, str, int, int, int], ...], transport: str) -> dict:
-    """:func:`ppdp_rank` for each ``(schedule, dp_op, pp, dp, n)`` in one process group (start-up costs seconds)."""
+    """:func:`ppdp_rank` for each ``(schedule, dp_op, pp, dp, n)`` in one process group (start-up costs seconds),
+    then :func:`tied_uneven_rank` (PP=2 x DP=2, 4 micro-batches) and the bad layouts."""
     out: dict[Any, Any] = {c: ppdp_rank(rank, world, c[0], c[2], c[3], c[4], transport, c[1]) for c in configs}
+    out["tied_uneven"] = tied_uneven_rank(2, world // 2, 4, transport)
     out["errors"] = bad_layouts(2, 4)
     return out

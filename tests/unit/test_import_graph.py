@@ -42,6 +42,7 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "graph_options",
             "graph_plan",
             "graph_capture",
+            "loss",
         ),
     ),  # fmt: skip
     # the message path (see _BOUNDARY_ORDER)
@@ -61,6 +62,8 @@ RUNTIME_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "compute",
             "data_parallel",
             "tied",
+            "reductions",
+            "builders",
             "checkpoint",
             "graphs",
         ),

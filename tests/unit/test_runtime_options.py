@@ -18,6 +18,7 @@ from dualpipe_kernels.runtime import (
     GradientOptions,
     LayoutOptions,
     MemoryOptions,
+    ModelOptions,
     Pipeline,
     PipelineOptions,
     StepResult,
@@ -205,3 +206,21 @@ def test_a_per_stage_mapping_may_not_name_a_stage_the_schedule_lacks():
 
 def test_step_result_lives_in_its_own_module():
     assert StepResult.__module__ == "dualpipe_kernels.runtime.result"
+
+
+def test_one_conflict_rule_for_every_group_model_options_included():
+    """A shorthand with its group given too must agree with the group's field (compared normalised)."""
+    given = WireOptions(timeout_s=30)
+    assert PipelineOptions.fold({"wire": given}, {"timeout_s": 30}).wire is given  # 30 == 30.0: the same
+    assert PipelineOptions.fold({"memory": MemoryOptions("offload")}, {"memory_policy": "offload"}).memory == (
+        MemoryOptions("offload")
+    )
+    with pytest.raises(ValueError, match=r"boundary_format= and wire=WireOptions\(...\) both given with different"):
+        PipelineOptions.fold({"wire": WireOptions(boundary_format="bf16")}, {"boundary_format": "fp8"})
+    folded = PipelineOptions.fold({}, {"tied_parameters": [("0.w", "5.w")], "allow_uneven": True})
+    assert folded.model_options == ModelOptions(tied_parameters=(("0.w", "5.w"),), allow_uneven=True)
+    with pytest.raises(ValueError, match=r"tied_parameters= and model_options=ModelOptions\(...\) both given"):
+        PipelineOptions.fold({"model_options": ModelOptions(allow_uneven=True)}, {"tied_parameters": [("a", "b")]})
+    assert PipelineOptions.fold({"model_options": ModelOptions(allow_uneven=True)}, {"allow_uneven": True})
+    with pytest.raises(ValueError, match=r"graphs must be a GraphOptions, got str"):
+        PipelineOptions.fold({"graphs": "on"}, {})

@@ -1,13 +1,20 @@
 """What transport="auto" gives each peer (transport/auto.py), without a GPU: the rule over fake device kinds,
-host layouts and group backends, and the debug line that says which transport each peer got and why."""
+host layouts and group backends, the debug line that says which transport each peer got and why, and
+``make_transport("auto")`` building what the rule picks (a one-process gloo group, host ids stood in for)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from dualpipe_kernels.transport.auto import CUDA_IPC_OFF_REASON, auto_routes, log_routes
+from dualpipe_kernels.transport import auto, make_transport, native_available, per_peer
+from dualpipe_kernels.transport.auto import AUTO_BUILDS, CUDA_IPC_OFF_REASON, auto_routes, auto_transport, log_routes
+from dualpipe_kernels.transport.hosts import host_id
 
 TWO_HOSTS = ["a", "a", "b", "b"]  # ranks 0, 1 on host a; 2, 3 on host b
 
@@ -55,3 +62,76 @@ def test_the_debug_line_names_each_peer_its_transport_and_why(caplog: pytest.Log
     assert len(lines) == 3
     assert lines[0].startswith("rank 0 -> peer rank 1: nccl (same host, but the CUDA IPC engine is off")
     assert lines[1].startswith("rank 0 -> peer rank 2: nccl (another host (b)")
+
+
+# ---- what make_transport("auto") builds is what the rule picks ---------------------------------------------
+
+
+def _pick(hosts: list[str], device_type: str, **kw: bool) -> str:
+    return auto_transport(hosts, 0, device_type, "nccl" if device_type == "cuda" else "gloo", **kw)[0]
+
+
+def test_the_rule_picks_one_transport_for_the_whole_group() -> None:
+    assert _pick(TWO_HOSTS, "cpu", native_built=True, cuda_ipc_allowed=False) == "native"
+    # no shared host: the engine still (it sends other-host peers through torch), as every rank decides
+    assert _pick(["a", "b", "c"], "cpu", native_built=True, cuda_ipc_allowed=False) == "native"
+    assert _pick(TWO_HOSTS, "cpu", native_built=False, cuda_ipc_allowed=False) == "torch"
+    assert _pick(["a"], "cpu", native_built=True, cuda_ipc_allowed=False) == "native"  # one rank: its own host
+    assert _pick(TWO_HOSTS, "cuda", native_built=True, cuda_ipc_allowed=False) == "torch"  # NCCL in program order
+    assert _pick(["a", "a"], "cuda", native_built=True, cuda_ipc_allowed=True) == "cuda_ipc"
+    assert _pick(TWO_HOSTS, "cuda", native_built=True, cuda_ipc_allowed=True) == "routed"
+    assert _pick(["a", "b"], "cuda", native_built=True, cuda_ipc_allowed=True) == "torch"  # no same-host peer
+    # a rank with no same-host peer decides as the others do (the engines' set-up is collective)
+    kind, routes = auto_transport(["a", "a", "b"], 2, "cpu", "gloo", native_built=True, cuda_ipc_allowed=False)
+    assert kind == "native" and {r.kind for r in routes.values()} == {"gloo"}
+    assert set(AUTO_BUILDS) == {"native", "torch", "cuda_ipc", "routed"}
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A one-process gloo group (the default group), destroyed afterwards."""
+    assert not dist.is_initialized(), "another test left a process group behind"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _build_auto(monkeypatch: pytest.MonkeyPatch, hosts: list[str]) -> tuple[str, str]:
+    """make_transport("auto") on CPU with the host exchange answering ``hosts``: (what the rule picks, what was
+    built)."""
+    monkeypatch.setattr(per_peer, "exchange_hosts", lambda group, rank, world, host, timeout_s: list(hosts))
+    picked = auto_transport(hosts, 0, "cpu", "gloo", native_built=native_available("cpu"), cuda_ipc_allowed=False)
+    built = make_transport("auto", None, torch.device("cpu"), 10.0)
+    try:
+        return picked[0], built.name
+    finally:
+        built.close()
+
+
+def test_make_transport_builds_what_the_rule_picks(one_rank_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = "native" if native_available("cpu") else "torch"
+    assert _build_auto(monkeypatch, ["a"]) == (engine, engine)
+    assert _build_auto(monkeypatch, ["a", "b"]) == (engine, engine)  # the engine routes the other host itself
+
+
+def test_make_transport_follows_the_rule_not_a_rule_of_its_own(
+    one_rank_group: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    asked: list[tuple[str, ...]] = []
+
+    def rule(hosts: Sequence[str], rank: int, device_type: str, backend: str, **kw: bool) -> tuple[str, dict]:
+        asked.append((*hosts, device_type, backend))
+        return "torch", auto_routes(hosts, rank, device_type, backend, **kw)
+
+    monkeypatch.setattr(auto, "auto_transport", rule)
+    with caplog.at_level(logging.DEBUG, logger="dualpipe_kernels.transport"):
+        t = make_transport("auto", None, torch.device("cpu"), 10.0)
+    try:
+        assert t.name == "torch" and asked == [(host_id(), "cpu", "gloo")]
+    finally:
+        t.close()
+    with pytest.raises(ValueError, match=r"picked 'carrier pigeon'; make_transport builds one of"):
+        monkeypatch.setattr(auto, "auto_transport", lambda *a, **kw: ("carrier pigeon", {}))
+        make_transport("auto", None, torch.device("cpu"), 10.0)
