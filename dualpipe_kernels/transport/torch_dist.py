@@ -272,6 +272,8 @@ class TorchDistTransport(Transport):
         self._failure = error  # before the cancel wakes the waiters: they read it
         if not self._ordered_mode:
             self._cancel_in_flight()
+        elif self._side is not None:
+            self._cancel_side()  # the headers' gloo group beside an NCCL one
 
     def track(self, delta: int) -> None:
         with self._in_flight_lock:
@@ -384,12 +386,16 @@ class TorchDistTransport(Transport):
                 self._down.recv([torch.empty(1)], peer, _CANCEL_TAG).wait(timedelta(milliseconds=1))
             except RuntimeError:
                 pass
-        if self._side is not None:
-            try:
-                cancel = self._side.backend.recv([torch.empty(1, device="cpu")], peer, _CANCEL_TAG)
-                cancel.wait(timedelta(milliseconds=1))
-            except RuntimeError:
-                pass
+        self._cancel_side()
+
+    def _cancel_side(self) -> None:
+        if self._side is None or self._size < 2:
+            return
+        try:
+            cancel = self._side.backend.recv([torch.empty(1, device="cpu")], (self._rank + 1) % self._size, _CANCEL_TAG)
+            cancel.wait(timedelta(milliseconds=1))
+        except RuntimeError:
+            pass
 
 
 def _exit_hook(ref: weakref.ReferenceType[TorchDistTransport]) -> Callable[[], None]:
