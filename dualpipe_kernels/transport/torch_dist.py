@@ -49,7 +49,10 @@ fail every pending transfer of the group's context (the same thing a timed-out
 gloo wait always does), so the peers fail at once too instead of at their
 timeout.  The group's gloo pairs are closed then, so this runs only when
 transfers are still in flight (posted, never seen finished), i.e. after a
-failed step.
+failed step.  :meth:`TorchDistTransport.fail_all` (a peer failed) cancels the same way, at once.
+
+Files: the handles in torch_handles.py, the in-order and side-channel views in torch_channels.py, the
+further process groups (the downward direction, the side channel, NCCL channels) in torch_groups.py.
 """
 
 from __future__ import annotations
