@@ -432,6 +432,8 @@ class CudaIpcTransport(Transport):
         except ValueError as exc:
             raise ValueError(f"rank {self._rank}: {verb} peer {peer} ({what or 'transfer'}): {exc}") from exc
         except RuntimeError as exc:
+            if self._failure is not None:  # the engine refuses posts after fail_all with its text
+                raise self._failure from None
             raise TransportError(f"rank {self._rank}: {verb} peer {peer} ({what or 'transfer'}) failed: {exc}") from exc
         return CudaIpcHandle(op, self, peer, int(tag), what, sending)
 

@@ -268,13 +268,14 @@ class TorchDistTransport(Transport):
         flight the way :meth:`close` does (a receive nobody sends, timed out, fails every pending transfer of the
         group's gloo context): the waits blocked in them raise, and their handles raise ``error`` instead.  It
         costs nothing per transfer (no polling, no waiter thread); the group's pairs are closed afterwards, so
-        the transport (and ``group`` for point-to-point) is spent, as after any failed step.  Ordered: only
+        the transport (and ``group`` for point-to-point) is spent, as after any failed step.  With nothing in
+        flight nothing is cancelled: later posts and waits raise ``error``, and the group stays usable.  Ordered: only
         later posts and failing waits raise ``error`` (:attr:`fails_waits` is False)."""
         if self._failure is not None or self._closed:
             return
-        self._failure = error  # before the cancel wakes the waiters: they read it
-        if not self._ordered_mode:
-            self._cancel_in_flight()
+        self._failure = error  # first: a wait that starts after this raises it (WorkHandle.wait)
+        if not self._ordered_mode and (self._in_flight or self.waiters.busy()):
+            self._cancel_in_flight()  # nothing in flight: the group's pairs stay open
         elif self._side is not None:
             self._cancel_side()  # the headers' gloo group beside an NCCL one
 
@@ -340,6 +341,8 @@ class TorchDistTransport(Transport):
             # The group's own send (what dist.isend calls after its per-call argument checks).
             work = group.send([buf], peer, tag)
         except RuntimeError as exc:
+            if self._failure is not None:  # fail_all closed the pairs meanwhile
+                raise self._failure from None
             raise TransportError(f"rank {self._rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
         return WorkHandle(work, self, peer, what, keep=keep)
@@ -356,6 +359,8 @@ class TorchDistTransport(Transport):
         try:
             work = group.recv([buf], peer, tag)
         except RuntimeError as exc:
+            if self._failure is not None:  # fail_all closed the pairs meanwhile
+                raise self._failure from None
             raise TransportError(f"rank {self._rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
         return WorkHandle(work, self, peer, what, finish)

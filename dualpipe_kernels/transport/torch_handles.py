@@ -98,6 +98,9 @@ class WorkHandle(Handle):
             exc = self._completion.error
         else:
             assert self._work is not None
+            failure = self._owner.failure
+            if failure is not None:  # failed before this wait began: fail_all saw this transfer counted in flight
+                raise failure
             exc = None
             try:
                 self._work.wait(timedelta(seconds=limit))
