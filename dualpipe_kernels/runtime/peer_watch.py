@@ -285,7 +285,7 @@ class PeerWatch:
 def _fail(transport: Any, failure: PeerFailed) -> None:
     try:
         transport.fail_all(failure)
-    except Exception:  # noqa: BLE001 - a transport that cannot be failed leaves its waits to the slices
+    except Exception:  # noqa: BLE001 - best effort: its waits then end at their timeouts or their own errors
         pass
 
 
