@@ -171,6 +171,8 @@ void register_apis(py::module_& parent) {
            "True if sends of >= single_copy_min_bytes to peer are read by the peer straight from our memory.")
       .def("has_send_channel", &Engine::has_send_channel)
       .def("has_recv_channel", &Engine::has_recv_channel)
+      .def("fail_all", &Engine::fail_all, py::arg("message"), py::call_guard<py::gil_scoped_release>(),
+           "Fail every unfinished and later send and receive with `message` (wakes blocked waits).")
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("num_slots", [](const Engine& e) { return e.config().num_slots; })

@@ -102,6 +102,25 @@ void Channel::close() {
   futex_wake_all(&h->tail);
 }
 
+void Channel::fail_all(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;  // close() failed everything already
+    if (!failed_.load(std::memory_order_relaxed)) {
+      failure_ = why;
+      failed_.store(true, std::memory_order_release);
+    }
+    if (broken_.empty()) broken_ = why;  // every later post fails with it
+    fail_pending_locked(why);
+  }
+  cv_.notify_all();
+  // A waiter asleep on the ring (its own block hook, or our worker) wakes now and sees the failure;
+  // the peer's sleepers wake too, spuriously (harmless).
+  RingHeader* h = ring_.header();
+  futex_wake_all(&h->head);
+  futex_wake_all(&h->tail);
+}
+
 bool Channel::fail_if_unusable_locked(Request& req) const {
   if (closed_) {
     req.fail(describe(req.info()) + ": the channel is closed");

@@ -111,6 +111,10 @@ class Channel {
   //! Idempotent. Derived destructors call it. In a forked child (which has no
   //! worker thread and is not the ring's owner) it only forgets the thread.
   void close();
+  //! Fail every unfinished request with `why` (the one being copied too, at its next ring wait) and
+  //! every later post, and wake whoever sleeps on the ring; the first call's text sticks. The
+  //! channel stays open (close() still tears it down); the peer is not told. Never blocks long.
+  void fail_all(const std::string& why);
 
   int self_rank() const { return self_rank_; }
   int peer_rank() const { return peer_rank_; }
@@ -155,6 +159,8 @@ class Channel {
   std::mutex mu_;
   std::condition_variable cv_;     // worker sleeps here when it has nothing to do
   std::atomic<bool> stop_{false};  // read by the worker inside ring waits without mu_
+  std::atomic<bool> failed_{false};  // set once by fail_all(), after failure_; read by ring waits without mu_
+  std::string failure_;            // written once (under mu_) before failed_ is set, then read-only
   std::atomic<std::uint32_t> post_count_{0};  // bumped (under mu_) by every post the worker must serve
   bool closed_ = false;            // guarded by mu_
   bool busy_ = false;              // guarded by mu_: the worker is running a request

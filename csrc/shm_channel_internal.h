@@ -48,7 +48,10 @@ std::string Channel::wait_ring(std::atomic<std::uint32_t>* word, std::atomic<std
   for (int i = 0; spin; ++i) {
     if (ready()) return "";
     if ((i & 63) == 63) {
-      if (detail::Clock::now() >= spin_until || stop_.load(std::memory_order_relaxed)) break;
+      if (detail::Clock::now() >= spin_until || stop_.load(std::memory_order_relaxed) ||
+          failed_.load(std::memory_order_relaxed)) {
+        break;
+      }
       std::this_thread::yield();  // let the peer run if it shares our core
     }
     cpu_relax();
@@ -60,6 +63,7 @@ std::string Channel::wait_ring(std::atomic<std::uint32_t>* word, std::atomic<std
   for (;;) {
     if (ready()) return "";
     if (stop_.load(std::memory_order_acquire)) return "rank " + std::to_string(self_rank_) + " closed the channel";
+    if (failed_.load(std::memory_order_acquire)) return failure_;
     if (std::string e = ring_.error(); !e.empty()) return "channel broken: " + e;
     if (h->state[detail::idx(peer)].load(std::memory_order_acquire) == static_cast<std::uint32_t>(SideState::kClosed)) {
       if (ready()) return "";  // the peer published before it closed

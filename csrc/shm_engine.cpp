@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 namespace dualpipe::shm {
 
@@ -101,6 +102,16 @@ bool Engine::has_send_channel(int peer) const {
 bool Engine::has_recv_channel(int peer) const {
   std::lock_guard<std::mutex> lk(mu_);
   return recv_.count(peer) != 0;
+}
+
+void Engine::fail_all(const std::string& why) {
+  std::vector<std::shared_ptr<Channel>> channels;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [peer, ch] : send_) channels.push_back(ch);
+    for (auto& [peer, ch] : recv_) channels.push_back(ch);
+  }
+  for (auto& ch : channels) ch->fail_all(why);
 }
 
 void Engine::close() {

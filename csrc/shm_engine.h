@@ -52,6 +52,9 @@ class Engine {
 
   bool has_send_channel(int peer) const;
   bool has_recv_channel(int peer) const;
+  //! Channel::fail_all(why) on every channel: every unfinished and later send or receive fails with
+  //! `why` (a peer failed: nothing more will move). The channels stay mapped until close().
+  void fail_all(const std::string& why);
   //! Close every channel (fails unfinished requests) and unmap. Idempotent.
   void close();
 

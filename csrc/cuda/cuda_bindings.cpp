@@ -293,6 +293,9 @@ void register_apis(py::module_& m) {
           "send_stream", [](PyEngine& e) { return reinterpret_cast<std::intptr_t>(e.engine().stream_for(OpKind::kSend)); })
       .def_property_readonly(
           "recv_stream", [](PyEngine& e) { return reinterpret_cast<std::intptr_t>(e.engine().stream_for(OpKind::kRecv)); })
+      .def("fail_all", [](PyEngine& e, const std::string& message) { e.engine().fail_all(message); },
+           py::arg("message"), py::call_guard<py::gil_scoped_release>(),
+           "fail every unfinished and later transfer with `message` (blocked waits raise it)")
       .def("create_incoming", [](PyEngine& e, int src) { return e.engine().create_incoming(src); }, py::arg("src"),
            py::call_guard<py::gil_scoped_release>())
       .def("attach_outgoing", [](PyEngine& e, int dst, const std::string& name) { e.engine().attach_outgoing(dst, name); },

@@ -397,6 +397,16 @@ EngineStats Engine::stats() const {
   return s;
 }
 
+void Engine::fail_all(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_ || !engine_error_.empty()) return;
+    engine_error_ = why;  // posts throw it; the worker fails every channel's ops with it
+    ++posted_;  // wakes the worker
+  }
+  cv_.notify_all();
+}
+
 std::shared_ptr<Op> Engine::post(OpKind kind, int peer, std::int64_t tag, void* ptr, std::uint64_t bytes,
                                  const std::string& dtype, Stream caller_stream, std::shared_ptr<void> keepalive,
                                  void* alloc_base, std::uint64_t alloc_bytes) {

@@ -308,6 +308,11 @@ class Engine {
                            void* alloc_base = nullptr, std::uint64_t alloc_bytes = 0);
   std::uint64_t direct_min_bytes() const { return options_.direct_min_bytes; }
 
+  // Fails every unfinished op with `why` (those whose copies are enqueued but not
+  // done too: their waits throw it) and every later post; the first call's text
+  // sticks. The streams and mappings stay until close(); the peer is not told.
+  void fail_all(const std::string& why);
+
   // Stops the worker, fails unfinished ops, waits up to timeout_s for the
   // comm streams and for peers to detach, then frees what is safe to free
   // (see the teardown note above). Idempotent.

@@ -442,7 +442,13 @@ void Engine::worker_main() {
       }
       for (Channel* ch : active_) pending |= has_pending_work(*ch);
     } else {
-      for (Channel* ch : active_) fail_channel(*ch, error);
+      for (Channel* ch : active_) {
+        for (auto& op : ch->unsettled) {  // enqueued, not done: their waits end too
+          if (api_->event_query(op->done_event_) != kOk) op->poison(error);
+        }
+        ch->unsettled.clear();
+        fail_channel(*ch, error);
+      }
     }
     // Dropping a tensor can take the Python GIL: never under the engine lock.
     released_.clear();

@@ -17,12 +17,20 @@ so the counts agree):
   other ranks' beats: a rank whose beat has not moved for ``liveness_s`` (killed,
   stopped, or its process gone) is a failure too, named by every rank alike.
   A store that stops answering means its host (group rank 0's process) died.
-- the runtime's waits call :meth:`PeerWatch.wait` instead of ``handle.wait``:
-  the wait runs in slices of ``poll_s`` and raises :class:`PeerFailed` (naming
-  the failed rank and its error) as soon as the thread has seen a failure.
+- on the first failure it sees (a raising rank, a killed or stopped one, a store
+  gone) the watch calls ``fail_all(PeerFailed(...))`` on the transports attached
+  to it (:meth:`PeerWatch.attach`: the pipeline's), so every wait blocked on them
+  raises :class:`PeerFailed` (naming the failed rank and its error) at once, and
+  so does every later post.
 
-Nothing here runs per message on the fast path: a wait that completes within
-its first slice costs one ``handle.wait`` call, as before.
+The runtime's waits go through :class:`WatchedHandle`.  On a transport whose
+``fail_all`` ends blocked waits (``Transport.fails_waits``: native, torch over
+gloo, CUDA IPC) a wait is a plain ``handle.wait``: no ``is_completed`` probe, no
+slicing; the failure comes from inside the transport.  On any other transport
+(and for a bare handle given to :meth:`PeerWatch.wait`) the wait runs in slices
+of ``poll_s`` and checks for a failure between them.  A wait that fails for
+another reason (the peer's end broke) is named after the rank that failed, which
+the thread sees within a poll or two.
 """
 
 from __future__ import annotations
@@ -82,11 +90,12 @@ class PeerWatch:
         self._failure: PeerFailed | None = None
         self._published = False
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # guards _failure
+        self._lock = threading.Lock()  # guards _failure and _targets
         store.add(f"{self._prefix}/beat/{rank}", 1)
         self._host = socket.gethostname()
         store.set(f"{self._prefix}/proc/{rank}", f"{os.getpid()} {self._host}")
         self._local_pids: dict[int, int] = {}  # same-host peers' pids, read once each
+        self._targets: list[Any] = []  # transports to fail_all on a failure (guarded by _lock)
         self._thread = threading.Thread(target=self._run, name=f"dpk-peerwatch-{rank}", daemon=True)
         self._thread.start()
         # A process that ends normally (not killed) says so, so that its peers do not take it for dead.
@@ -120,6 +129,8 @@ class PeerWatch:
             return
         self._stop.set()
         atexit.unregister(self._atexit)
+        with self._lock:
+            self._targets.clear()  # a failure seen later is no business of the transports any more
         if self._published and self.rank == self.store_host:
             # This process hosts the store: give the peers' threads a few polls to read the failure
             # before a process exit takes the store (and the failure's text) with it.
@@ -129,6 +140,17 @@ class PeerWatch:
         except Exception:  # noqa: BLE001 - closing after the store's host died
             pass
         self._thread.join(timeout=5.0)
+
+    def attach(self, transport: Any) -> bool:
+        """Fail ``transport`` (``fail_all(PeerFailed(...))``) at the first failure of another rank; at once if one
+        was seen already.  Returns whether its waits then end by themselves (``transport.fails_waits``): its
+        handles need no probe or slicing."""
+        with self._lock:
+            self._targets.append(transport)
+            failure = self._failure
+        if failure is not None:
+            _fail(transport, failure)
+        return bool(getattr(transport, "fails_waits", False))
 
     # ---- the others -------------------------------------------------------
     def failure(self) -> PeerFailed | None:
@@ -142,8 +164,24 @@ class PeerWatch:
         if failure is not None:
             raise failure
 
+    def wait_plain(self, handle: Handle, timeout_s: float | None) -> None:
+        """``handle.wait(timeout_s)`` for a handle of an attached transport whose ``fail_all`` ends blocked waits:
+        a failure of another rank ends the wait from inside the transport (raising :class:`PeerFailed`); a
+        wait that broke for another reason is named after that failure when the thread sees one."""
+        try:
+            handle.wait(timeout_s)
+        except PeerFailed:
+            raise
+        except TransportTimeout:
+            self.check()
+            raise
+        except Exception:
+            self._blame_failure()
+            raise
+
     def wait(self, handle: Handle, timeout_s: float) -> None:
-        """``handle.wait(timeout_s)``, but raising :class:`PeerFailed` as soon as another rank has failed."""
+        """``handle.wait(timeout_s)``, but raising :class:`PeerFailed` as soon as another rank has failed: in
+        slices of ``poll_s`` (for a handle of a transport that cannot be failed from outside)."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -157,15 +195,18 @@ class PeerWatch:
                     text = re.sub(r"timed out after [0-9.]+ s", f"timed out after {timeout_s:.1f} s", str(exc))
                     raise TransportTimeout(text) from None
             except Exception:
-                # A transfer that broke because a peer failed: name that failure, which the thread
-                # sees within a poll or two (or a dead process on this host), rather than the transport's view.
-                for _ in range(3):
-                    self.check()
-                    self._find_dead_processes()
-                    self.check()
-                    time.sleep(self.poll_s)
-                self.check()
+                self._blame_failure()
                 raise
+
+    def _blame_failure(self) -> None:
+        """For a transfer that broke: raise the failure of the rank behind it if one is seen within three polls
+        (the thread's view, or a dead process on this host), rather than let the transport's view stand."""
+        for _ in range(3):
+            self.check()
+            self._find_dead_processes()
+            self.check()
+            time.sleep(self.poll_s)
+        self.check()
 
     def _find_dead_processes(self) -> None:
         """Record as failed a peer on this host whose process is gone (killed: it could not say so itself)."""
@@ -193,8 +234,12 @@ class PeerWatch:
 
     def _set(self, failure: PeerFailed) -> None:
         with self._lock:
-            if self._failure is None:
-                self._failure = failure
+            if self._failure is not None:
+                return
+            self._failure = failure
+            targets = list(self._targets)
+        for transport in targets:  # every wait blocked on them raises the failure now
+            _fail(transport, failure)
 
     def _run(self) -> None:
         store, prefix = self._store, self._prefix
@@ -237,6 +282,13 @@ class PeerWatch:
                 return
 
 
+def _fail(transport: Any, failure: PeerFailed) -> None:
+    try:
+        transport.fail_all(failure)
+    except Exception:  # noqa: BLE001 - best effort: its waits then end at their timeouts or their own errors
+        pass
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` (on this host) still runs: it exists and is not a zombie."""
     try:
@@ -253,19 +305,25 @@ def _alive(pid: int) -> bool:
 
 
 class WatchedHandle(Handle):
-    """A transport handle whose waits end as soon as another rank has failed (see :meth:`PeerWatch.wait`)."""
+    """A transport handle whose waits end as soon as another rank has failed.
 
-    __slots__ = ("_inner", "_watch")
+    ``direct`` (its transport's ``fail_all`` ends blocked waits and the watch is attached to it): a wait is
+    :meth:`PeerWatch.wait_plain`, nothing more.  Otherwise :meth:`PeerWatch.wait` (slices of ``poll_s``)."""
 
-    def __init__(self, inner: Handle, watch: PeerWatch) -> None:
+    __slots__ = ("_direct", "_inner", "_watch")
+
+    def __init__(self, inner: Handle, watch: PeerWatch, direct: bool = False) -> None:
         self._inner = inner
         self._watch = watch
+        self._direct = direct
 
     def wait(self, timeout: float | None = None) -> None:
-        if timeout is None or self._inner.is_completed():
+        if self._direct:
+            self._watch.wait_plain(self._inner, timeout)
+        elif timeout is None or self._inner.is_completed():
             self._inner.wait(timeout)
-            return
-        self._watch.wait(self._inner, timeout)
+        else:
+            self._watch.wait(self._inner, timeout)
 
     def is_completed(self) -> bool:
         return self._inner.is_completed()
@@ -279,14 +337,16 @@ class WatchedHandle(Handle):
 
 class WatchedTransport:
     """What the boundary messaging of a pipeline sees of its transport: the same transport, with every
-    handle it returns wrapped in a :class:`WatchedHandle`.  Everything else is the transport's own."""
+    handle it returns wrapped in a :class:`WatchedHandle`.  Everything else is the transport's own.
+    The watch is attached to the transport (:meth:`PeerWatch.attach`): a failure fails it."""
 
     def __init__(self, inner: Any, watch: PeerWatch) -> None:
         self._inner = inner
         self._watch = watch
+        self._direct = watch.attach(inner)
 
     def _wrap(self, handle: Any) -> Any:
-        return WatchedHandle(handle, self._watch) if isinstance(handle, Handle) else handle
+        return WatchedHandle(handle, self._watch, self._direct) if isinstance(handle, Handle) else handle
 
     def isend(self, *args: Any, **kwargs: Any) -> Any:
         return self._wrap(self._inner.isend(*args, **kwargs))

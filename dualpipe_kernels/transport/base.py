@@ -211,6 +211,21 @@ class Transport(abc.ABC):
             return self
         raise NotImplementedError(f"{type(self).__name__} has no host channel for message headers")
 
+    @property
+    def fails_waits(self) -> bool:
+        """Whether :meth:`fail_all` ends the waits blocked on this transport's handles at once (then a pipeline's
+        peer watch waits on them plainly, with no probe or slicing).  Default False: ``fail_all`` does nothing and
+        the watch waits in slices, checking for a peer's failure between them."""
+        return False
+
+    def fail_all(self, error: BaseException) -> None:
+        """Make every unfinished and later transfer fail with ``error``: a ``wait`` blocked on one of this
+        transport's handles (or its views') raises ``error`` at once, and so does every later post and wait of a
+        transfer that had not completed.  Transfers complete before the call stay complete.  Called by a
+        pipeline's peer watch when another rank failed (from the watch's thread); the transport stays open
+        until :meth:`close`.  Default: nothing (see :attr:`fails_waits`)."""
+        return None
+
     def close(self) -> None:
         """Release buffers, threads and shared segments. Idempotent."""
         return None

@@ -165,12 +165,18 @@ class CudaIpcHandle(Handle):
             f"{self._owner.channel_status(self._peer, outgoing=self._sending)}"
         )
 
+    def _failed(self, exc: RuntimeError) -> BaseException:
+        """What a failed transfer raises: the transport's :meth:`~CudaIpcTransport.fail_all` error if it was
+        given one (the engine failed the op with its text), else a TransportError naming the transfer."""
+        failure = self._owner.failure
+        return failure if failure is not None else TransportError(f"{self._describe()} failed: {exc}")
+
     def wait(self, timeout: float | None = None) -> None:
         limit = self._limit(timeout)
         try:
             done = self._op.wait(limit)
         except RuntimeError as exc:
-            raise TransportError(f"{self._describe()} failed: {exc}") from exc
+            raise self._failed(exc) from exc
         if not done:
             raise self._timeout_error(limit)
 
@@ -178,7 +184,7 @@ class CudaIpcHandle(Handle):
         try:
             return bool(self._op.query())
         except RuntimeError as exc:
-            raise TransportError(f"{self._describe()} failed: {exc}") from exc
+            raise self._failed(exc) from exc
 
     def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` (default: the current stream of the transport's device) wait for the transfer.
@@ -192,7 +198,7 @@ class CudaIpcHandle(Handle):
         try:
             queued = self._op.wait_stream(int(stream.cuda_stream), limit)
         except RuntimeError as exc:
-            raise TransportError(f"{self._describe()} failed: {exc}") from exc
+            raise self._failed(exc) from exc
         if not queued:
             raise self._timeout_error(limit)
 
@@ -246,6 +252,7 @@ class CudaIpcTransport(Transport):
         if not isinstance(max_peer_mappings, int) or not 1 <= max_peer_mappings <= MAX_PEER_MAPPINGS:
             raise ValueError(f"max_peer_mappings must be an int in [1, {MAX_PEER_MAPPINGS}], got {max_peer_mappings!r}")
         self._engine: Any = None
+        self._failure: BaseException | None = None  # fail_all's error
         mod = native_cuda_module()
         if not torch.cuda.is_available():
             raise TransportError("CudaIpcTransport needs a CUDA device, but torch.cuda.is_available() is False")
@@ -383,6 +390,29 @@ class CudaIpcTransport(Transport):
         """How the two processes' streams signal each other: "stream memory ops" or "spin kernels"."""
         return str(self._live_engine().signal_mechanism)
 
+    @property
+    def fails_waits(self) -> bool:
+        """True: :meth:`fail_all` ends blocked waits at once (the engine fails its ops and wakes their waiters)."""
+        return True
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What :meth:`fail_all` was given (None: nothing failed)."""
+        return self._failure
+
+    def fail_all(self, error: BaseException) -> None:
+        """Every unfinished and later transfer fails with ``error`` (see :meth:`Transport.fail_all`): the engine
+        fails its ops, those already enqueued on the comm streams included (their waits raise; the streams stay
+        as they are until :meth:`close`), and the header side channel fails its transfers too."""
+        if self._failure is not None:
+            return
+        self._failure = error  # before the engine wakes the waiters: they read it
+        if self._engine is not None:
+            self._engine.fail_all(str(error))
+        side = getattr(self, "_host_channel", None)
+        if side is not None:
+            side[0].fail_all(error)
+
     def _live_engine(self) -> Any:
         if self._engine is None:
             raise TransportError(f"rank {self._rank}: CudaIpcTransport is closed")
@@ -394,12 +424,16 @@ class CudaIpcTransport(Transport):
             raise ValueError(f"rank {self._rank}: {verb} peer {peer}, which is not one of this transport's peers")
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"rank {self._rank}: {verb} peer {peer} ({what}): expected a tensor, got {type(tensor)}")
+        if self._failure is not None:
+            raise self._failure
         eng = self._live_engine()
         try:
             op = eng.send(tensor, peer, int(tag)) if sending else eng.recv(tensor, peer, int(tag))
         except ValueError as exc:
             raise ValueError(f"rank {self._rank}: {verb} peer {peer} ({what or 'transfer'}): {exc}") from exc
         except RuntimeError as exc:
+            if self._failure is not None:  # the engine refuses posts after fail_all with its text
+                raise self._failure from None
             raise TransportError(f"rank {self._rank}: {verb} peer {peer} ({what or 'transfer'}) failed: {exc}") from exc
         return CudaIpcHandle(op, self, peer, int(tag), what, sending)
 

@@ -245,6 +245,7 @@ class NativeTransport(Transport):
             default_inline_max_bytes(self._size, slot_bytes) if inline_max_bytes is None else int(inline_max_bytes)
         )
         self._closed = False
+        self._failure: BaseException | None = None  # fail_all's error: every unfinished wait and later post raises it
         # Keeps a tensor alive while the engine may touch it, also if the caller drops the handle;
         # an entry goes when its handle sees the transfer finish, or at the next post once finished.
         self._inflight: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -338,7 +339,29 @@ class NativeTransport(Transport):
         """Same-host peers to which sends of >= ``single_copy_min_bytes`` go single-copy (their probe succeeded)."""
         return tuple(p for p in self.local_peers if self._engine.single_copy_to(p))
 
+    @property
+    def fails_waits(self) -> bool:
+        """True: :meth:`fail_all` ends blocked waits at once (the engine's, and the fallback's for other hosts)."""
+        return self._fallback is None or self._fallback.fails_waits
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What :meth:`fail_all` was given (None: nothing failed)."""
+        return self._failure
+
+    def fail_all(self, error: BaseException) -> None:
+        """Every unfinished and later transfer fails with ``error`` (see :meth:`Transport.fail_all`): the engine
+        fails its requests and wakes their waiters, whose ``wait`` then raises ``error``."""
+        if self._failure is not None or self._closed:
+            return
+        self._failure = error  # before the engine wakes the waiters: they read it
+        self._engine.fail_all(str(error))
+        if self._fallback is not None:
+            self._fallback.fail_all(error)
+
     def _check(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        if self._failure is not None:
+            raise self._failure
         if self._closed:
             raise TransportError(f"rank {self._rank}: native transport is closed; cannot post {what!r}")
         if not 0 <= peer < self._size or peer == self._rank:
@@ -371,7 +394,7 @@ class NativeTransport(Transport):
 
     def _post(self, is_send: bool, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Handle:
         """Check, then hand the transfer to the engine (to the fallback for a peer on another host)."""
-        if self._closed or peer not in self._local or not tensor.is_cpu or not tensor.is_contiguous():
+        if self._closed or self._failure or peer not in self._local or not tensor.is_cpu or not tensor.is_contiguous():
             # Anything unusual (an error to name, a peer on another host): the full checks first.
             self._check(tensor, peer, what)
             assert self._fallback is not None
@@ -418,6 +441,8 @@ class NativeTransport(Transport):
         transfer; ``timeout=0`` only tries and returns None when no slot is free at once.
         The receiver posts an ordinary ``irecv`` of ``nbytes`` uint8 with the same tag.
         """
+        if self._failure is not None:
+            raise self._failure
         if self._closed:
             raise TransportError(f"rank {self._rank}: native transport is closed; cannot reserve {what!r}")
         if peer not in self.local_peers:
@@ -430,6 +455,8 @@ class NativeTransport(Transport):
         except TimeoutError as exc:
             raise TransportTimeout(str(exc)) from None
         except RuntimeError as exc:
+            if self._failure is not None:
+                raise self._failure from None
             raise TransportError(str(exc)) from None
         return None if res is None else ReservedSlot(res, self)
 

@@ -3,22 +3,34 @@ a send that completed when posted, and a reserved ring slot to pack into."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from dualpipe_kernels.transport.base import Handle, TransportError, TransportTimeout
 
-if TYPE_CHECKING:
-    from dualpipe_kernels.transport.native import NativeTransport
+__all__ = ["HandleOwner", "NativeHandle", "ReservedSlot"]
 
-__all__ = ["NativeHandle", "ReservedSlot"]
+
+class HandleOwner(Protocol):
+    """What a handle needs of its transport (:class:`~dualpipe_kernels.transport.native.NativeTransport`)."""
+
+    timeout_s: float
+    #: id(request) -> (request, tensor): transfers the engine may still touch
+    _inflight: dict[int, tuple[Any, torch.Tensor]]
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What :meth:`~dualpipe_kernels.transport.base.Transport.fail_all` was given, or None."""
 
 
 class NativeHandle(Handle):
     """One posted transfer. Holds the tensor until the transfer completes."""
 
-    def __init__(self, request: Any, tensor: torch.Tensor, owner: NativeTransport) -> None:
+    def __init__(self, request: Any, tensor: torch.Tensor, owner: HandleOwner) -> None:
         self._request = request
         self._tensor: torch.Tensor | None = tensor
         self._owner = owner
@@ -31,6 +43,9 @@ class NativeHandle(Handle):
             raise TransportTimeout(str(exc)) from None
         except RuntimeError as exc:
             self._release()
+            failure = self._owner.failure
+            if failure is not None:  # fail_all: the engine failed it with the failure's text
+                raise failure from None
             raise TransportError(str(exc)) from None
         self._release()
 
@@ -66,7 +81,7 @@ class ReservedSlot:
     context manager it commits on a clean exit and aborts on an exception.
     """
 
-    def __init__(self, reservation: Any, owner: NativeTransport) -> None:
+    def __init__(self, reservation: Any, owner: HandleOwner) -> None:
         self._reservation = reservation
         self._owner = owner
         self.nbytes = int(reservation.nbytes)
@@ -80,6 +95,9 @@ class ReservedSlot:
         try:
             self._reservation.commit()
         except RuntimeError as exc:
+            failure = self._owner.failure
+            if failure is not None:
+                raise failure from None
             raise TransportError(f"rank {self._owner.rank}: {exc}") from None
 
     def abort(self) -> None:

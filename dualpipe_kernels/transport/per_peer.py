@@ -126,6 +126,15 @@ class RoutedTransport(Transport):
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
         return self._route(peer, what).irecv(tensor, peer, tag, what)
 
+    @property
+    def fails_waits(self) -> bool:
+        return all(t.fails_waits for t in self.transports.values())
+
+    def fail_all(self, error: BaseException) -> None:
+        """Every one of its transports' (a view's too: they are the same transports)."""
+        for t in self.transports.values():
+            t.fail_all(error)
+
     def close(self) -> None:
         if self._owns:
             for t in self.transports.values():

@@ -49,7 +49,10 @@ fail every pending transfer of the group's context (the same thing a timed-out
 gloo wait always does), so the peers fail at once too instead of at their
 timeout.  The group's gloo pairs are closed then, so this runs only when
 transfers are still in flight (posted, never seen finished), i.e. after a
-failed step.
+failed step.  :meth:`TorchDistTransport.fail_all` (a peer failed) cancels the same way, at once.
+
+Files: the handles in torch_handles.py, the in-order and side-channel views in torch_channels.py, the
+further process groups (the downward direction, the side channel, NCCL channels) in torch_groups.py.
 """
 
 from __future__ import annotations
@@ -70,12 +73,14 @@ from dualpipe_kernels.transport.base import (
     Handle,
     Transport,
     TransportError,
-    TransportTimeout,
     group_store,
     require_process_group,
 )
-from dualpipe_kernels.transport.gloo_waiters import Completion, WaiterPool
+from dualpipe_kernels.transport.gloo_waiters import WaiterPool
 from dualpipe_kernels.transport.ordered import OrderedP2P
+from dualpipe_kernels.transport.torch_channels import InOrderChannel, SideChannel
+from dualpipe_kernels.transport.torch_groups import direction_group
+from dualpipe_kernels.transport.torch_handles import WorkHandle
 
 __all__ = ["TorchDistTransport"]
 
@@ -86,106 +91,6 @@ _JOIN_S = 5.0  # how long close() waits for cancelled waiters to leave gloo
 #: receives posted this many compute actions ahead over gloo (TorchDistTransport.recv_lookahead; why 9, not 8:
 #: see there)
 GLOO_RECV_LOOKAHEAD = 9
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
-
-
-class _WorkHandle(Handle):
-    """One transfer.  ``finish`` runs once after completion (host-staged receive copies)."""
-
-    def __init__(
-        self,
-        work: dist.Work,
-        owner: TorchDistTransport,
-        peer: int,
-        what: str,
-        finish: Callable[[], None] | None = None,
-        keep: torch.Tensor | None = None,
-    ) -> None:
-        self._owner = owner
-        self._peer = peer
-        self._what = what
-        self._finish = finish
-        self._keep = keep  # a host staging copy that must outlive the send
-        self._done = False
-        self._work: dist.Work | None = work
-        # A gloo work gets a waiter thread the first time someone polls it (a handle only ever waited on
-        # directly costs no thread).
-        self._completion: Completion | None = None
-        self._settled = False  # counted out of the owner's in-flight transfers
-        owner._track(+1)
-
-    def _describe(self) -> str:
-        return f"rank {self._owner.rank} <-> peer rank {self._peer}: {self._what or 'transfer'}"
-
-    def _settle(self, _error: BaseException | None = None) -> None:
-        # Once per handle: its transfer finished (a waiter thread saw it, or a wait returned).
-        if not self._settled:
-            self._settled = True
-            self._owner._track(-1)
-
-    def _watch(self) -> Completion:
-        assert self._work is not None
-        completion = self._owner.waiters.submit(self._work)
-        completion.add_callback(self._settle)
-        return completion
-
-    def _complete(self) -> None:
-        self._done = True
-        self._settle()
-        self._keep = None
-        self._work = None  # the work object references the tensor
-        self._completion = None
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-
-    def wait(self, timeout: float | None = None) -> None:
-        if self._done:
-            return
-        limit = self._owner.timeout_s if timeout is None else timeout
-        if self._completion is not None:
-            if not self._completion.event.wait(limit):
-                raise TransportTimeout(f"{self._describe()} timed out after {limit:.1f} s")
-            exc = self._completion.error
-        else:
-            assert self._work is not None
-            exc = None
-            try:
-                self._work.wait(timedelta(seconds=limit))
-            except RuntimeError as e:
-                exc = e
-        if exc is not None:
-            if _is_timeout(exc):
-                raise TransportTimeout(f"{self._describe()} timed out after {limit:.1f} s ({exc})") from exc
-            raise TransportError(f"{self._describe()} failed: {exc}") from exc
-        self._complete()
-
-    def is_completed(self) -> bool:
-        if self._done:
-            return True
-        if self._completion is None:
-            self._completion = self._watch()
-        return self._completion.event.is_set()
-
-    def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> bool:
-        """Run ``fn(error_or_None)`` on a waiter thread once the transfer is done.
-
-        An optional extension of the Handle interface (the runtime checks for
-        it): it lets a metadata receive post its data receives the moment it
-        completes, without waiting for the main thread (a transport without
-        this method is polled between actions instead).  Returns True.
-        """
-        if self._completion is None:
-            if self._done:
-                fn(None)
-                return True
-            self._completion = self._watch()
-        self._completion.add_callback(fn)
-        return True
 
 
 class TorchDistTransport(Transport):
@@ -233,17 +138,18 @@ class TorchDistTransport(Transport):
         # use, so a pipeline that posts in program order (in_order) costs no store traffic and no worker thread.
         self._ordered: OrderedP2P | None = None
         self._ordered_lock = threading.Lock()
-        self._side: _SideChannel | None = None
-        self._in_order: dict[int, _InOrder] = {}
+        self._side: SideChannel | None = None
+        self._in_order: dict[int, InOrderChannel] = {}
         if split_directions is None:
             split_directions = not nccl and self._size > 1
         # Transfers to a lower group rank (None: everything over ``group``).
-        self._down: Any = _direction_group(self.group, timeout_s) if split_directions else None
+        self._down: Any = direction_group(self.group, timeout_s) if split_directions else None
         # Transfers posted and not seen finished (one whose handle was dropped unwaited stays counted).
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
         self._pinned: list[tuple[Any, torch.Tensor]] = []  # host staging buffers of copies still running
         self._closed = False
+        self._failure: BaseException | None = None  # fail_all's error
         # A transport left open at exit is closed before the interpreter finalizes (see the module doc).
         self._exit_hook = _exit_hook(weakref.ref(self))
         atexit.register(self._exit_hook)
@@ -332,7 +238,7 @@ class TorchDistTransport(Transport):
             raise ValueError(f"in_order: channel must be in 0..{_CANCEL_TAG - 2}, got {channel}")
         view = self._in_order.get(channel)
         if view is None:
-            view = self._in_order[channel] = _InOrder(self, channel)
+            view = self._in_order[channel] = InOrderChannel(self, channel)
         return view
 
     def host_channel(self) -> Transport:
@@ -341,20 +247,51 @@ class TorchDistTransport(Transport):
         if self.host_wire and self.matches_tags:
             return self
         if self._side is None:
-            self._side = _SideChannel(self)
+            self._side = SideChannel(self)
         return self._side
 
-    def _track(self, delta: int) -> None:
+    @property
+    def fails_waits(self) -> bool:
+        """Unordered (gloo, tag-matched): True, see :meth:`fail_all`.  Ordered (NCCL, or gloo sequenced through
+        the store): False; a peer watch waits on its handles in slices."""
+        return not self._ordered_mode
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What :meth:`fail_all` was given (None: nothing failed)."""
+        return self._failure
+
+    def fail_all(self, error: BaseException) -> None:
+        """Every unfinished and later transfer fails with ``error`` (see :meth:`Transport.fail_all`).
+
+        gloo's wait blocks in C++ with no way to wake it but the work failing, so this cancels the transfers in
+        flight the way :meth:`close` does (a receive nobody sends, timed out, fails every pending transfer of the
+        group's gloo context): the waits blocked in them raise, and their handles raise ``error`` instead.  It
+        costs nothing per transfer (no polling, no waiter thread); the group's pairs are closed afterwards, so
+        the transport (and ``group`` for point-to-point) is spent, as after any failed step.  With nothing in
+        flight nothing is cancelled: later posts and waits raise ``error``, and the group stays usable.  Ordered: only
+        later posts and failing waits raise ``error`` (:attr:`fails_waits` is False)."""
+        if self._failure is not None or self._closed:
+            return
+        self._failure = error  # first: a wait that starts after this raises it (WorkHandle.wait)
+        if not self._ordered_mode and (self._in_flight or self.waiters.busy()):
+            self._cancel_in_flight()  # nothing in flight: the group's pairs stay open
+        elif self._side is not None:
+            self._cancel_side()  # the headers' gloo group beside an NCCL one
+
+    def track(self, delta: int) -> None:
         with self._in_flight_lock:
             self._in_flight += delta
 
-    def _check_peer(self, peer: int, what: str) -> None:
+    def check_peer(self, peer: int, what: str) -> None:
         if not 0 <= peer < self._size or peer == self._rank:
             raise ValueError(f"rank {self._rank}: bad peer {peer} for {what!r} (group of {self._size})")
+        if self._failure is not None:
+            raise self._failure
         if self._closed:
             raise TransportError(f"rank {self._rank}: transport closed; cannot post {what!r}")
 
-    def _stage_send(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def stage_send(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the buffer the backend sends, a host staging copy to keep alive until the send completes or None).
 
         A CUDA tensor over gloo (host staging, only when asked for): copied into pinned host memory without
@@ -368,7 +305,7 @@ class TorchDistTransport(Transport):
         copied.synchronize()
         return buf, buf
 
-    def _stage_recv(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    def stage_recv(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """(the buffer the backend receives into, the copy into ``tensor`` to run on completion or None).
 
         A CUDA tensor over gloo: received into pinned host memory, then copied to the device without blocking
@@ -393,36 +330,40 @@ class TorchDistTransport(Transport):
             self._pinned.append((event, buf))
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
-        self._check_peer(peer, what)
+        self.check_peer(peer, what)
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self._rank}: isend needs a contiguous tensor ({what})")
         if self._ordered_mode:
             return self._sequencer().isend(tensor, peer, tag, what)
-        buf, keep = self._stage_send(tensor)
+        buf, keep = self.stage_send(tensor)
         group = self.group if self._down is None or peer > self._rank else self._down
         try:
             # The group's own send (what dist.isend calls after its per-call argument checks).
             work = group.send([buf], peer, tag)
         except RuntimeError as exc:
+            if self._failure is not None:  # fail_all closed the pairs meanwhile
+                raise self._failure from None
             raise TransportError(f"rank {self._rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
-        return _WorkHandle(work, self, peer, what, keep=keep)
+        return WorkHandle(work, self, peer, what, keep=keep)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
-        self._check_peer(peer, what)
+        self.check_peer(peer, what)
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self._rank}: irecv needs a contiguous tensor ({what})")
         if self._ordered_mode:
             return self._sequencer().irecv(tensor, peer, tag, what)
-        buf, finish = self._stage_recv(tensor)
+        buf, finish = self.stage_recv(tensor)
         # The sender's choice: a transfer to the higher of the two ranks goes over ``group``.
         group = self.group if self._down is None or peer < self._rank else self._down
         try:
             work = group.recv([buf], peer, tag)
         except RuntimeError as exc:
+            if self._failure is not None:  # fail_all closed the pairs meanwhile
+                raise self._failure from None
             raise TransportError(f"rank {self._rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
         assert work is not None
-        return _WorkHandle(work, self, peer, what, finish)
+        return WorkHandle(work, self, peer, what, finish)
 
     def close(self) -> None:
         """Idempotent.  Transfers still in flight (a failed step) are cancelled: the group's gloo pairs close,
@@ -453,183 +394,16 @@ class TorchDistTransport(Transport):
                 self._down.recv([torch.empty(1)], peer, _CANCEL_TAG).wait(timedelta(milliseconds=1))
             except RuntimeError:
                 pass
-        if self._side is not None:
-            try:
-                cancel = self._side.backend.recv([torch.empty(1, device="cpu")], peer, _CANCEL_TAG)
-                cancel.wait(timedelta(milliseconds=1))
-            except RuntimeError:
-                pass
+        self._cancel_side()
 
-
-class _NcclHandle(Handle):
-    """An NCCL transfer: completion is polled on the work itself; a wait orders the stream after it."""
-
-    def __init__(self, work: Any, owner: TorchDistTransport, peer: int, what: str) -> None:
-        self._work: Any = work
-        self._owner, self._peer, self._what = owner, peer, what
-
-    def is_completed(self) -> bool:
-        return self._work is None or bool(self._work.is_completed())
-
-    def wait(self, timeout: float | None = None) -> None:
-        self.wait_stream(None)
-
-    def wait_stream(self, stream: torch.cuda.Stream | None = None) -> None:
-        if self._work is None:
+    def _cancel_side(self) -> None:
+        if self._side is None or self._size < 2:
             return
         try:
-            if stream is None:
-                self._work.wait()
-            else:
-                with torch.cuda.stream(stream):
-                    self._work.wait()
-        except RuntimeError as exc:
-            who = f"rank {self._owner.rank} <-> peer rank {self._peer}"
-            raise TransportError(f"{who}: {self._what} failed: {exc}") from exc
-        self._work = None
-
-
-class _InOrder(Transport):
-    """One in-order channel of an ordered :class:`TorchDistTransport` (see its ``in_order``)."""
-
-    name = "torch-in-order"
-
-    def __init__(self, owner: TorchDistTransport, channel: int) -> None:
-        super().__init__(owner.timeout_s)
-        self._owner = owner
-        self.channel = channel
-        self.device = owner.device
-        self.device_native = owner.device_native
-        self._tag = channel + 1  # gloo: the channel's own tag (0 is the sequencing layer's)
-        self._backends: dict[bool, Any] = {}
-
-    @property
-    def rank(self) -> int:
-        return self._owner.rank
-
-    @property
-    def matches_tags(self) -> bool:
-        return False
-
-    def host_channel(self) -> Transport:
-        return self._owner.host_channel()
-
-    def _backend(self, up: bool) -> Any:
-        """NCCL: the communicator of this channel and direction (``up``: to the higher rank of a pair)."""
-        backend = self._backends.get(up)
-        if backend is None:
-            if up and self.channel == min(self._owner._in_order):
-                backend = self._owner.group  # the first channel made on this transport: the group itself
-            else:
-                backend = _nccl_backend(self._owner.group, f"c{self.channel}/{'up' if up else 'down'}",
-                                        self._owner.timeout_s)  # fmt: skip
-            self._backends[up] = backend
-        return backend
-
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
-        o = self._owner
-        o._check_peer(peer, what)
-        if o._nccl:
-            group = self._backend(peer > o.rank)
-            return _NcclHandle(group.send([tensor], peer, 0), o, peer, what)
-        buf, keep = o._stage_send(tensor)
-        group = o.group if o._down is None or peer > o.rank else o._down
-        try:
-            work = group.send([buf], peer, self._tag)
-        except RuntimeError as exc:
-            raise TransportError(f"rank {o.rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
-        return _WorkHandle(work, o, peer, what, keep=keep)
-
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
-        o = self._owner
-        o._check_peer(peer, what)
-        if o._nccl:
-            group = self._backend(peer < o.rank)  # the sender's direction: to the higher rank of the pair
-            return _NcclHandle(group.recv([tensor], peer, 0), o, peer, what)
-        buf, finish = o._stage_recv(tensor)
-        group = o.group if o._down is None or peer < o.rank else o._down
-        try:
-            work = group.recv([buf], peer, self._tag)
-        except RuntimeError as exc:
-            raise TransportError(f"rank {o.rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
-        return _WorkHandle(work, o, peer, what, finish)
-
-
-class _SideChannel(Transport):
-    """A tag-matched gloo group of an ordered or device transport's ranks, for host tensors (message headers;
-    device tensors, rarely sent here, are staged through the host)."""
-
-    name = "torch-side"
-
-    def __init__(self, owner: TorchDistTransport) -> None:
-        super().__init__(owner.timeout_s)
-        self._owner = owner
-        self.backend = _direction_group(owner.group, owner.timeout_s, _SIDE_PREFIX)
-
-    @property
-    def rank(self) -> int:
-        return self._owner.rank
-
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
-        o = self._owner
-        o._check_peer(peer, what)
-        buf = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
-        try:
-            work = self.backend.send([buf], peer, tag)
-        except RuntimeError as exc:
-            raise TransportError(f"rank {o.rank} -> peer rank {peer}: posting {what} failed: {exc}") from exc
-        return _WorkHandle(work, o, peer, what, keep=None if buf is tensor else buf)
-
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
-        o = self._owner
-        o._check_peer(peer, what)
-        staged = tensor.device.type != "cpu"
-        buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu") if staged else tensor
-        try:
-            work = self.backend.recv([buf], peer, tag)
-        except RuntimeError as exc:
-            raise TransportError(f"rank {o.rank} <- peer rank {peer}: posting {what} failed: {exc}") from exc
-
-        def finish() -> None:
-            tensor.copy_(buf)
-
-        return _WorkHandle(work, o, peer, what, finish if staged else None)
-
-
-def _nccl_backend(group: dist.ProcessGroup, name: str, timeout_s: float) -> Any:
-    """A further NCCL communicator over ``group``'s ranks (numbered as in ``group``), rendezvousing under
-    ``group``'s store."""
-    gname = getattr(group, "group_name", "") or "world"
-    store = dist.PrefixStore(f"{_NCCL_PREFIX}{gname}/{name}/", group_store(group))
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timedelta(seconds=max(timeout_s, 30.0))
-    return dist.ProcessGroupNCCL(store, dist.get_rank(group), dist.get_world_size(group), options)
-
-
-#: id(group) -> (the group, its second gloo backend): one per group and process, shared by its transports.
-_DOWN_GROUPS: dict[tuple[int, str], tuple[weakref.ReferenceType[dist.ProcessGroup], Any]] = {}
-_DOWN_PREFIX = "dualpipe_kernels_p2p_down/"
-_SIDE_PREFIX = "dualpipe_kernels_p2p_side/"
-_NCCL_PREFIX = "dualpipe_kernels_p2p_nccl/"
-
-
-def _direction_group(group: dist.ProcessGroup, timeout_s: float, prefix: str = _DOWN_PREFIX) -> Any:
-    """The second gloo group of ``group``'s ranks, numbered as in ``group``: a gloo backend of its own
-    (its own pairs and TCP loop thread) that rendezvouses under ``group``'s store, so only the members take
-    part and no group name or count of torch's changes.  Made once per group in this process and shared
-    by every transport on ``group`` (as ``group`` itself is); dropped at exit."""
-    hit = _DOWN_GROUPS.get((id(group), prefix))
-    if hit is not None and hit[0]() is group:
-        return hit[1]
-    name = getattr(group, "group_name", "") or "world"
-    store = dist.PrefixStore(f"{prefix}{name}/", group_store(group))
-    down = dist.ProcessGroupGloo(
-        store, dist.get_rank(group), dist.get_world_size(group), timedelta(seconds=max(timeout_s, 30.0))
-    )
-    if not _DOWN_GROUPS:
-        atexit.register(_DOWN_GROUPS.clear)  # gloo's threads stop while the interpreter still runs
-    _DOWN_GROUPS[(id(group), prefix)] = (weakref.ref(group), down)
-    return down
+            cancel = self._side.backend.recv([torch.empty(1, device="cpu")], (self._rank + 1) % self._size, _CANCEL_TAG)
+            cancel.wait(timedelta(milliseconds=1))
+        except RuntimeError:
+            pass
 
 
 def _exit_hook(ref: weakref.ReferenceType[TorchDistTransport]) -> Callable[[], None]:

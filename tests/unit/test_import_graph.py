@@ -124,7 +124,7 @@ def _order(layers: tuple[tuple[str, tuple[str, ...]], ...], boundary: tuple[str,
 
 
 #: import cycles of the whole package known while another branch removes them (the lead empties it on merge)
-_KNOWN_CYCLES: tuple[tuple[str, ...], ...] = (("transport.native", "transport.native_handles"),)
+_KNOWN_CYCLES: tuple[tuple[str, ...], ...] = ()
 
 
 def _modules(package: str) -> dict[str, Path]:
