@@ -55,6 +55,7 @@ __all__ = [
     "RepeatRecv",
     "RepeatRecvOp",
     "SmallSend",
+    "SENT",
     "signature",
     "same_signature",
     "header_bytes",
@@ -152,7 +153,7 @@ class SmallSend:
             self._handle = self._buf = None
 
 
-_SENT = SmallSend(None, None)  # a message the transport took at once (gathered into its ring)
+SENT = SmallSend(None, None)  # a message the transport took at once (gathered into its ring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +194,7 @@ class RepeatSend:
                     pieces.append((META_BYTES + off, t))
             try:
                 if gather(pieces, META_BYTES + self.plan.nbytes, peer, tag):
-                    return _SENT
+                    return SENT
             except ValueError:
                 pass  # a non-contiguous or device tensor: the buffer below copies it
         reuse = self.reuse
@@ -221,6 +222,9 @@ class RepeatRecv:
     tensor's typed view into the buffer (``none`` format), so that reading a
     message is a compare and a clone per tensor.  An entry holds its buffer, so
     the ``id`` it is keyed by stays that buffer's; at most ``_MAX_VIEWS`` are kept.
+    The entries of one layout share this dict (LayoutMemory.repeat_views): a key's
+    next message comes in another of the pool's buffers of that size, whose views
+    another key of the layout made.
     """
 
     header: bytes  # its metadata header, as it arrived
@@ -273,11 +277,14 @@ class RepeatRecvOp:
             out = _handed_over(buf, e.layout, e.plan)  # the tensor keeps the buffer; it never returns to the pool
             self.buf = None  # type: ignore[assignment]  # the tensor is the storage's only holder once read
         else:
-            header, views = e.views_of(buf)
+            hit = e.views.get(id(buf))  # views_of inline when they are there (once per message)
+            header, views = (hit[1], hit[2]) if hit is not None and hit[0] is buf else e.views_of(buf)
             if header.tobytes() != e.header:
                 return None
             if views is not None and device.type == "cpu":
-                out = [None if v is None else v.clone() for v in views]
+                out = []  # a loop, not a comprehension: once per message
+                for v in views:
+                    out.append(None if v is None else v.clone())
             else:
                 out = read(buf, e.codec, e.layout, e.plan, device)
             memory.pool.give(buf)  # copied out: free again

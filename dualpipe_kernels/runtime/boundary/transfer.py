@@ -387,6 +387,7 @@ class BoundaryRecv:
             self._memory.repeat_recv[self._key] = RepeatRecv(
                 header_bytes(buf), buf.numel(), self._codec, layout, self._inline, grads,
                 handover=handover(layout, self._inline, self._device),
+                views=self._memory.repeat_views.setdefault((layout, self._inline), {}),
             )  # fmt: skip
         else:
             self._tensors, self._buffers = self._codec.alloc(layout, self._device)
