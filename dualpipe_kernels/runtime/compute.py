@@ -76,6 +76,8 @@ class ComputeState:
     # only for a key in ``reached_f`` / ``reached_b`` (the loop's RECV_F / RECV_B actions reached, not yet waited
     # for: the boundary state's own dicts, so a compute tests a key without a call).
     fetch: Callable[[ActionType, int, int], None] = field(default=lambda t, s, mb: None)
+    # Complete RECV action i and deliver its data: what fetch does once it has found i (set by the action loop).
+    receive: Callable[[int], None] = field(default=lambda i: None)
     reached_f: dict[Key, int] = field(default_factory=dict)
     reached_b: dict[Key, int] = field(default_factory=dict)
     inputs: dict[Key, list[Any]] = field(default_factory=dict)
@@ -169,8 +171,9 @@ class StageCompute:
     def forward(self, st: ComputeState, s: int, mb: int, module_out: Any = None, loss: Any = None) -> None:
         """F of stage ``s`` for ``mb`` (``module_out``/``loss``: already computed by an overlap hook)."""
         key = (s, mb)
-        if key in st.reached_f:
-            st.fetch(T_RECV_F, s, mb)
+        i = st.reached_f.pop(key, None) if st.reached_f else None
+        if i is not None:
+            st.receive(i)  # fetch inline
         ins = st.inputs.get(key)
         if ins is None:
             ins = self._stage_inputs(st, s, mb)  # a first stage's micro-batch, or an error
@@ -180,10 +183,12 @@ class StageCompute:
         assert mem is not None
         if not st.mem.training or (s not in self._hooked_stages and not mem.track):  # keep: no saved-tensor hooks
             last = ins[-1] if ins else None
-            if module_out is None and not is_loss and type(last) is torch.Tensor and last.dtype is not torch.uint8:
+            if module_out is None and type(last) is torch.Tensor and last.dtype is not torch.uint8:
                 # the common case inline (once per forward): plain tensor inputs (no dict's keys member)
                 module_out = self.modules[s](*ins)
-                outs = (module_out,) if type(module_out) is torch.Tensor else _as_tuple(module_out, s)
+                outs = (module_out,) if type(module_out) is torch.Tensor else _as_tuple(module_out, s, is_loss)
+                if is_loss:
+                    self._loss(st, s, mb, outs, loss)
             else:
                 outs = self._run_forward(st, s, mb, ins, module_out, loss, is_loss)
         else:
@@ -268,8 +273,9 @@ class StageCompute:
     # ---- backward -----------------------------------------------------------
     def _grad_roots(self, st: ComputeState, s: int, mb: int) -> list[tuple[GradientEdge, torch.Tensor | None]]:
         key = (s, mb)
-        if key in st.reached_b:
-            st.fetch(T_RECV_B, s, mb)
+        i = st.reached_b.pop(key, None) if st.reached_b else None
+        if i is not None:
+            st.receive(i)  # fetch inline
         roots = st.roots.pop(key, [])
         out = []  # loops, not comprehensions: once per backward
         if key in self._loss_keys:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,12 +103,12 @@ class StepRun:
     def fetch(self, t: ActionType, s: int, mb: int) -> None:
         """Complete the receive ``(t, s, mb)`` if the action list has reached it, and deliver its data."""
         i = (self.bst.reached_f if t is T_RECV_F else self.bst.reached_b).pop((s, mb), None)
-        if i is None:
-            return
-        if self.profiling or self.rec.enabled:
-            self.loop._traced(self, i, self.receive, i)  # its RECV span (a wait nested in the compute's)
-        else:
-            self.receive(i)
+        if i is not None:
+            self.cst.receive(i)
+
+    def receive_traced(self, i: int) -> None:
+        """:meth:`receive` inside its RECV span (a wait nested in the compute's)."""
+        self.loop._traced(self, i, self.receive, i)
 
     def receive(self, i: int) -> None:
         a = self.loop.actions[i]
@@ -142,7 +143,7 @@ class StepRun:
         if j is None:
             self.compute.pair(self.cst, a)
         else:
-            self.compute.pair(self.cst, a, lambda: self._send_early(j))
+            self.compute.pair(self.cst, a, partial(self._send_early, j))
 
     def _send_early(self, j: int) -> None:
         a = self.loop.actions[j]
@@ -277,6 +278,7 @@ class ActionLoop:
         run.profiling = profiling = torch.autograd.profiler._is_profiler_enabled
         traced = profiling or rec.enabled
         compute, cst = run.compute, run.cst
+        cst.receive = run.receive_traced if traced else run.receive
         memory = compute.memory
         assert memory is not None and cst.mem is not None  # both set by the pipeline before a step
         # Actions before which the memory plan starts reloads (empty unless a stage offloads): a set test per action.
@@ -287,7 +289,7 @@ class ActionLoop:
         # The plan's direct ops stand for the library's handlers; a test that replaced one gets it called.
         direct = not traced and all(HANDLERS.get(t) is h for t, h in _LIBRARY.items())
         ops = self.ops if direct else [_OP_RECV if op == _OP_RECV else _OP_HANDLER for op in self.ops]
-        type_index, keys = self.type_index, self.keys
+        type_index, keys, early_send = self.type_index, self.keys, self.early_send
         hooks = run.done_hooks
         sent_early = run.sent_early
         posted, reached_f, reached_b = bst.recvs, bst.reached_f, bst.reached_b
@@ -324,7 +326,10 @@ class ActionLoop:
             elif op == _OP_B:
                 compute.backward(cst, *keys[i], False)
             elif op == _OP_PAIR:
-                run.pair(i, acts[i])
+                if i in early_send:
+                    run.pair(i, acts[i])
+                else:
+                    compute.pair(cst, acts[i])
             elif op == _OP_I:
                 compute.backward(cst, *keys[i], True)
             elif op == _OP_W:

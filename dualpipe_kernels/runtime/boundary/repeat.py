@@ -64,7 +64,9 @@ __all__ = [
     "post_repeat",
 ]
 
-_MAX_VIEWS = 16  # pooled buffers remembered per entry (the receive window needs a few)
+#: pooled buffers whose views are remembered per layout: as many as the pool keeps free per size (every receive
+#: of a step may be in flight at once when repeats are posted at its start: gloo's early_small)
+_MAX_VIEWS = 64
 
 #: data bytes from which a repeated one-tensor message received on the host is handed over: the tensor is
 #: made on the storage of the buffer it arrived in, a new one per message, instead of cloned out of a pooled
@@ -198,7 +200,7 @@ class RepeatSend:
             except ValueError:
                 pass  # a non-contiguous or device tensor: the buffer below copies it
         reuse = self.reuse
-        if reuse and reuse[2].done:
+        if reuse and reuse[2]._handle is None:  # its last send was waited for (SmallSend.done inline)
             buf, views = reuse[0], reuse[1]
             for v, t in zip(views, tensors, strict=True):
                 if v is not None:
@@ -287,7 +289,12 @@ class RepeatRecvOp:
                     out.append(None if v is None else v.clone())
             else:
                 out = read(buf, e.codec, e.layout, e.plan, device)
-            memory.pool.give(buf)  # copied out: free again
+            pool = memory.pool  # copied out: free again (pool.give inline)
+            free = pool.free.get(buf.numel())
+            if free is not None and len(free) < pool.max_per_size:
+                free.append(buf)
+            else:
+                pool.give(buf)
         for t, g in zip(out, e.grads, strict=True):
             if g and t is not None:
                 t.requires_grad_(True)
@@ -301,5 +308,6 @@ def post_repeat(
     if entry.handover:
         buf = torch.empty(entry.nbytes, dtype=torch.uint8, device="cpu")
     else:
-        buf = memory.pool.take(entry.nbytes)
+        free = memory.pool.free.get(entry.nbytes)  # pool.take inline (once per receive)
+        buf = free.pop() if free else memory.pool.take(entry.nbytes)
     return RepeatRecvOp(entry, transport.irecv(buf, peer, tag, what), buf)
