@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import bisect
 import time
-from functools import partial
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch

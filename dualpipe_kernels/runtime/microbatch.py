@@ -106,7 +106,9 @@ class SplitCache:
             return [() for _ in range(num_microbatches)]
         pieces: list[Any] = []
         for v, e in zip(values, key[0], strict=True):
-            pieces.append(torch.tensor_split(v, num_microbatches, dim=batch_dim) if e is not None else [v] * num_microbatches)
+            pieces.append(
+                torch.tensor_split(v, num_microbatches, dim=batch_dim) if e is not None else [v] * num_microbatches
+            )
         return list(zip(*pieces, strict=True))
 
 
