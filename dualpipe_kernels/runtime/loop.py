@@ -2,7 +2,12 @@
 
 The list is exactly the lowered schedule the simulator times (schedules.lowering).
 Each action goes to its kind's handler in :data:`HANDLERS`; a new action kind
-adds one entry there (see docs/adding_an_action.md).
+adds one entry there (see docs/adding_an_action.md).  The loop's plan, worked out
+once per list (:class:`ActionLoop`), gives every action an op; the library's own
+kinds (F, B, I, W, F&B, SEND) call the compute or the boundary directly, which is
+what their HANDLERS entries do, while HANDLERS holds those entries (a profiled or
+timed step, or one whose HANDLERS entry for such a kind was replaced, goes through
+the handlers).
 
 Receives are posted ``recv_lookahead`` compute actions ahead of need (metadata
 first, data the moment the metadata is in).  With ``early_small`` (a transport
