@@ -44,6 +44,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dualpipe_kernels.benchmarks.overhead_baseline import add_baseline, check_tree, run_baseline_launch
 from dualpipe_kernels.benchmarks.overhead_report import add_floor, add_ratios, case_row, combine_launches, to_markdown
 
 NAME = "overhead"
@@ -97,6 +98,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--profile-schedule", default="dualpipev", help="schedule profiled on native (default dualpipev)")
     p.add_argument("--profile-top", type=int, default=25, help="profile entries kept (default 25)")
+    p.add_argument(
+        "--baseline-tree",
+        default=None,
+        metavar="PATH",
+        help="also measure another source tree (e.g. a git worktree of the previous commit, with its compiled "
+        "extension) in child processes on PYTHONPATH=PATH, its launches taking turns with these: new/old per case",
+    )
     p.add_argument(
         "--no-pin",
         dest="no_pin",
@@ -425,22 +433,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualpipe_kernels.runtime.launch import spawn
 
     cfg = OverheadConfig.from_args(args)
+    tree = check_tree(args.baseline_tree) if getattr(args, "baseline_tree", None) else None
     bar = Progress(1, title="bench overhead")
     bar.note(f"{len(cfg.cases())} cases, {cfg.ranks} ranks x {cfg.microbatches} micro-batches, {cfg.steps} steps")
     t0 = time.perf_counter()
-    launches = []
+    launches: list[list[dict[str, Any]]] = []
+    old: list[list[dict[str, Any]]] = []
     for k in range(cfg.launches):  # the first launch also profiles
+        if tree is not None and k % 2 == 1:  # new, old, old, new, ...: neither always goes first
+            old.append(run_baseline_launch(tree, cfg))
         per_rank = spawn(_worker, cfg.ranks, cfg, k == 0, timeout_s=900, pg_timeout_s=300, threads=1)
         rows = [case_row(case, _schedule_of(case), cfg.ranks, cfg.microbatches, per_rank) for case in cfg.cases()]
         add_ratios(rows)
         launches.append(rows)
         if k == 0:
             prof = per_rank[0]["profile"]
+        if tree is not None and k % 2 == 0:
+            old.append(run_baseline_launch(tree, cfg))
     rows = combine_launches(launches)
     add_floor(rows)
+    if tree is not None:
+        add_baseline(rows, launches, old)
     bar.update(f"done in {time.perf_counter() - t0:.1f} s")
     bar.close()
     result: dict[str, Any] = {"rows": rows, "config": asdict(cfg)}
+    if tree is not None:
+        result["baseline_tree"] = str(tree)
     if isinstance(prof, str):
         result.update(profile=[], profile_self=[], profile_error=prof)
     else:

@@ -172,8 +172,20 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("ratio_to_prev_min", "min"),
         ("ratio_to_prev_max", "max"),
         ("ratio_to_tags", "ordered/torch"),
+        ("baseline_per_action_us", "old per action (us)"),
+        ("ratio_to_baseline", "new/old"),
+        ("ratio_to_baseline_min", "min"),
+        ("ratio_to_baseline_max", "max"),
         ("error", "error"),
     ]
+    if not any(r.get("ratio_to_baseline") is not None for r in result["rows"]):
+        cols = [c for c in cols if not c[0].startswith(("baseline_", "ratio_to_baseline"))]
+    if result.get("baseline_tree"):
+        head += (
+            f" 'new/old': our step over the same case's in the source tree {result['baseline_tree']} (--baseline-tree: "
+            "its launches in child processes on its own code, taking turns with these), per pair of launches, "
+            "median (min, max) over the pairs; 'old per action': its per-action cost."
+        )
     parts = [head, "", markdown_table(result["rows"], [k for k, _ in cols], [h for _, h in cols])]
     pc = result.get("profile_case", {})
     parts += ["", f"## Profile: ours on native, {pc.get('schedule')}, rank 0, {pc.get('steps')} steps (cProfile)", ""]

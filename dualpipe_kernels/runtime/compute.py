@@ -45,6 +45,9 @@ __all__ = ["ComputeState", "StageCompute", "Key"]
 Key = tuple[int, int]  # (stage, micro-batch)
 
 
+_PyFn = torch._C._FunctionBase
+
+
 def gradient_edge(t: torch.Tensor) -> GradientEdge:
     """``torch.autograd.graph.get_gradient_edge(t)`` for a tensor that requires grad, without its checks
     when ``t`` has a C++ ``grad_fn`` (once per stage output per micro-batch).  Leaves and outputs of Python
@@ -69,8 +72,14 @@ class ComputeState:
     # Per micro-batch seeds where they differ (allow_uneven: rows / batch rows), and the rows they weight.
     loss_scales: dict[int, float] = field(default_factory=dict)
     loss_rows: dict[int, int] = field(default_factory=dict)
-    # Complete the receive of (RECV type, stage, mb) if the list reached it (set by the action loop).
+    # Complete the receive of (RECV type, stage, mb) if the list reached it (set by the action loop), called
+    # only for a key in ``reached_f`` / ``reached_b`` (the loop's RECV_F / RECV_B actions reached, not yet waited
+    # for: the boundary state's own dicts, so a compute tests a key without a call).
     fetch: Callable[[ActionType, int, int], None] = field(default=lambda t, s, mb: None)
+    # Complete RECV action i and deliver its data: what fetch does once it has found i (set by the action loop).
+    receive: Callable[[int], None] = field(default=lambda i: None)
+    reached_f: dict[Key, int] = field(default_factory=dict)
+    reached_b: dict[Key, int] = field(default_factory=dict)
     inputs: dict[Key, list[Any]] = field(default_factory=dict)
     roots: dict[Key, list[tuple[GradientEdge, int]]] = field(default_factory=dict)
     loss_tensors: dict[Key, torch.Tensor] = field(default_factory=dict)
@@ -148,9 +157,11 @@ class StageCompute:
     # ---- forward ------------------------------------------------------------
     def _stage_inputs(self, st: ComputeState, s: int, mb: int) -> list[Any]:
         key = (s, mb)
-        st.fetch(T_RECV_F, s, mb)
-        if key in st.inputs:
-            return st.inputs[key]
+        if key in st.reached_f:
+            st.fetch(T_RECV_F, s, mb)
+        ins = st.inputs.get(key)
+        if ins is not None:
+            return ins
         if key in self._first_keys and mb in st.mb_inputs:
             ins = list(st.mb_inputs.pop(mb))
             st.inputs[key] = ins
@@ -160,13 +171,26 @@ class StageCompute:
     def forward(self, st: ComputeState, s: int, mb: int, module_out: Any = None, loss: Any = None) -> None:
         """F of stage ``s`` for ``mb`` (``module_out``/``loss``: already computed by an overlap hook)."""
         key = (s, mb)
-        ins = self._stage_inputs(st, s, mb)
+        i = st.reached_f.pop(key, None) if st.reached_f else None
+        if i is not None:
+            st.receive(i)  # fetch inline
+        ins = st.inputs.get(key)
+        if ins is None:
+            ins = self._stage_inputs(st, s, mb)  # a first stage's micro-batch, or an error
         is_loss = key in self._loss_keys
         labels = st.mb_labels.get(mb, ()) if is_loss else ()
         mem = self.memory
         assert mem is not None
-        if not st.mem.training or (s not in self._hooked_stages and not mem.track):
-            outs = self._run_forward(st, s, mb, ins, module_out, loss, is_loss)  # keep: no saved-tensor hooks
+        if not st.mem.training or (s not in self._hooked_stages and not mem.track):  # keep: no saved-tensor hooks
+            last = ins[-1] if ins else None
+            if module_out is None and type(last) is torch.Tensor and last.dtype is not torch.uint8:
+                # the common case inline (once per forward): plain tensor inputs (no dict's keys member)
+                module_out = self.modules[s](*ins)
+                outs = (module_out,) if type(module_out) is torch.Tensor else _as_tuple(module_out, s, is_loss)
+                if is_loss:
+                    self._loss(st, s, mb, outs, loss)
+            else:
+                outs = self._run_forward(st, s, mb, ins, module_out, loss, is_loss)
         else:
             replay = None if module_out is not None else self._replay(st, s, ins, labels, is_loss)
             with mem.saving(st.mem, s, mb, (*ins, *labels), replay):
@@ -181,13 +205,22 @@ class StageCompute:
                     f"stage {s} output {i} is a {type(o).__name__}; only tensors and None can cross a boundary"
                 )
         if not st.forward_only:
-            st.roots[key] = [(gradient_edge(o), i) for i, o in enumerate(outs) if o is not None and o.requires_grad]
+            roots = []  # a loop, not a comprehension: once per forward
+            for i, o in enumerate(outs):
+                if o is not None and o.requires_grad:
+                    fn = o.grad_fn  # gradient_edge(o) inline for a C++ grad_fn
+                    cpp = fn is not None and not isinstance(fn, _PyFn)
+                    roots.append((GradientEdge(fn, o.output_nr) if cpp else gradient_edge(o), i))
+            st.roots[key] = roots
         if self.overlap_hook and not st.forward_only:
             st.hook_outputs[key] = outs  # the hook's outputs1 for this stage's backward
         nxt, local = self._act_next[key]
         if local:
             # Same-rank handoff: cut the graph so each stage backward stays separate.
-            st.inputs[(nxt, mb)] = [None if o is None else o.detach().requires_grad_(o.requires_grad) for o in outs]
+            handed = []  # a loop, not a comprehension: once per forward
+            for o in outs:
+                handed.append(None if o is None else o.detach().requires_grad_(o.requires_grad))
+            st.inputs[(nxt, mb)] = handed
             return
         for i, o in enumerate(outs):
             if o is not None and o.requires_grad and o._base is not None:
@@ -203,7 +236,7 @@ class StageCompute:
         if module_out is None:
             args, kwargs = call_args(ins)
             module_out = self.modules[s](*args, **kwargs)
-        outs = _as_tuple(module_out, s, is_loss)
+        outs = (module_out,) if type(module_out) is torch.Tensor else _as_tuple(module_out, s, is_loss)
         if is_loss:
             self._loss(st, s, mb, outs, loss)
         return outs
@@ -240,16 +273,25 @@ class StageCompute:
     # ---- backward -----------------------------------------------------------
     def _grad_roots(self, st: ComputeState, s: int, mb: int) -> list[tuple[GradientEdge, torch.Tensor | None]]:
         key = (s, mb)
-        st.fetch(T_RECV_B, s, mb)
+        i = st.reached_b.pop(key, None) if st.reached_b else None
+        if i is not None:
+            st.receive(i)  # fetch inline
         roots = st.roots.pop(key, [])
+        out = []  # loops, not comprehensions: once per backward
         if key in self._loss_keys:
             loss = st.loss_tensors.pop(key, None)
             seed = None if loss is None else self._seed(loss, st.loss_scales.get(mb, st.loss_scale))
-            return [(e, seed) for e, _ in roots]
+            for e, _ in roots:
+                out.append((e, seed))
+            return out
         grads = st.out_grads.pop(key, None)
         if grads is None:
             raise RuntimeError(f"pipeline rank {self.rank}: backward of stage {s} micro-batch {mb} has no output grads")
-        return [(e, grads[i]) for e, i in roots if i < len(grads) and grads[i] is not None]
+        n = len(grads)
+        for e, i in roots:
+            if i < n and grads[i] is not None:
+                out.append((e, grads[i]))
+        return out
 
     def _seed(self, loss: torch.Tensor, scale: float) -> torch.Tensor:
         """The gradient seed of ``loss`` (``scale`` everywhere, like ``loss``), one tensor per kind of loss:
@@ -265,10 +307,12 @@ class StageCompute:
     def _after_backward(self, st: ComputeState, s: int, mb: int) -> None:
         """Hand the stage's input gradients to the previous stage (locally or to the outbox of a SEND_B)."""
         ins = st.inputs.pop((s, mb), [])
-        grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf else None for x in ins]
         prv, local = self._grad_prev[(s, mb)]
         if prv < 0:
             return
+        grads = []  # a loop, not a comprehension: once per backward
+        for x in ins:
+            grads.append(x.grad if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf else None)
         if local:
             st.out_grads[(prv, mb)] = grads
         else:
@@ -276,15 +320,22 @@ class StageCompute:
 
     def backward(self, st: ComputeState, s: int, mb: int, split: bool) -> None:
         """B (``split=False``) or I of stage ``s`` for ``mb``."""
-        st.hook_outputs.pop((s, mb), None)
+        if st.hook_outputs:
+            st.hook_outputs.pop((s, mb), None)
         roots = self._grad_roots(st, s, mb)
         mem = self.memory
-        mem.before_backward(st.mem, s, mb)  # type: ignore[union-attr]
+        records = st.mem.records  # empty unless a stage's policy saves through hooks: no call then
+        if records:
+            mem.before_backward(st.mem, s, mb)  # type: ignore[union-attr]
         store = self.store
         if not split:
-            with store.enabled_for(False):
-                backward_full(roots)
-            mem.release(st.mem, s, mb)  # type: ignore[union-attr]
+            if store.enabled:
+                with store.enabled_for(False):
+                    backward_full(roots)
+            else:
+                backward_full(roots)  # the store is off already: no context to enter
+            if records:
+                mem.release(st.mem, s, mb)  # type: ignore[union-attr]
         elif self.zero_bubble == "store":
             with store.enabled_for(True):
                 backward_full(roots)

@@ -48,6 +48,7 @@ from dualpipe_kernels.runtime.graphs import GraphStatus, StageGraphs
 from dualpipe_kernels.runtime.loop import ActionLoop
 from dualpipe_kernels.runtime.loss import LossReduction
 from dualpipe_kernels.runtime.memory import ActivationMemory
+from dualpipe_kernels.runtime.microbatch import SplitCache
 from dualpipe_kernels.runtime.mirror import MirrorSync, mirrors
 from dualpipe_kernels.runtime.model_options import ModelOptions
 from dualpipe_kernels.runtime.options import (
@@ -236,6 +237,7 @@ class Pipeline(PipelineStep, nn.Module):
         # micro-batches whose first / loss stage is on this rank (fixed by the schedule; read every step)
         self._first_mbs = [m for m in range(schedule.num_microbatches) if schedule.path(m)[0] in self.stages]
         self._last_mbs = [m for m in range(schedule.num_microbatches) if schedule.path(m)[-1] in self.stages]
+        self._splits = SplitCache()
         self.stage_modules = check_modules(modules, self.stages, self.rank, schedule.name)
         check_stage_devices(self.stage_modules)
         self.stage_module_dict = nn.ModuleDict({str(s): m for s, m in self.stage_modules.items()})

@@ -2,7 +2,12 @@
 
 The list is exactly the lowered schedule the simulator times (schedules.lowering).
 Each action goes to its kind's handler in :data:`HANDLERS`; a new action kind
-adds one entry there (see docs/adding_an_action.md).
+adds one entry there (see docs/adding_an_action.md).  The loop's plan, worked out
+once per list (:class:`ActionLoop`), gives every action an op; the library's own
+kinds (F, B, I, W, F&B, SEND) call the compute or the boundary directly, which is
+what their HANDLERS entries do, while HANDLERS holds those entries (a profiled or
+timed step, or one whose HANDLERS entry for such a kind was replaced, goes through
+the handlers).
 
 Receives are posted ``recv_lookahead`` compute actions ahead of need (metadata
 first, data the moment the metadata is in).  With ``early_small`` (a transport
@@ -34,6 +39,7 @@ import bisect
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -94,25 +100,25 @@ class StepRun:
     sent_early: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.cst.fetch = self.fetch
+        cst = self.cst
+        cst.fetch = self.fetch
+        # the compute tests a key in these before calling fetch (no call for data that is already local)
+        cst.reached_f, cst.reached_b = self.bst.reached_f, self.bst.reached_b
 
     def fetch(self, t: ActionType, s: int, mb: int) -> None:
         """Complete the receive ``(t, s, mb)`` if the action list has reached it, and deliver its data."""
-        reached = self.bst.reached_f if t is T_RECV_F else self.bst.reached_b
-        if not reached:
-            return
-        i = reached.pop((s, mb), None)
-        if i is None:
-            return
-        if self.profiling or self.rec.enabled:
-            self.loop._traced(self, i, self.receive, i)  # its RECV span (a wait nested in the compute's)
-        else:
-            self.receive(i)
+        i = (self.bst.reached_f if t is T_RECV_F else self.bst.reached_b).pop((s, mb), None)
+        if i is not None:
+            self.cst.receive(i)
+
+    def receive_traced(self, i: int) -> None:
+        """:meth:`receive` inside its RECV span (a wait nested in the compute's)."""
+        self.loop._traced(self, i, self.receive, i)
 
     def receive(self, i: int) -> None:
         a = self.loop.actions[i]
         tensors = self.boundary.complete_recv(self.bst, i)
-        key = (a.stage, a.microbatch)
+        key = self.loop.keys[i]
         if a.type is T_RECV_F:
             if self.cst.forward_only:
                 for x in tensors:
@@ -123,12 +129,15 @@ class StepRun:
             self.cst.out_grads[key] = tensors
 
     def send(self, i: int, a: Action) -> None:
-        key = (a.stage, a.microbatch)
+        key = self.loop.keys[i]
         cst = self.cst
         if a.type is T_SEND_F:
             tensors = cst.outbox_f.pop(key)
-            flags = [x is not None and x.requires_grad for x in tensors]
-            self.boundary.send(self.bst, i, tensors, flags, tuple(cst.hook_outputs.get(key, ())))
+            flags = []  # a loop, not a comprehension: once per send
+            for x in tensors:
+                flags.append(x is not None and x.requires_grad)
+            keep = tuple(cst.hook_outputs.get(key, ())) if cst.hook_outputs else ()
+            self.boundary.send(self.bst, i, tensors, flags, keep)
         else:
             grads = cst.outbox_b.pop(key)
             self.boundary.send(self.bst, i, grads, [False] * len(grads))
@@ -139,7 +148,7 @@ class StepRun:
         if j is None:
             self.compute.pair(self.cst, a)
         else:
-            self.compute.pair(self.cst, a, lambda: self._send_early(j))
+            self.compute.pair(self.cst, a, partial(self._send_early, j))
 
     def _send_early(self, j: int) -> None:
         a = self.loop.actions[j]
@@ -174,10 +183,16 @@ HANDLERS: dict[ActionType, Handler] = {
 }
 """Action kind -> what this rank does for it.  Constant in the library; a test may add an entry (monkeypatch)."""
 
+_LIBRARY: dict[ActionType, Handler] = dict(HANDLERS)  # the library's own entries (the plan's direct ops)
+
 _RECVS = frozenset({T_RECV_F, T_RECV_B})
 # Action kinds as small ints for the loop (an enum's hash is a Python call); gradient work, skipped under
 # no_grad, is >= _K_GRAD_WORK.
 _K_OTHER, _K_RECV_F, _K_GRAD_WORK, _K_RECV_B = 0, 1, 2, 3
+# What the loop does for an action (its plan's op): the library's own kinds run without a handler call when
+# HANDLERS still holds the library's entries for them; _OP_HANDLER: through HANDLERS (a kind a test added).
+_OP_HANDLER, _OP_RECV, _OP_F, _OP_B, _OP_I, _OP_W, _OP_NOP, _OP_PAIR, _OP_SEND = range(9)
+_OPS = {T_F: _OP_F, T_B: _OP_B, T_I: _OP_I, T_W: _OP_W, T_PAIR: _OP_PAIR, T_SEND_F: _OP_SEND, T_SEND_B: _OP_SEND}
 
 
 def _kind(t: ActionType) -> int:
@@ -225,9 +240,9 @@ def early_sends(actions: Sequence[Action]) -> dict[int, int]:
 class ActionLoop:
     """Runs one rank's lowered list (``actions``) with receives posted ``recv_lookahead`` computes ahead.
 
-    Everything that depends only on the list is worked out once here (so the
-    per-action work of a step stays small): the receives to post before each action, each
-    action's kind as a small int, the timeline labels.
+    Everything that depends only on the list is worked out once here, a plan of the step
+    (so the per-action work of a step stays small): the receives to post before each action, each
+    action's kind and op as small ints, its ``(stage, micro-batch)``, the timeline labels.
     """
 
     def __init__(self, actions: Sequence[Action], recv_lookahead: int, early_small: bool = False) -> None:
@@ -237,6 +252,7 @@ class ActionLoop:
         self.recvs = tuple(i for i, a in enumerate(self.actions) if a.type in _RECVS)
         self.recvs_forward = tuple(i for i in self.recvs if self.actions[i].type is T_RECV_F)
         self.labels = [str(a) for a in self.actions]  # timeline labels, built once
+        self.keys = [(a.stage, a.microbatch) for a in self.actions]
         # posts[i]: the RECV actions whose receives are posted right before action i runs
         self.posts: list[tuple[int, ...]] = []
         done = 0
@@ -247,6 +263,7 @@ class ActionLoop:
         # Handlers are looked up per step by type (a test may add a kind): once per distinct type.
         self.types = list(dict.fromkeys(a.type for a in self.actions))
         self.type_index = [self.types.index(a.type) for a in self.actions]
+        self.ops = [_OP_RECV if a.type in _RECVS else _OPS.get(a.type, _OP_HANDLER) for a in self.actions]
         # An I directly followed by its own W runs as one B (the same gradients, one backward pass); the W's
         # slot runs nothing, but stays in the list (its timeline span, the DP hooks keyed by its index).
         self.fused = fused_input_weight(self.actions)
@@ -256,6 +273,7 @@ class ActionLoop:
             for i in self.fused:
                 self.type_index[i] = self.types.index(T_B)
                 self.type_index[i + 1] = len(self.types)  # the no-op slot after the types' handlers
+                self.ops[i], self.ops[i + 1] = _OP_B, _OP_NOP
         self.early_send = early_sends(self.actions)
 
     def run(self, run: StepRun) -> None:
@@ -264,15 +282,22 @@ class ActionLoop:
         # Read once per step: entering record_function costs microseconds even with no profiler on.
         run.profiling = profiling = torch.autograd.profiler._is_profiler_enabled
         traced = profiling or rec.enabled
-        memory = run.compute.memory
-        assert memory is not None and run.cst.mem is not None  # both set by the pipeline before a step
+        compute, cst = run.compute, run.cst
+        cst.receive = run.receive_traced if traced else run.receive
+        memory = compute.memory
+        assert memory is not None and cst.mem is not None  # both set by the pipeline before a step
         # Actions before which the memory plan starts reloads (empty unless a stage offloads): a set test per action.
-        reloads = memory.plan.reload_at if run.cst.mem.training else {}
+        offloads = any(p.kind == "offload" for p in memory.policies.values())  # only they reload or settle
+        reloads = memory.plan.reload_at if cst.mem.training and offloads else {}
         by_type: list[Handler | None] = [HANDLERS.get(t) for t in self.types]
         by_type.append(_fused_weight)
-        type_index = self.type_index
+        # The plan's direct ops stand for the library's handlers; a test that replaced one gets it called.
+        direct = not traced and all(HANDLERS.get(t) is h for t, h in _LIBRARY.items())
+        ops = self.ops if direct else [_OP_RECV if op == _OP_RECV else _OP_HANDLER for op in self.ops]
+        type_index, keys, early_send = self.type_index, self.keys, self.early_send
         hooks = run.done_hooks
         sent_early = run.sent_early
+        posted, reached_f, reached_b = bst.recvs, bst.reached_f, bst.reached_b
         if self.early_small:
             boundary.post_repeats(bst, self.recvs_forward if forward_only else self.recvs)
         for i, kind in enumerate(kinds):
@@ -280,7 +305,7 @@ class ActionLoop:
             # this one (double buffering with the default 2: while compute i runs,
             # the data of computes i+1 and i+2 is already on its way).
             for j in posts[i]:
-                if not (forward_only and kinds[j] == _K_RECV_B):
+                if j not in posted and not (forward_only and kinds[j] == _K_RECV_B):
                     boundary.post_recv(bst, j)
             if bst.watch:
                 boundary.progress(bst)
@@ -291,22 +316,39 @@ class ActionLoop:
             if sent_early and i in sent_early:  # posted by its F&B pair between the halves
                 sent_early.discard(i)
                 continue
-            if kind == _K_RECV_F or kind == _K_RECV_B:
-                a = acts[i]
-                boundary.post_recv(bst, i)
-                (bst.reached_f if kind == _K_RECV_F else bst.reached_b)[(a.stage, a.microbatch)] = i
+            op = ops[i]
+            if op == _OP_RECV:
+                if i not in posted:
+                    boundary.post_recv(bst, i)
+                (reached_f if kind == _K_RECV_F else reached_b)[keys[i]] = i
                 continue
             if i in reloads:
-                memory.at_action(run.cst.mem, i)  # reloads the plan starts here
-            handler = by_type[type_index[i]]
-            if handler is None:
-                raise ValueError(
-                    f"pipeline rank {boundary.rank}: no runtime handler for action kind {acts[i].type} ({acts[i]})"
-                )
-            if traced:
-                self._traced(run, i, handler, run, i, acts[i])
-            else:
-                handler(run, i, acts[i])
+                memory.at_action(cst.mem, i)  # reloads the plan starts here
+            if op == _OP_F:
+                compute.forward(cst, *keys[i])
+            elif op == _OP_SEND:
+                run.send(i, acts[i])
+            elif op == _OP_B:
+                compute.backward(cst, *keys[i], False)
+            elif op == _OP_PAIR:
+                if i in early_send:
+                    run.pair(i, acts[i])
+                else:
+                    compute.pair(cst, acts[i])
+            elif op == _OP_I:
+                compute.backward(cst, *keys[i], True)
+            elif op == _OP_W:
+                compute.weight(cst, *keys[i])
+            elif op == _OP_HANDLER:
+                handler = by_type[type_index[i]]
+                if handler is None:
+                    raise ValueError(
+                        f"pipeline rank {boundary.rank}: no runtime handler for action kind {acts[i].type} ({acts[i]})"
+                    )
+                if traced:
+                    self._traced(run, i, handler, run, i, acts[i])
+                else:
+                    handler(run, i, acts[i])
             if hooks and i in hooks:
                 hooks[i]()
         run.finish()

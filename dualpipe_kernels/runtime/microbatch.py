@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["split_microbatches", "merge_microbatches", "batch_size_of"]
+__all__ = ["split_microbatches", "merge_microbatches", "batch_size_of", "SplitCache"]
 
 
 def batch_size_of(values: Sequence[Any], batch_dim: int = 0) -> int | None:
@@ -64,6 +64,52 @@ def split_microbatches(
     if not pieces:
         return [() for _ in range(num_microbatches)]
     return list(zip(*pieces, strict=True))  # micro-batch m: (piece m of each value), no per-item Python call
+
+
+#: per value: its shape, dtype and device when it is split (a tensor of >= 1 dimension), else None
+_Signature = tuple[tuple[torch.Size, torch.dtype, torch.device] | None, ...]
+
+
+def _signature(values: Sequence[Any]) -> _Signature:
+    out: list[tuple[torch.Size, torch.dtype, torch.device] | None] = []
+    for v in values:  # a loop, not a generator: once per step
+        out.append((v.shape, v.dtype, v.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else None)
+    return tuple(out)
+
+
+class SplitCache:
+    """:func:`split_microbatches` for a step that repeats the last step's batch shape (a training loop).
+
+    Per argument kind (``"inputs"``, ``"labels"``) it remembers the signature of the last batch that passed
+    the checks (each value's shape, dtype and device, or that it is a side input) with its micro-batch
+    count, ``batch_dim`` and ``uneven``: a batch with the same signature is split at once, without the
+    checks, which only read that signature.  The split itself always runs (``torch.tensor_split``: one
+    call per tensor), so the micro-batches are views of the tensors passed now, whatever their data
+    (the cache holds no tensor).  ``hits``: splits that skipped the checks.
+    """
+
+    def __init__(self) -> None:
+        self._checked: dict[str, tuple[_Signature, int, int, bool]] = {}
+        self.hits = 0
+
+    def split(
+        self, kind: str, values: Sequence[Any], num_microbatches: int, batch_dim: int = 0, uneven: bool = True
+    ) -> list[tuple[Any, ...]]:
+        """``split_microbatches(values, num_microbatches, batch_dim, uneven)`` (``kind``: which arguments)."""
+        key = (_signature(values), num_microbatches, batch_dim, uneven)
+        if self._checked.get(kind) != key:
+            out = split_microbatches(values, num_microbatches, batch_dim, uneven)  # the checks, then the split
+            self._checked[kind] = key
+            return out
+        self.hits += 1
+        if not values:
+            return [() for _ in range(num_microbatches)]
+        pieces: list[Any] = []
+        for v, e in zip(values, key[0], strict=True):
+            pieces.append(
+                torch.tensor_split(v, num_microbatches, dim=batch_dim) if e is not None else [v] * num_microbatches
+            )
+        return list(zip(*pieces, strict=True))
 
 
 def merge_microbatches(chunks: Sequence[Sequence[torch.Tensor]], batch_dim: int = 0) -> tuple[torch.Tensor, ...]:

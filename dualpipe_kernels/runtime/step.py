@@ -25,7 +25,7 @@ from dualpipe_kernels.runtime.graphs import StageGraphs
 from dualpipe_kernels.runtime.loop import ActionLoop, StepRun
 from dualpipe_kernels.runtime.loss import LossReduction
 from dualpipe_kernels.runtime.memory import ActivationMemory
-from dualpipe_kernels.runtime.microbatch import batch_size_of, split_microbatches
+from dualpipe_kernels.runtime.microbatch import SplitCache, batch_size_of
 from dualpipe_kernels.runtime.model_options import ModelOptions
 from dualpipe_kernels.runtime.peer_watch import PeerWatch
 from dualpipe_kernels.runtime.result import StepResult
@@ -72,6 +72,7 @@ class PipelineStep(PipelineConveniences):
     _watch: PeerWatch | None
     _first_mbs: list[int]
     _last_mbs: list[int]
+    _splits: SplitCache  # the checks of the last batch shape, per argument kind
 
     # ---- the step ---------------------------------------------------------
     def step(
@@ -203,12 +204,12 @@ class PipelineStep(PipelineConveniences):
         if pre_in is not None:
             split_in = pre_in if first else []
         else:
-            split_in = split_microbatches(inputs, n, bd, uneven) if first else []
+            split_in = self._splits.split("inputs", inputs, n, bd, uneven) if first else []
         want_labels = bool(last) and criterion is not None
         if pre_lab is not None:
             split_lab = pre_lab if want_labels else []
         else:
-            split_lab = split_microbatches(labels, n, bd, uneven) if want_labels else []
+            split_lab = self._splits.split("labels", labels, n, bd, uneven) if want_labels else []
         scale = 1.0 / n if self.scale_grads else 1.0
         loss_scales: dict[int, float] = {}
         loss_rows: dict[int, int] = {}

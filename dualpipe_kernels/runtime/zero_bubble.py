@@ -188,8 +188,17 @@ def _has_none(items: Sequence[object]) -> bool:
 
 def backward_full(roots: Sequence[tuple[GradientEdge, torch.Tensor | None]]) -> None:
     """Full backward from ``(edge, grad)`` roots (grad None: a scalar loss, gradient 1)."""
-    if roots:
-        _backward(roots)
+    if not roots:
+        return
+    if _ENGINE_RUN is not None:  # :func:`_backward` inline (once per backward): the engine call when no grad is None
+        edges, grads = zip(*roots, strict=True)
+        for g in grads:
+            if g is None:
+                break
+        else:
+            _ENGINE_RUN(edges, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
+            return
+    _backward(roots)
 
 
 def _is_custom(node: Node) -> bool:

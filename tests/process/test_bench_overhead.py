@@ -143,3 +143,31 @@ def test_floor_step_runs_each_compute_action_of_the_rank_once(monkeypatch: pytes
     step()
     assert calls["backward"] == sum(1 for a in halves if a.type in (T_B, T_I))
     assert sum(1 for a in halves if a.type is T_F) == 2 * 4  # two stage chunks x 4 micro-batches
+
+
+def test_baseline_tree_measures_another_source_tree_side_by_side(tmp_path: Path) -> None:
+    """--baseline-tree: the same cases of another tree (here this one, in its own child processes), new/old
+    per pair of launches; a path that is no source tree is a clear error before anything runs."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    base = [sys.executable, "-m", "dualpipe_kernels", "bench", "overhead", "--quick", "--json", "--no-plots"]
+    quick = ["--schedules", "dualpipev", "--transports", "native", "--no-torch", "--no-floor", "--steps", "2"]
+    bad = subprocess.run(
+        [*base, "--out", str(tmp_path / "bad"), "--baseline-tree", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    assert bad.returncode != 0 and f"--baseline-tree {tmp_path}: no dualpipe_kernels/__init__.py" in bad.stderr
+    proc = subprocess.run(
+        [*base, *quick, "--out", str(tmp_path / "ok"), "--baseline-tree", str(root)],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout)
+    assert res["baseline_tree"] == str(root)
+    (row,) = res["rows"]
+    assert row["baseline_pairs"] == 1 and row["baseline_step_s"] > 0
+    # one pair of launches: the median is that pair's ratio
+    assert row["ratio_to_baseline"] == row["step_s"] / row["baseline_step_s"] == row["ratio_to_baseline_min"]
+    assert abs(row["baseline_per_action_us"] - row["baseline_step_s"] / row["compute_actions"] * 1e6) < 1e-6
+    md = (tmp_path / "ok" / "overhead.md").read_text()
+    assert "new/old" in md and str(root) in md

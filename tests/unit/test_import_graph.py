@@ -90,8 +90,8 @@ BENCHMARKS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundations", ("common", "metrics", "payload", "sleep_stages", "in_situ_costs")),
     # helpers of several suites
     ("helpers", ("compute_floor", "peers", "moe_block", "sleep_runs", "moe_ranks", "cuda_ipc_bare")),
-    # reports and row fields of one suite (they import no suite)
-    ("reports", ("overhead_report", "schedules_report", "schedules_short", "cuda_ipc_report")),
+    # reports and row fields of one suite, and overhead's baseline tree runs (they import no suite)
+    ("reports", ("overhead_report", "overhead_baseline", "schedules_report", "schedules_short", "cuda_ipc_report")),
     # the suites (memory_gpu extends memory)
     (
         "suites",

@@ -59,3 +59,46 @@ def test_the_mean_loss_is_worked_out_once_and_only_when_read():
     assert res.loss is not None and res.loss.item() == 1.75
     assert res.loss.item() == 1.75 and calls == [1]
     assert StepResult(losses={}, outputs=None, timeline=[], step_time_s=0.0).loss is None
+
+
+def test_a_repeated_batch_shape_skips_the_checks_and_splits_the_tensors_passed_now():
+    from dualpipe_kernels.runtime.microbatch import SplitCache, split_microbatches
+
+    cache = SplitCache()
+    x, y = torch.arange(24.0).reshape(12, 2), torch.arange(12)
+    first = cache.split("inputs", (x, "side", y), 4)
+    assert cache.hits == 0
+    for got, want in zip(first, split_microbatches((x, "side", y), 4), strict=True):
+        assert got[1] == "side" and all(torch.equal(a, b) for a, b in zip(got[::2], want[::2], strict=True))
+    # the same shapes again, new tensors and another side input: views of these, not of the first batch
+    x2, y2, side = torch.randn(12, 2), torch.randint(0, 9, (12,)), object()
+    again = cache.split("inputs", (x2, side, y2), 4)
+    assert cache.hits == 1
+    for m, (a, s, b) in enumerate(again):
+        assert a._base is x2 and b._base is y2 and s is side
+        assert torch.equal(a, x2[3 * m : 3 * m + 3]) and torch.equal(b, y2[3 * m : 3 * m + 3])
+    x2.mul_(2)  # views: the data as it is when the stage reads it
+    assert torch.equal(again[0][0], x2[:3])
+    # the same tensors once more: still their views
+    assert cache.split("inputs", (x2, side, y2), 4)[1][0].data_ptr() == x2[3].data_ptr() and cache.hits == 2
+    # labels are their own kind: their first split is checked
+    cache.split("labels", (y2,), 4)
+    assert cache.hits == 2
+
+
+def test_a_batch_of_another_shape_is_checked_again():
+    import pytest
+
+    from dualpipe_kernels.runtime.microbatch import SplitCache
+
+    cache = SplitCache()
+    cache.split("inputs", (torch.zeros(8, 2),), 4)
+    with pytest.raises(ValueError, match="smaller than the schedule's 4 micro-batches"):
+        cache.split("inputs", (torch.zeros(3, 2),), 4)
+    with pytest.raises(ValueError, match="argument 1 has 6 rows"):
+        cache.split("inputs", (torch.zeros(8, 2), torch.zeros(6)), 4)
+    with pytest.raises(ValueError, match="does not divide"):
+        cache.split("inputs", (torch.zeros(10, 2),), 4, uneven=False)
+    assert [t[0].shape[0] for t in cache.split("inputs", (torch.zeros(10, 2),), 4)] == [3, 3, 2, 2]
+    assert [t[0].shape[0] for t in cache.split("inputs", (torch.ones(10, 2),), 4)] == [3, 3, 2, 2]
+    assert cache.hits == 1

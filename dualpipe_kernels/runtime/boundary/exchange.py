@@ -24,10 +24,10 @@ import torch
 from dualpipe_kernels.runtime.boundary.codec import BoundaryFormat
 from dualpipe_kernels.runtime.boundary.header import TagSpace
 from dualpipe_kernels.runtime.boundary.layout_memory import Channels, LayoutMemory, MessageKey
-from dualpipe_kernels.runtime.boundary.repeat import RepeatRecvOp, SmallSend, post_repeat, same_signature
+from dualpipe_kernels.runtime.boundary.repeat import SENT, RepeatRecvOp, SmallSend, post_repeat, same_signature
 from dualpipe_kernels.runtime.boundary.transfer import BoundaryRecv, BoundarySend
 from dualpipe_kernels.schedules.deps import ROLE_RECV, Program
-from dualpipe_kernels.schedules.ir import T_RECV_B, T_SEND_B, T_SEND_F, Action
+from dualpipe_kernels.schedules.ir import T_RECV_B, T_RECV_F, T_SEND_B, T_SEND_F, Action
 from dualpipe_kernels.transport.base import Transport
 
 __all__ = ["Boundary", "BoundaryState", "Wire", "pair_orders", "pair_order_digest"]
@@ -132,8 +132,12 @@ class Boundary:
 
     def __post_init__(self) -> None:
         self.channels: Channels = self.wire.layouts.channels(self.wire.transport)
+        self._data = self.channels.data  # where repeated messages go (a property: read once)
         if self.channels.ordered is not None:
             self._order_receives()
+        for i, a in enumerate(self.actions):  # every route resolved now, not in a step
+            if a.type in (T_SEND_F, T_SEND_B, T_RECV_F, T_RECV_B):
+                self._route(i)
 
     def _order_receives(self) -> None:
         """Place each RECV action of this rank in its sender's order (:func:`pair_orders`)."""
@@ -212,14 +216,19 @@ class Boundary:
                 self._post_one(st, j, False)
             st.cursor[src] = n + 1
             return
-        self._post_one(st, i, repeats_only)
+        r = self._routes[i]
+        repeat = self.wire.layouts.repeat_recv.get(r.key)
+        if repeat is not None:  # _post_one's first case inline (once per receive)
+            st.recvs[i] = post_repeat(self.wire.layouts, repeat, self._data, r.peer, r.meta_tag, r.what)
+        else:
+            self._post_one(st, i, repeats_only)
 
     def _post_one(self, st: BoundaryState, i: int, repeats_only: bool) -> None:
-        r = self._routes.get(i) or self._route(i)  # cached after the first step: no call
+        r = self._routes[i]  # resolved at construction
         w = self.wire
         repeat = w.layouts.repeat_recv.get(r.key)
         if repeat is not None:  # the layout of the last step's message, inline (repeat.py)
-            st.recvs[i] = post_repeat(w.layouts, repeat, self.channels.data, r.peer, r.meta_tag, r.what)
+            st.recvs[i] = post_repeat(w.layouts, repeat, self._data, r.peer, r.meta_tag, r.what)
             return
         if repeats_only:
             return
@@ -242,7 +251,8 @@ class Boundary:
 
     def complete_recv(self, st: BoundaryState, i: int) -> list[torch.Tensor | None]:
         """Wait for RECV action ``i``'s data (posting it first if the window has not)."""
-        self.post_recv(st, i)
+        if i not in st.recvs:
+            self.post_recv(st, i)
         recv = st.recvs.pop(i)
         w = self.wire
         device = w.device
@@ -252,7 +262,7 @@ class Boundary:
             if tensors is not None:
                 return tensors
             # The sender's layout changed: the general protocol reads what arrived.
-            r = self._route(i)
+            r = self._routes[i]
             posted = (recv.handle, recv.buf)
             recv = BoundaryRecv(w.transport, r.peer, w.tags, r.key, r.what, device, w.layouts, r.fmt, posted)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
@@ -268,12 +278,14 @@ class Boundary:
         keep: tuple[torch.Tensor, ...] = (),
     ) -> None:
         """Post SEND action ``i`` of ``tensors``; ``keep``: hook outputs whose storage goes once sent."""
-        r = self._routes.get(i) or self._route(i)
+        r = self._routes[i]
         w = self.wire
         repeat = None if keep else w.layouts.repeat_send.get(r.key)
         if repeat is not None and same_signature(repeat.sig, tensors, grad_flags):
             # The layout of the last step's message, which the receiver posted inline (repeat.py).
-            st.small_sends.append(repeat.post(self.channels.data, tensors, r.peer, r.meta_tag, r.what))
+            small = repeat.post(self._data, tensors, r.peer, r.meta_tag, r.what)
+            if small is not SENT:  # delivered already (gathered into the ring): nothing to wait for
+                st.small_sends.append(small)
             nbytes = repeat.plan.nbytes
         else:
             send = BoundarySend(w.transport, tensors, grad_flags, r.peer, w.tags, r.key, r.what, w.layouts, r.fmt)

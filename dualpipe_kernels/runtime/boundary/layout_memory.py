@@ -103,6 +103,9 @@ class LayoutMemory:
         # Dropped whenever a message of that key takes the general path.
         self.repeat_send: dict[MessageKey, Any] = {}
         self.repeat_recv: dict[MessageKey, Any] = {}
+        #: the receive entries' views into pooled buffers, per (layout, inline plan): shared by every key of that
+        #: layout, since the pool hands a key a different one of the same few buffers from step to step
+        self.repeat_views: dict[tuple[Any, ...], dict[int, Any]] = {}
         self._channels: Channels | None = None
 
     def channels(self, transport: Transport) -> Channels:
@@ -144,4 +147,5 @@ class LayoutMemory:
         self.inline_plans.clear()
         self.repeat_send.clear()
         self.repeat_recv.clear()
+        self.repeat_views.clear()
         self.pool.clear()

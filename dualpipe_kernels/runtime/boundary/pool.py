@@ -19,22 +19,23 @@ class BufferPool:
     def __init__(self, max_per_size: int = 64) -> None:
         self.max_per_size = max_per_size
         self.allocations = 0
-        self._free: dict[int, list[torch.Tensor]] = {}
+        #: the free buffers by size (a repeated message's receive takes and gives one inline: no call)
+        self.free: dict[int, list[torch.Tensor]] = {}
 
     def take(self, nbytes: int) -> torch.Tensor:
-        free = self._free.get(nbytes)
+        free = self.free.get(nbytes)
         if free:
             return free.pop()
         self.allocations += 1
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
     def give(self, buf: torch.Tensor) -> None:
-        free = self._free.setdefault(buf.numel(), [])
+        free = self.free.setdefault(buf.numel(), [])
         if len(free) < self.max_per_size:
             free.append(buf)
 
     def free_bytes(self) -> int:
-        return sum(b.numel() for bufs in self._free.values() for b in bufs)
+        return sum(b.numel() for bufs in self.free.values() for b in bufs)
 
     def clear(self) -> None:
-        self._free.clear()
+        self.free.clear()

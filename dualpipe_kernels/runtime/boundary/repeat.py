@@ -55,6 +55,7 @@ __all__ = [
     "RepeatRecv",
     "RepeatRecvOp",
     "SmallSend",
+    "SENT",
     "signature",
     "same_signature",
     "header_bytes",
@@ -63,7 +64,9 @@ __all__ = [
     "post_repeat",
 ]
 
-_MAX_VIEWS = 16  # pooled buffers remembered per entry (the receive window needs a few)
+#: pooled buffers whose views are remembered per layout: as many as the pool keeps free per size (every receive
+#: of a step may be in flight at once when repeats are posted at its start: gloo's early_small)
+_MAX_VIEWS = 64
 
 #: data bytes from which a repeated one-tensor message received on the host is handed over: the tensor is
 #: made on the storage of the buffer it arrived in, a new one per message, instead of cloned out of a pooled
@@ -152,7 +155,7 @@ class SmallSend:
             self._handle = self._buf = None
 
 
-_SENT = SmallSend(None, None)  # a message the transport took at once (gathered into its ring)
+SENT = SmallSend(None, None)  # a message the transport took at once (gathered into its ring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,11 +196,11 @@ class RepeatSend:
                     pieces.append((META_BYTES + off, t))
             try:
                 if gather(pieces, META_BYTES + self.plan.nbytes, peer, tag):
-                    return _SENT
+                    return SENT
             except ValueError:
                 pass  # a non-contiguous or device tensor: the buffer below copies it
         reuse = self.reuse
-        if reuse and reuse[2].done:
+        if reuse and reuse[2]._handle is None:  # its last send was waited for (SmallSend.done inline)
             buf, views = reuse[0], reuse[1]
             for v, t in zip(views, tensors, strict=True):
                 if v is not None:
@@ -221,6 +224,9 @@ class RepeatRecv:
     tensor's typed view into the buffer (``none`` format), so that reading a
     message is a compare and a clone per tensor.  An entry holds its buffer, so
     the ``id`` it is keyed by stays that buffer's; at most ``_MAX_VIEWS`` are kept.
+    The entries of one layout share this dict (LayoutMemory.repeat_views): a key's
+    next message comes in another of the pool's buffers of that size, whose views
+    another key of the layout made.
     """
 
     header: bytes  # its metadata header, as it arrived
@@ -273,14 +279,22 @@ class RepeatRecvOp:
             out = _handed_over(buf, e.layout, e.plan)  # the tensor keeps the buffer; it never returns to the pool
             self.buf = None  # type: ignore[assignment]  # the tensor is the storage's only holder once read
         else:
-            header, views = e.views_of(buf)
+            hit = e.views.get(id(buf))  # views_of inline when they are there (once per message)
+            header, views = (hit[1], hit[2]) if hit is not None and hit[0] is buf else e.views_of(buf)
             if header.tobytes() != e.header:
                 return None
             if views is not None and device.type == "cpu":
-                out = [None if v is None else v.clone() for v in views]
+                out = []  # a loop, not a comprehension: once per message
+                for v in views:
+                    out.append(None if v is None else v.clone())
             else:
                 out = read(buf, e.codec, e.layout, e.plan, device)
-            memory.pool.give(buf)  # copied out: free again
+            pool = memory.pool  # copied out: free again (pool.give inline)
+            free = pool.free.get(buf.numel())
+            if free is not None and len(free) < pool.max_per_size:
+                free.append(buf)
+            else:
+                pool.give(buf)
         for t, g in zip(out, e.grads, strict=True):
             if g and t is not None:
                 t.requires_grad_(True)
@@ -294,5 +308,6 @@ def post_repeat(
     if entry.handover:
         buf = torch.empty(entry.nbytes, dtype=torch.uint8, device="cpu")
     else:
-        buf = memory.pool.take(entry.nbytes)
+        free = memory.pool.free.get(entry.nbytes)  # pool.take inline (once per receive)
+        buf = free.pop() if free else memory.pool.take(entry.nbytes)
     return RepeatRecvOp(entry, transport.irecv(buf, peer, tag, what), buf)

@@ -102,6 +102,7 @@ def _codec(memory: LayoutMemory | None, fmt: BoundaryFormat | str, direction: in
 def _channels(memory: LayoutMemory | None, transport: Transport) -> Channels:
     return memory.channels(transport) if memory is not None else Channels.of(transport)
 
+
 __all__ = [
     "Channels",
     "META_LEN",
@@ -325,9 +326,7 @@ class BoundaryRecv:
         direction, stage, mb = self._key
         to = self._channels.data if base == SPEC_BASE else self._channels.fresh
         return [
-            to.irecv(
-                buf, self._peer, self._tags.tag(direction, stage, mb, base + slot), f"{self.what} data {slot}"
-            )
+            to.irecv(buf, self._peer, self._tags.tag(direction, stage, mb, base + slot), f"{self.what} data {slot}")
             for slot, buf in buffers
         ]
 
@@ -387,6 +386,7 @@ class BoundaryRecv:
             self._memory.repeat_recv[self._key] = RepeatRecv(
                 header_bytes(buf), buf.numel(), self._codec, layout, self._inline, grads,
                 handover=handover(layout, self._inline, self._device),
+                views=self._memory.repeat_views.setdefault((layout, self._inline), {}),
             )  # fmt: skip
         else:
             self._tensors, self._buffers = self._codec.alloc(layout, self._device)
