@@ -457,7 +457,9 @@ TEST(ShmGather, DeclinesWhenTheRingIsFullOrASendIsQueuedAndKeepsPostOrder) {
   auto r1 = p.rx->post(d1.data(), d1.size(), 1, 0);
   ASSERT_TRUE(r1->wait(10.0));
   // A slot is free again but a send is still queued ahead: declined, so post order holds.
-  if (!queued->query()) EXPECT_FALSE(p.tx->try_post_gather({{0, last.data(), last.size()}}, 64, 1, 0));
+  if (!queued->query()) {
+    EXPECT_FALSE(p.tx->try_post_gather({{0, last.data(), last.size()}}, 64, 1, 0));
+  }
   auto r2 = p.rx->post(d2.data(), d2.size(), 1, 0);
   auto r3 = p.rx->post(d3.data(), d3.size(), 1, 0);
   ASSERT_TRUE(r2->wait(10.0));
