@@ -210,8 +210,11 @@ bench() {
   else
     echo "bench kernels: no --dtypes option in this tree: its default input dtype only"
   fi
-  timeout 60 "$PY" -m dualpipe_kernels bench kernels --json --no-plots --out "$WORK/bench" --samples 5 \
-    --sizes 67108864,268435456 "${dtypes[@]}" >"$WORK/bench/kernels.stdout.json" || rc=1
+  # (dry run: one small size, one sample: the same kernels under the Triton interpreter, in seconds, not 60+)
+  local sizes=(--samples 5 --sizes 67108864,268435456)
+  [[ "${DRY:-0}" == 1 ]] && sizes=(--samples 1 --sizes 65536)
+  timeout 60 "$PY" -m dualpipe_kernels bench kernels --json --no-plots --out "$WORK/bench" "${sizes[@]}" \
+    "${dtypes[@]}" >"$WORK/bench/kernels.stdout.json" || rc=1
   # the engine against its bare ceiling (context hop; ping-pong with a copy from the peer's IPC-mapped
   # buffer), 256 B .. 256 MiB, and the compute + transfer overlap; then its host cost over the fake device
   timeout 60 "$PY" -m dualpipe_kernels bench cuda_ipc --json --no-plots --out "$WORK/bench" --iters 3 \
@@ -245,8 +248,11 @@ bench() {
 }
 
 hostcpu() {
+  # (dry run: one launch of the row instead of three: the same 4 x 16 row, a third of the time)
+  local launches=()
+  [[ "${DRY:-0}" == 1 ]] && launches=(--short-launches 1)
   timeout 55 "$PY" -m dualpipe_kernels bench schedules --short-chunks-only --json --no-plots --out "$WORK/bench" \
-    >"$WORK/bench/schedules_short.stdout.json"
+    "${launches[@]}" >"$WORK/bench/schedules_short.stdout.json"
 }
 
 mkdir -p "$WORK/bench/variants" "$WORK/bench/fake"
@@ -257,7 +263,7 @@ run_step build "$LIMIT_BUILD" bash -c "$(declare -f build); PY='$PY' WORK='$WORK
 run_step gpu "$LIMIT_GPU" "$PY" -m pytest -m "gpu or device_build" tests/unit/test_kernels_pack.py tests/process/test_cuda_ipc_engine.py \
   tests/process/test_transport_per_peer_gpu.py tests/unit/test_graphs_gpu.py -v -rA --continue-on-collection-errors \
   -p no:cacheprovider --timeout 30 --junitxml="$OUTDIR/junit-gpu.xml"
-run_step bench "$LIMIT_BENCH" bash -c "$(declare -f bench); PY='$PY' WORK='$WORK' bench"
+run_step bench "$LIMIT_BENCH" bash -c "$(declare -f bench); PY='$PY' WORK='$WORK' DRY='$DRY' bench"
 run_step transport "$LIMIT_TRANSPORT" "$PY" -m pytest tests/process/test_cuda_ipc.py -v -rA -p no:cacheprovider \
   --timeout 60 --junitxml="$OUTDIR/junit-transport.xml"
 # the demo over the CUDA IPC engine (--transport native), then over auto (the torch transport on GPUs)
@@ -274,7 +280,7 @@ wire() {
 run_step wire "$LIMIT_WIRE" bash -c "$(declare -f wire); PY='$PY' WORK='$WORK' DRY='$DRY' wire"
 run_step compat "$LIMIT_COMPAT" "$PY" -m pytest -m gpu tests/process/test_compat.py -v -rA -p no:cacheprovider \
   --timeout 40 --junitxml="$OUTDIR/junit-compat.xml"
-run_step hostcpu "$LIMIT_HOSTCPU" bash -c "$(declare -f hostcpu); PY='$PY' WORK='$WORK' hostcpu"
+run_step hostcpu "$LIMIT_HOSTCPU" bash -c "$(declare -f hostcpu); PY='$PY' WORK='$WORK' DRY='$DRY' hostcpu"
 
 # ---------------------------------------------------------------------------
 # report (python if it runs, else a minimal one from bash), then the log archive
