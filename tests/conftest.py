@@ -35,11 +35,18 @@ try:
 except ImportError:  # hypothesis is a test dependency; conftest must not fail without it
     pass
 
+# Ranks start forked from a server that imported torch once (runtime.launch.start_method): ~0.1 s a rank
+# instead of ~2 s of CPU for a fresh interpreter, over a few hundred launches.  Command-line tests run
+# as subprocesses inherit it.  DPK_START_METHOD=spawn runs the suite the default way; test_launch_failures
+# runs its checks under both.
+os.environ.setdefault("DPK_START_METHOD", "forkserver")
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 #: the helper modules (toy models, rank functions, fake transports), imported by bare name
 SUPPORT_DIR = os.path.join(TESTS_DIR, "support")
 if SUPPORT_DIR not in sys.path:
     sys.path.insert(0, SUPPORT_DIR)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test of tests/process ``process`` (``-m "not process"`` runs the in-process room only)."""

@@ -25,3 +25,8 @@ def one_dies(rank: int, world: int, sleep_s: float) -> int:
 def all_fine(rank: int, world: int, sleep_s: float) -> int:
     time.sleep(sleep_s)
     return rank * 10
+
+
+def env_of(rank: int, world: int, names: tuple[str, ...]) -> list[str | None]:
+    """The values of the environment variables ``names`` in this rank."""
+    return [os.environ.get(n) for n in names]
