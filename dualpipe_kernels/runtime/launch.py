@@ -134,13 +134,6 @@ def start_method() -> str:
     return method
 
 
-def _context() -> Any:
-    method = start_method()
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
 
 def spawn_outcomes(
     fn: Callable[..., Any],
@@ -166,8 +159,10 @@ def spawn_outcomes(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not failure_grace_s >= 0:
         raise ValueError(f"failure_grace_s must be >= 0 seconds, got {failure_grace_s!r}")
-    ctx = _context()
-    if ctx.get_start_method() == "forkserver":
+    method = start_method()
+    ctx: Any = mp.get_context(method)  # (typed by its method only for a literal)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
         # the fork server's environment is the one it started with: hand this process's environment over
         env = {**os.environ, **(env or {})}
     results: mp.Queue = ctx.Queue()
