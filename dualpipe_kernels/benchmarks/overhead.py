@@ -30,6 +30,11 @@ hand-written loop over the same modules costs at least, so ``over_floor_us``
 (our per-action cost minus the floor's, same schedule) is the runtime's own
 share of a compute action.
 
+The ``bound`` rows (impl ``bound``, transport ``native`` or ``torch``; with the floor,
+overhead_bound.py) are what the schedule itself allows: each op of the floor's work timed by itself and
+the transport's one-way latency of a runtime-sized message, put through the schedule simulator.  A
+runtime that cost nothing would take that long; ``ratio_to_bound`` is our step over it.
+
 Then rank 0 runs the same number of steps of ours on the native transport for
 ``--profile-schedule`` (default dualpipev) under cProfile; the top entries by
 cumulative time go into the results, so the fast-path work is driven by
@@ -45,6 +50,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dualpipe_kernels.benchmarks.overhead_baseline import add_baseline, check_tree, run_baseline_launch
+from dualpipe_kernels.benchmarks.overhead_bound import WIDTH, add_bound, bound_rows, floor_work
+from dualpipe_kernels.benchmarks.overhead_bound import chunk_stack as _chunk_stack
+from dualpipe_kernels.benchmarks.overhead_bound import mse as _loss
 from dualpipe_kernels.benchmarks.overhead_report import add_floor, add_ratios, case_row, combine_launches, to_markdown
 
 NAME = "overhead"
@@ -63,7 +71,6 @@ TORCH_PEERS: dict[str, tuple[str, str]] = {
     "ScheduleInterleaved1F1B": ("interleaved1f1b", "interleaved1f1b"),
     "ScheduleGPipe": ("gpipe", "gpipe"),
 }
-WIDTH = 8  # features of every chunk's Linear and of every micro-batch row
 
 __all__ = ["NAME", "OverheadConfig", "add_arguments", "run", "to_markdown"]
 
@@ -181,19 +188,6 @@ class OverheadConfig:
 
 
 # ---------------------------------------------------------------- rank side
-def _chunk_stack(k: int) -> Any:
-    """A stage of ``k`` chunks: ``k`` Linear(8, 8) in a row."""
-    import torch.nn as nn
-
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(k)])
-
-
-def _loss(out: Any, target: Any) -> Any:
-    import torch.nn.functional as F
-
-    return F.mse_loss(out, target)
-
-
 def _timed(n: int, step: Any) -> list[float]:
     import torch.distributed as dist
 
@@ -242,34 +236,9 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
 
 
 def _floor_step(rank: int, cfg: OverheadConfig, schedule: str) -> Any:
-    """A step callable of torch's own work of this rank in ``schedule``: its stage modules (the same as ours)
-    for its compute actions in order, no pipeline (see the module docstring)."""
-    import torch
-
-    from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
-    from dualpipe_kernels.schedules.generators import build_schedule
-    from dualpipe_kernels.schedules.ir import T_F, T_W
-
-    sched = build_schedule(schedule, cfg.ranks, cfg.microbatches)
-    k = chunks_per_stage(sched)
-    modules = {s: _chunk_stack(k) for s in sched.stages_of_rank(rank)}
-    first_in = torch.randn(1, WIDTH)
-    row, target, ones = torch.randn(1, WIDTH), torch.zeros(1, WIDTH), torch.ones(1, WIDTH)
-    work = [c for a in sched.actions[rank] for c in a.computes()]  # a pair: its F half, then its B half
-
-    def step() -> None:
-        outs: dict[tuple[int, int], Any] = {}
-        for a in work:
-            key = (a.stage, a.microbatch)
-            if a.type is T_F:
-                x = first_in if sched.is_first_stage(*key) else row.detach().requires_grad_(True)
-                y = modules[a.stage](x)
-                outs[key] = _loss(y, target) if sched.is_loss_stage(*key) else y
-            elif a.type is not T_W:  # B or I: the full backward (a W's work is in it)
-                y = outs.pop(key)
-                torch.autograd.backward(y, None if y.dim() == 0 else ones)
-
-    return step
+    """A step callable of torch's own work of this rank in ``schedule`` (overhead_bound.floor_work)."""
+    run = floor_work(rank, cfg, schedule)
+    return lambda: run(None)
 
 
 def _torch_actions(sched: Any, rank: int) -> int | None:
@@ -418,6 +387,10 @@ def _worker(rank: int, world: int, cfg: OverheadConfig, profile: bool = True) ->
 
         pin_to_core(rank)  # before any transport starts its threads: they inherit the core
     out = _measure_all(rank, cfg)
+    if cfg.floor:
+        from dualpipe_kernels.benchmarks.overhead_bound import measure
+
+        out["bound"] = measure(rank, cfg)
     if not profile:
         return out
     try:
@@ -444,6 +417,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             old.append(run_baseline_launch(tree, cfg))
         per_rank = spawn(_worker, cfg.ranks, cfg, k == 0, timeout_s=900, pg_timeout_s=300, threads=1)
         rows = [case_row(case, _schedule_of(case), cfg.ranks, cfg.microbatches, per_rank) for case in cfg.cases()]
+        if cfg.floor:
+            rows += bound_rows(cfg, per_rank)
         add_ratios(rows)
         launches.append(rows)
         if k == 0:
@@ -452,6 +427,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             old.append(run_baseline_launch(tree, cfg))
     rows = combine_launches(launches)
     add_floor(rows)
+    add_bound(rows)
     if tree is not None:
         add_baseline(rows, launches, old)
     bar.update(f"done in {time.perf_counter() - t0:.1f} s")

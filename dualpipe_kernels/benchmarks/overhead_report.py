@@ -146,6 +146,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "floor rows: torch's own work of each rank (its stage modules for its compute actions in order: forward, "
         "criterion, one autograd.backward per B or I) with no pipeline, no transfers, no runtime; 'over floor': "
         "our per-action cost minus the floor's of the same schedule. "
+        "bound rows: the schedule simulated with each op's torch work timed by itself (the floor's ops, per stage) "
+        "and the transport's one-way latency of a runtime-sized message (ping-pong, half the median round trip) "
+        "on every transfer: the step of a runtime that costs nothing itself; 'ours/bound': our step over it. "
         + (
             "Each rank process pinned to its own core (ours and torch's alike; --no-pin: not)."
             if c.get("pin")
@@ -165,6 +168,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         ("per_action_us", "per action (us)"),
         ("floor_us", "floor (us)"),
         ("over_floor_us", "over floor (us)"),
+        ("latency_us", "latency (us)"),
+        ("bound_us", "bound (us)"),
+        ("ratio_to_bound", "ours/bound"),
         ("ratio_to_torch", "ours/torch"),
         ("ratio_min", "min"),
         ("ratio_max", "max"),

@@ -64,13 +64,23 @@ def test_bench_overhead_quick_json(tmp_path: Path) -> None:
     assert native_dpv["floor_us"] == floor_dpv["per_action_us"] < native_dpv["per_action_us"]
     assert native_dpv["over_floor_us"] == native_dpv["per_action_us"] - floor_dpv["per_action_us"]
     assert "floor_us" not in floor_dpv and "floor_us" not in torch_dpv
+    # the bound: the schedule simulated with the ops' own torch time and the transport's latency, no runtime
+    bounds = {(r["transport"], r["schedule"]): r for r in rows if r["impl"] == "bound"}
+    assert set(bounds) == {(t, s) for t in ("native", "torch") for s in ("dualpipev", "1f1b", "zb1p")}
+    for (t, s), b in bounds.items():
+        ours = next(r for r in rows if r["impl"] == "ours" and r["transport"] == t and r["schedule"] == s)
+        assert b["latency_us"] > 0 and b["compute_actions"] == ours["compute_actions"]
+        assert ours["bound_us"] == b["per_action_us"] and ours["ratio_to_bound"] == ours["step_s"] / b["step_s"]
+        assert b["per_action_us"] < ours["per_action_us"], (b, ours)  # ours pays for itself; the bound does not
+    assert bounds[("torch", "dualpipev")]["latency_us"] > bounds[("native", "dualpipev")]["latency_us"]
+    assert "bound_us" not in prev_dpv
     prof = res["profile"]
     assert 0 < len(prof) <= 25 and 0 < len(res["profile_self"]) <= 25 and "profile_error" not in res
     assert any("runtime/step.py" in p["function"] and "(step)" in p["function"] for p in prof)
     cums = [p["cumtime_s"] for p in prof]
     assert cums == sorted(cums, reverse=True) and cums[0] > 0
     md = (tmp_path / "overhead.md").read_text()
-    assert "## Profile" in md and "per action (us)" in md and "over floor (us)" in md
+    assert "## Profile" in md and "per action (us)" in md and "over floor (us)" in md and "ours/bound" in md
     assert json.loads((tmp_path / "overhead.json").read_text())["rows"] == rows
 
 
@@ -171,3 +181,61 @@ def test_baseline_tree_measures_another_source_tree_side_by_side(tmp_path: Path)
     assert abs(row["baseline_per_action_us"] - row["baseline_step_s"] / row["compute_actions"] * 1e6) < 1e-6
     md = (tmp_path / "ok" / "overhead.md").read_text()
     assert "new/old" in md and str(root) in md
+
+
+def test_bound_rows_simulate_the_measured_costs_and_latency() -> None:
+    """bound_rows: the simulator's makespan of each schedule with the ranks' per-stage op costs and rank 0's
+    latency (more latency, a longer bound; never less than a rank's own work); a rank's error is every bound
+    row's; add_bound puts each bound on our rows of its schedule and transport (ordered: gloo's)."""
+    from dualpipe_kernels.benchmarks.overhead import OverheadConfig
+    from dualpipe_kernels.benchmarks.overhead_bound import add_bound, bound_rows
+    from dualpipe_kernels.schedules.costs import CommModel, CostModel
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.simulator import simulate
+
+    cfg = OverheadConfig(("1f1b", "dualpipev"), ("native", "native-prev", "ordered"), 4, 1, 0, False, "dualpipev", 1)
+    costs = {
+        "1f1b": [{0: (1e-5, 3e-5)}, {1: (2e-5, 4e-5)}],
+        "dualpipev": [{0: (1e-5, 2e-5), 3: (3e-5, 5e-5)}, {1: (1e-5, 2e-5), 2: (1e-5, 2e-5)}],
+    }
+
+    def per_rank(lat: float) -> list[dict[str, object]]:
+        return [{"bound": {"costs": {n: costs[n][r] for n in costs}, "latency": {"native": lat, "torch": 2 * lat}}}
+                for r in range(2)]  # fmt: skip
+
+    rows = bound_rows(cfg, per_rank(1e-5))
+    assert [(r["transport"], r["schedule"]) for r in rows] == [
+        ("native", "1f1b"),
+        ("torch", "1f1b"),
+        ("native", "dualpipev"),
+        ("torch", "dualpipev"),
+    ]
+    sched = build_schedule("1f1b", 2, 4)
+    want = simulate(sched, CostModel(f=[1e-5, 2e-5], b=[3e-5, 4e-5], w=[3e-14, 4e-14]), CommModel(latency=1e-5))
+    assert rows[0]["step_s"] == float(want.makespan) and rows[0]["latency_us"] == 1e-5 * 1e6
+    assert rows[0]["step_s"] >= 4 * (2e-5 + 4e-5)  # rank 1's own work
+    assert rows[1]["step_s"] > rows[0]["step_s"]  # twice the latency
+    assert rows[0]["per_action_us"] == rows[0]["step_s"] / rows[0]["compute_actions"] * 1e6
+    failed = per_rank(1e-5)
+    failed[1]["bound"] = {"error": "RuntimeError: boom"}
+    assert {r["error"] for r in bound_rows(cfg, failed)} == {"RuntimeError: boom"}
+
+    ours = [
+        {"impl": "ours", "transport": t, "schedule": "1f1b", "step_s": 1e-3}
+        for t in ("native", "native-prev", "ordered")
+    ]
+    add_bound(ours + rows)
+    assert ours[0]["ratio_to_bound"] == 1e-3 / rows[0]["step_s"] and ours[0]["bound_us"] == rows[0]["per_action_us"]
+    assert "bound_us" not in ours[1]  # native-prev: not bounded
+    assert ours[2]["bound_us"] == rows[1]["per_action_us"]  # ordered is gloo: the torch latency
+
+
+def test_op_costs_time_each_stage_of_the_rank() -> None:
+    """op_costs: an (F, B) in seconds for exactly this rank's stages (no process group needed)."""
+    from dualpipe_kernels.benchmarks.overhead import OverheadConfig
+    from dualpipe_kernels.benchmarks.overhead_bound import op_costs
+
+    cfg = OverheadConfig(("dualpipev",), ("native",), 4, 1, 0, False, "dualpipev", 1)
+    got = op_costs(1, cfg, "dualpipev", 3)
+    assert set(got) == {1, 2}
+    assert all(0 < f < 0.1 and 0 < b < 0.1 for f, b in got.values())

@@ -91,7 +91,18 @@ BENCHMARKS_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # helpers of several suites
     ("helpers", ("compute_floor", "peers", "moe_block", "sleep_runs", "moe_ranks", "cuda_ipc_bare")),
     # reports and row fields of one suite, and overhead's baseline tree runs (they import no suite)
-    ("reports", ("overhead_report", "overhead_baseline", "schedules_report", "schedules_short", "cuda_ipc_report")),
+    # (overhead_bound: the bound rows, and the floor's work they time)
+    (
+        "reports",
+        (
+            "overhead_report",
+            "overhead_bound",
+            "overhead_baseline",
+            "schedules_report",
+            "schedules_short",
+            "cuda_ipc_report",
+        ),
+    ),
     # the suites (memory_gpu extends memory)
     (
         "suites",

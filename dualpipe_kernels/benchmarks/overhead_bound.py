@@ -1,0 +1,218 @@
+"""bench overhead's ``bound`` rows: the step a runtime with no cost of its own would take on this machine.
+
+Two inputs are measured in the rank processes of a launch, after its cases:
+
+* each compute action's torch work by itself (:func:`op_costs`): the floor's work (the rank's stage
+  modules for its compute actions in order, see ``_floor_step``) with a clock read around every forward
+  (with the criterion on a loss stage) and every backward, repeated; per stage the mean over its
+  micro-batches of each op's median;
+* the transport's one-way latency for a message of the runtime's size (:func:`one_way_latency`): a
+  ping-pong between ranks 0 and 1 through the same transport the runtime uses, half the median round
+  trip, for a message of the inline header plus one 1x8 float32 row (what a repeated boundary message is).
+
+The parent simulates each schedule with those costs (``schedules.simulator``: an F&B pair costs its F plus
+its B, a W nothing, as in the floor, whose I is the full backward) and that latency on every transfer
+(:func:`bound_rows`): the makespan is a lower bound for any runtime driving the same torch work over the
+same transport on the same cores, since it pays nothing for itself, not even the warm caches' loss of
+running between other code.  Our row's ``ratio_to_bound`` is our step over it (>= 1 up to noise).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "WIDTH",
+    "chunk_stack",
+    "mse",
+    "floor_work",
+    "LATENCY_OF",
+    "op_costs",
+    "one_way_latency",
+    "measure",
+    "bound_rows",
+    "add_bound",
+]
+
+#: our transport -> the transport whose latency bounds it (``ordered`` is gloo too; native-prev is not bounded)
+LATENCY_OF = {"native": "native", "torch": "torch", "ordered": "torch"}
+_ROUND_TRIPS = 200
+
+
+WIDTH = 8  # features of every chunk's Linear and of every micro-batch row
+
+
+def chunk_stack(k: int) -> Any:
+    """A stage of ``k`` chunks: ``k`` Linear(8, 8) in a row."""
+    import torch.nn as nn
+
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(k)])
+
+
+def mse(out: Any, target: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.mse_loss(out, target)
+
+
+def floor_work(rank: int, cfg: Any, schedule: str) -> Callable[[list[Any] | None], None]:
+    """``run(took=None)``: torch's own work of this rank in ``schedule`` once, its stage modules (the
+    runtime's) for its compute actions in order with no pipeline: an F is the module on a fresh leaf input
+    (and the criterion on a loss stage); a B, an I or a pair's B half one ``torch.autograd.backward`` with a
+    ones gradient; a W nothing (its work was in the I).  ``took``: a list that gets
+    ``((stage, micro-batch, is_forward), seconds)`` per op."""
+    import torch
+
+    from dualpipe_kernels.benchmarks.sleep_runs import chunks_per_stage
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.ir import T_F, T_W
+
+    sched = build_schedule(schedule, cfg.ranks, cfg.microbatches)
+    k = chunks_per_stage(sched)
+    modules = {s: chunk_stack(k) for s in sched.stages_of_rank(rank)}
+    first_in = torch.randn(1, WIDTH)
+    row, target, ones = torch.randn(1, WIDTH), torch.zeros(1, WIDTH), torch.ones(1, WIDTH)
+    work = [c for a in sched.actions[rank] for c in a.computes() if c.type is not T_W]  # a pair: F half, B half
+    clock = time.perf_counter
+
+    def run(took: list[Any] | None = None) -> None:
+        outs: dict[tuple[int, int], Any] = {}
+        for a in work:
+            key = (a.stage, a.microbatch)
+            t0 = clock()
+            if a.type is T_F:
+                x = first_in if sched.is_first_stage(*key) else row.detach().requires_grad_(True)
+                y = modules[a.stage](x)
+                outs[key] = mse(y, target) if sched.is_loss_stage(*key) else y
+            else:  # B or I: the full backward (a W's work is in it)
+                y = outs.pop(key)
+                torch.autograd.backward(y, None if y.dim() == 0 else ones)
+            if took is not None:
+                took.append(((*key, a.type is T_F), clock() - t0))
+
+    return run
+
+
+def op_costs(rank: int, cfg: Any, schedule: str, repeats: int) -> dict[int, tuple[float, float]]:
+    """``{stage: (F seconds, B seconds)}`` for this rank's stages of ``schedule``: each op of the floor's
+    work (:func:`floor_work`) timed by itself over ``repeats`` runs of it (after one more not kept), per op
+    the median, per stage the mean over its ops."""
+    run = floor_work(rank, cfg, schedule)
+    run(None)
+    times: dict[tuple[int, int, bool], list[float]] = {}
+    for _ in range(repeats):
+        took: list[Any] = []
+        run(took)
+        for k, dt in took:
+            times.setdefault(k, []).append(dt)
+    per_stage: dict[int, tuple[list[float], list[float]]] = {}
+    for (s, _mb, forward), ts in times.items():
+        per_stage.setdefault(s, ([], []))[0 if forward else 1].append(statistics.median(ts))
+    return {s: (statistics.fmean(f), statistics.fmean(b)) for s, (f, b) in per_stage.items()}
+
+
+def one_way_latency(rank: int, transport: str) -> float | None:
+    """Half the median round trip of a runtime-sized message between ranks 0 and 1 over ``transport``
+    (``native`` or ``torch``), collective over the default group; None on ranks other than 0 and 1."""
+    import torch
+
+    from dualpipe_kernels.runtime.boundary.inline import META_BYTES
+    from dualpipe_kernels.transport import make_transport
+
+    link = make_transport(transport)
+    try:
+        if rank > 1:
+            return None
+        out = torch.zeros(META_BYTES + 4 * 8, dtype=torch.uint8)
+        back = torch.empty_like(out)
+        peer = 1 - rank
+        trips: list[float] = []
+        for k in range(_ROUND_TRIPS + 10):
+            t0 = time.perf_counter()
+            recv = link.irecv(back, peer, 7, "bound ping-pong")  # posted ahead, as the runtime's window does
+            if rank == 0:
+                link.isend(out, peer, 7, "bound ping-pong").wait()
+                recv.wait()
+            else:
+                recv.wait()
+                link.isend(out, peer, 7, "bound ping-pong").wait()
+            if k >= 10:
+                trips.append(time.perf_counter() - t0)
+        return statistics.median(trips) / 2 if rank == 0 else None
+    finally:
+        link.close()
+
+
+def bound_rows(cfg: Any, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One ``bound`` row per (schedule, transport) of ``cfg`` from the ranks' ``"bound"`` results: the
+    simulated makespan (``step_s``) with their op costs and rank 0's measured latency."""
+    from dualpipe_kernels.benchmarks.overhead_report import _actions
+
+    rows = []
+    latency = per_rank[0]["bound"].get("latency", {})
+    failed = next((o["bound"]["error"] for o in per_rank if "error" in o["bound"]), None)  # a rank's error
+    for name in cfg.schedules:
+        for transport in dict.fromkeys(LATENCY_OF[t] for t in cfg.transports if t in LATENCY_OF):
+            row: dict[str, Any] = {"impl": "bound", "transport": transport, "schedule": name, "ranks": cfg.ranks,
+                                   "microbatches": cfg.microbatches}  # fmt: skip
+            lat = latency.get(transport, "no latency measured")
+            err = failed or (lat if isinstance(lat, str) else None)
+            if err is None:
+                try:
+                    step = _simulated_step(cfg, name, per_rank, lat)
+                except Exception as e:  # noqa: BLE001 - reported in the row
+                    err = f"{type(e).__name__}: {e}".splitlines()[0]
+            if err is not None:
+                rows.append({**row, "error": err, "step_s": None, "per_action_us": None})
+                continue
+            actions = _actions(cfg.ranks, cfg.microbatches, name)
+            rows.append({**row, "step_s": step, "step_min_s": step, "step_max_s": step, "compute_actions": actions,
+                         "per_action_us": step / actions * 1e6, "latency_us": lat * 1e6})  # fmt: skip
+    return rows
+
+
+def _simulated_step(cfg: Any, name: str, per_rank: list[dict[str, Any]], latency: float) -> float:
+    """The simulated makespan of schedule ``name`` with the ranks' op costs and ``latency`` per transfer."""
+    from dualpipe_kernels.schedules.costs import CommModel, CostModel
+    from dualpipe_kernels.schedules.generators import build_schedule
+    from dualpipe_kernels.schedules.simulator import simulate
+
+    sched = build_schedule(name, cfg.ranks, cfg.microbatches)
+    costs: dict[int, tuple[float, float]] = {}
+    for o in per_rank:
+        costs.update({int(s): fb for s, fb in o["bound"]["costs"][name].items()})
+    f = [costs[s][0] for s in range(sched.num_stages)]
+    b = [costs[s][1] for s in range(sched.num_stages)]
+    # a W costs nothing (the floor's I is the whole backward); the model wants 0 < W < B
+    model = CostModel(f=f, b=b, w=[x * 1e-9 for x in b])
+    return float(simulate(sched, model, CommModel(latency=latency)).makespan)
+
+
+def measure(rank: int, cfg: Any) -> dict[str, Any]:
+    """This rank's inputs to the bound: op costs per schedule, and (rank 0) the latency per transport."""
+    out: dict[str, Any] = {}
+    try:
+        out["costs"] = {name: op_costs(rank, cfg, name, max(5, cfg.steps)) for name in cfg.schedules}
+        latency: dict[str, Any] = {}
+        for t in dict.fromkeys(LATENCY_OF[t] for t in cfg.transports if t in LATENCY_OF):
+            try:
+                latency[t] = one_way_latency(rank, t)
+            except Exception as e:  # noqa: BLE001 - reported in the row
+                latency[t] = f"{type(e).__name__}: {e}".splitlines()[0]
+        out["latency"] = latency
+    except Exception as e:  # noqa: BLE001 - reported in the rows
+        out["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+    return out
+
+
+def add_bound(rows: list[dict[str, Any]]) -> None:
+    """``bound_us`` and ``ratio_to_bound`` (our step / the bound's) on our rows whose transport is bounded."""
+    bound = {(r["schedule"], r["transport"]): r for r in rows if r["impl"] == "bound" and r.get("per_action_us")}
+    for r in rows:
+        b = bound.get((r["schedule"], LATENCY_OF.get(r["transport"], "")))
+        if r["impl"] == "ours" and r.get("step_s") and b is not None:
+            r["bound_us"] = b["per_action_us"]
+            r["ratio_to_bound"] = r["step_s"] / b["step_s"]
