@@ -34,8 +34,8 @@ from dualpipe_kernels.runtime.zero_bubble import (
     DeferredWeightGrad,
     ParamEdges,
     WeightGradStore,
-    backward_full,
     backward_input,
+    full_backward_for,
 )
 from dualpipe_kernels.schedules.deps import DepKind, Topology
 from dualpipe_kernels.schedules.ir import T_I, T_RECV_B, T_RECV_F, Action, ActionType
@@ -130,6 +130,7 @@ class StageCompute:
     _first_keys: frozenset[Key] = field(init=False)
     _act_next: dict[Key, tuple[int, bool]] = field(init=False)  # the ACT consumer stage, on this rank
     _grad_prev: dict[Key, tuple[int, bool]] = field(init=False)  # the GRAD consumer stage (-1: none), on this rank
+    _backward_full: Callable[[Any], None] = field(init=False)  # zero_bubble.full_backward_for these modules
 
     def __post_init__(self) -> None:
         topo, rank = self.topo, self.rank
@@ -141,6 +142,7 @@ class StageCompute:
             nxt, prv = topo.consumer(DepKind.ACT, *k), topo.consumer(DepKind.GRAD, *k)
             self._act_next[k] = (nxt, topo.stage_to_rank[nxt] == rank)
             self._grad_prev[k] = (prv, prv >= 0 and topo.stage_to_rank[prv] == rank)
+        self._backward_full = full_backward_for(self.modules.values())
         types = {type(m) for m in self.modules.values()}
         self.overlap_hook = len(types) == 1 and hasattr(next(iter(types)), "overlapped_forward_backward")
         if self.memory is None:
@@ -331,14 +333,14 @@ class StageCompute:
         if not split:
             if store.enabled:
                 with store.enabled_for(False):
-                    backward_full(roots)
+                    self._backward_full(roots)
             else:
-                backward_full(roots)  # the store is off already: no context to enter
+                self._backward_full(roots)  # the store is off already: no context to enter
             if records:
                 mem.release(st.mem, s, mb)  # type: ignore[union-attr]
         elif self.zero_bubble == "store":
             with store.enabled_for(True):
-                backward_full(roots)
+                self._backward_full(roots)
             store.flush((s, mb))
         else:
             ins = st.inputs.get((s, mb), [])

@@ -344,6 +344,11 @@ class WatchedTransport:
         self._inner = inner
         self._watch = watch
         self._direct = watch.attach(inner)
+        # A gathered send (the native engine's) returns a bool, no handle: the inner's own method, found here
+        # once rather than through __getattr__ on every repeated small send.
+        gather = getattr(inner, "try_isend_gather", None)
+        if gather is not None:
+            self.try_isend_gather = gather
 
     def _wrap(self, handle: Any) -> Any:
         return WatchedHandle(handle, self._watch, self._direct) if isinstance(handle, Handle) else handle

@@ -374,7 +374,7 @@ class NativeTransport(Transport):
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self._rank}: tensor must be contiguous ({what})")
 
-    def _track(self, request: Any, tensor: torch.Tensor) -> NativeHandle:
+    def _track(self, request: Any, tensor: torch.Tensor, is_send: bool = True) -> NativeHandle:
         # Drop finished transfers whose handles were dropped unwaited: a tensor kept here pins its memory.
         # Swept when the table has doubled since the last sweep (amortised O(1) per post: the runtime
         # waits for nearly everything it posts, so the table stays small).
@@ -382,7 +382,8 @@ class NativeTransport(Transport):
             for key in [k for k, (r, _t) in self._inflight.items() if r.query()]:
                 del self._inflight[key]
             self._sweep_at = max(_MIN_SWEEP, 2 * len(self._inflight))
-        if not request.query():
+        # A small send is often done when posted; a receive (its waiter copies it) is kept without asking.
+        if not (is_send and request.query()):
             self._inflight[id(request)] = (request, tensor)
         return NativeHandle(request, tensor, self)
 
@@ -404,7 +405,7 @@ class NativeTransport(Transport):
         code = WIRE_DTYPE_CODE.get(tensor.dtype)
         if code is None:
             code = dtype_code(tensor.dtype)
-        return self._track(post(peer, tensor.data_ptr(), nbytes, tag, code, what), tensor)
+        return self._track(post(peer, tensor.data_ptr(), nbytes, tag, code, what), tensor, is_send)
 
     def try_isend_gather(self, pieces: Sequence[tuple[int, torch.Tensor]], nbytes: int, peer: int, tag: int) -> bool:
         """Send one small uint8 message of ``nbytes`` made of ``pieces`` at once, or do nothing.
