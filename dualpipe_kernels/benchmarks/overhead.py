@@ -31,8 +31,9 @@ hand-written loop over the same modules costs at least, so ``over_floor_us``
 share of a compute action.
 
 The ``bound`` rows (impl ``bound``, transport ``native`` or ``torch``; with the floor,
-overhead_bound.py) are what the schedule itself allows: each op of the floor's work timed by itself and
-the transport's one-way latency of a runtime-sized message, put through the schedule simulator.  A
+overhead_bound.py) are what the schedule itself allows: each op of the floor's work timed by itself (in
+the floor's own steps, the same rounds as every case) and the transport's one-way latency of a
+runtime-sized message (after the rounds), put through the schedule simulator.  A
 runtime that cost nothing would take that long; ``ratio_to_bound`` is our step over it.
 
 Then rank 0 runs the same number of steps of ours on the native transport for
@@ -50,7 +51,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dualpipe_kernels.benchmarks.overhead_baseline import add_baseline, check_tree, run_baseline_launch
-from dualpipe_kernels.benchmarks.overhead_bound import WIDTH, add_bound, bound_rows, floor_work
+from dualpipe_kernels.benchmarks.overhead_bound import (
+    WIDTH,
+    add_bound,
+    bound_rows,
+    floor_work,
+    measure_latency,
+    op_costs_from,
+)
 from dualpipe_kernels.benchmarks.overhead_bound import chunk_stack as _chunk_stack
 from dualpipe_kernels.benchmarks.overhead_bound import mse as _loss
 from dualpipe_kernels.benchmarks.overhead_report import add_floor, add_ratios, case_row, combine_launches, to_markdown
@@ -236,9 +244,19 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
 
 
 def _floor_step(rank: int, cfg: OverheadConfig, schedule: str) -> Any:
-    """A step callable of torch's own work of this rank in ``schedule`` (overhead_bound.floor_work)."""
+    """A step callable of torch's own work of this rank in ``schedule`` (overhead_bound.floor_work); its
+    ``rounds`` attribute gets each call's per-op times (what the bound rows are made of, measured in the
+    same rounds as every other case)."""
     run = floor_work(rank, cfg, schedule)
-    return lambda: run(None)
+    rounds: list[list[Any]] = []
+
+    def step() -> None:
+        took: list[Any] = []
+        run(took)
+        rounds.append(took)
+
+    step.rounds = rounds  # type: ignore[attr-defined]
+    return step
 
 
 def _torch_actions(sched: Any, rank: int) -> int | None:
@@ -317,9 +335,12 @@ def _measure_all(rank: int, cfg: OverheadConfig) -> dict[str, Any]:
             if rank == 0:
                 sys.stderr.write(f"  bench overhead: round {i + 1}/{cfg.warmup + cfg.steps} done\n")
     finally:
-        for key, (_, actions, close) in built.items():
+        for key, (step, actions, close) in built.items():
             close()
             out[key] = {"times": times[key], "actions": actions}
+            rounds = getattr(step, "rounds", None)  # a floor case: its ops' own times, measured rounds only
+            if rounds is not None:
+                out[key]["ops"] = op_costs_from(rounds[cfg.warmup :])
     return out
 
 
@@ -388,9 +409,7 @@ def _worker(rank: int, world: int, cfg: OverheadConfig, profile: bool = True) ->
         pin_to_core(rank)  # before any transport starts its threads: they inherit the core
     out = _measure_all(rank, cfg)
     if cfg.floor:
-        from dualpipe_kernels.benchmarks.overhead_bound import measure
-
-        out["bound"] = measure(rank, cfg)
+        out["bound"] = measure_latency(rank, cfg)
     if not profile:
         return out
     try:

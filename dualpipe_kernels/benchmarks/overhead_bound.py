@@ -1,14 +1,15 @@
 """bench overhead's ``bound`` rows: the step a runtime with no cost of its own would take on this machine.
 
-Two inputs are measured in the rank processes of a launch, after its cases:
+Two inputs are measured in the rank processes of a launch:
 
-* each compute action's torch work by itself (:func:`op_costs`): the floor's work (the rank's stage
-  modules for its compute actions in order, see ``_floor_step``) with a clock read around every forward
-  (with the criterion on a loss stage) and every backward, repeated; per stage the mean over its
-  micro-batches of each op's median;
+* each compute action's torch work by itself (:func:`op_costs_from`): the floor case's own steps (the
+  rank's stage modules for its compute actions in order, :func:`floor_work`, in the same rounds as every
+  other case) read the clock around every forward (with the criterion on a loss stage) and every
+  backward; per stage the mean over its micro-batches of each op's median over the measured rounds;
 * the transport's one-way latency for a message of the runtime's size (:func:`one_way_latency`): a
   ping-pong between ranks 0 and 1 through the same transport the runtime uses, half the median round
-  trip, for a message of the inline header plus one 1x8 float32 row (what a repeated boundary message is).
+  trip, for a message of the inline header plus one 1x8 float32 row (what a repeated boundary message is),
+  after the rounds.
 
 The parent simulates each schedule with those costs (``schedules.simulator``: an F&B pair costs its F plus
 its B, a W nothing, as in the floor, whose I is the full backward) and that latency on every transfer
@@ -30,9 +31,9 @@ __all__ = [
     "mse",
     "floor_work",
     "LATENCY_OF",
-    "op_costs",
+    "op_costs_from",
     "one_way_latency",
-    "measure",
+    "measure_latency",
     "bound_rows",
     "add_bound",
 ]
@@ -96,16 +97,11 @@ def floor_work(rank: int, cfg: Any, schedule: str) -> Callable[[list[Any] | None
     return run
 
 
-def op_costs(rank: int, cfg: Any, schedule: str, repeats: int) -> dict[int, tuple[float, float]]:
-    """``{stage: (F seconds, B seconds)}`` for this rank's stages of ``schedule``: each op of the floor's
-    work (:func:`floor_work`) timed by itself over ``repeats`` runs of it (after one more not kept), per op
-    the median, per stage the mean over its ops."""
-    run = floor_work(rank, cfg, schedule)
-    run(None)
+def op_costs_from(rounds: list[list[Any]]) -> dict[int, tuple[float, float]]:
+    """``{stage: (F seconds, B seconds)}`` from runs of :func:`floor_work` (each a ``took`` list): per op
+    the median over the runs, per stage the mean over its ops."""
     times: dict[tuple[int, int, bool], list[float]] = {}
-    for _ in range(repeats):
-        took: list[Any] = []
-        run(took)
+    for took in rounds:
         for k, dt in took:
             times.setdefault(k, []).append(dt)
     per_stage: dict[int, tuple[list[float], list[float]]] = {}
@@ -147,14 +143,15 @@ def one_way_latency(rank: int, transport: str) -> float | None:
 
 
 def bound_rows(cfg: Any, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One ``bound`` row per (schedule, transport) of ``cfg`` from the ranks' ``"bound"`` results: the
-    simulated makespan (``step_s``) with their op costs and rank 0's measured latency."""
+    """One ``bound`` row per (schedule, transport) of ``cfg`` from the ranks' results: the simulated makespan
+    (``step_s``) with the op costs of their floor case of the schedule (``"ops"``) and rank 0's latency."""
     from dualpipe_kernels.benchmarks.overhead_report import _actions
 
     rows = []
     latency = per_rank[0]["bound"].get("latency", {})
-    failed = next((o["bound"]["error"] for o in per_rank if "error" in o["bound"]), None)  # a rank's error
     for name in cfg.schedules:
+        floors = [o.get(f"floor/none/{name}", "no floor case") for o in per_rank]
+        failed = next((f for f in floors if isinstance(f, str)), None)  # the floor's error is the bound's
         for transport in dict.fromkeys(LATENCY_OF[t] for t in cfg.transports if t in LATENCY_OF):
             row: dict[str, Any] = {"impl": "bound", "transport": transport, "schedule": name, "ranks": cfg.ranks,
                                    "microbatches": cfg.microbatches}  # fmt: skip
@@ -162,7 +159,7 @@ def bound_rows(cfg: Any, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]
             err = failed or (lat if isinstance(lat, str) else None)
             if err is None:
                 try:
-                    step = _simulated_step(cfg, name, per_rank, lat)
+                    step = _simulated_step(cfg, name, [f["ops"] for f in floors], lat)
                 except Exception as e:  # noqa: BLE001 - reported in the row
                     err = f"{type(e).__name__}: {e}".splitlines()[0]
             if err is not None:
@@ -174,16 +171,16 @@ def bound_rows(cfg: Any, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]
     return rows
 
 
-def _simulated_step(cfg: Any, name: str, per_rank: list[dict[str, Any]], latency: float) -> float:
-    """The simulated makespan of schedule ``name`` with the ranks' op costs and ``latency`` per transfer."""
+def _simulated_step(cfg: Any, name: str, ops: list[dict[int, tuple[float, float]]], latency: float) -> float:
+    """The simulated makespan of schedule ``name`` with the ranks' op costs ``ops`` and ``latency`` per transfer."""
     from dualpipe_kernels.schedules.costs import CommModel, CostModel
     from dualpipe_kernels.schedules.generators import build_schedule
     from dualpipe_kernels.schedules.simulator import simulate
 
     sched = build_schedule(name, cfg.ranks, cfg.microbatches)
     costs: dict[int, tuple[float, float]] = {}
-    for o in per_rank:
-        costs.update({int(s): fb for s, fb in o["bound"]["costs"][name].items()})
+    for o in ops:
+        costs.update({int(s): fb for s, fb in o.items()})
     f = [costs[s][0] for s in range(sched.num_stages)]
     b = [costs[s][1] for s in range(sched.num_stages)]
     # a W costs nothing (the floor's I is the whole backward); the model wants 0 < W < B
@@ -191,21 +188,16 @@ def _simulated_step(cfg: Any, name: str, per_rank: list[dict[str, Any]], latency
     return float(simulate(sched, model, CommModel(latency=latency)).makespan)
 
 
-def measure(rank: int, cfg: Any) -> dict[str, Any]:
-    """This rank's inputs to the bound: op costs per schedule, and (rank 0) the latency per transport."""
-    out: dict[str, Any] = {}
-    try:
-        out["costs"] = {name: op_costs(rank, cfg, name, max(5, cfg.steps)) for name in cfg.schedules}
-        latency: dict[str, Any] = {}
-        for t in dict.fromkeys(LATENCY_OF[t] for t in cfg.transports if t in LATENCY_OF):
-            try:
-                latency[t] = one_way_latency(rank, t)
-            except Exception as e:  # noqa: BLE001 - reported in the row
-                latency[t] = f"{type(e).__name__}: {e}".splitlines()[0]
-        out["latency"] = latency
-    except Exception as e:  # noqa: BLE001 - reported in the rows
-        out["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-    return out
+def measure_latency(rank: int, cfg: Any) -> dict[str, Any]:
+    """``{"latency": {transport: seconds or an error}}`` (rank 0's; None on the others) for the transports the
+    bound rows need, measured after the rounds; collective."""
+    latency: dict[str, Any] = {}
+    for t in dict.fromkeys(LATENCY_OF[t] for t in cfg.transports if t in LATENCY_OF):
+        try:
+            latency[t] = one_way_latency(rank, t)
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            latency[t] = f"{type(e).__name__}: {e}".splitlines()[0]
+    return {"latency": latency}
 
 
 def add_bound(rows: list[dict[str, Any]]) -> None:

@@ -200,8 +200,13 @@ def test_bound_rows_simulate_the_measured_costs_and_latency() -> None:
     }
 
     def per_rank(lat: float) -> list[dict[str, object]]:
-        return [{"bound": {"costs": {n: costs[n][r] for n in costs}, "latency": {"native": lat, "torch": 2 * lat}}}
-                for r in range(2)]  # fmt: skip
+        return [
+            {
+                **{f"floor/none/{n}": {"times": [1.0], "actions": None, "ops": costs[n][r]} for n in costs},
+                "bound": {"latency": {"native": lat, "torch": 2 * lat}},
+            }
+            for r in range(2)
+        ]
 
     rows = bound_rows(cfg, per_rank(1e-5))
     assert [(r["transport"], r["schedule"]) for r in rows] == [
@@ -217,8 +222,9 @@ def test_bound_rows_simulate_the_measured_costs_and_latency() -> None:
     assert rows[1]["step_s"] > rows[0]["step_s"]  # twice the latency
     assert rows[0]["per_action_us"] == rows[0]["step_s"] / rows[0]["compute_actions"] * 1e6
     failed = per_rank(1e-5)
-    failed[1]["bound"] = {"error": "RuntimeError: boom"}
-    assert {r["error"] for r in bound_rows(cfg, failed)} == {"RuntimeError: boom"}
+    failed[1]["floor/none/1f1b"] = "RuntimeError: boom"  # the floor case failed on a rank: its schedule's bounds
+    got = bound_rows(cfg, failed)
+    assert [r.get("error") for r in got] == ["RuntimeError: boom", "RuntimeError: boom", None, None]
 
     ours = [
         {"impl": "ours", "transport": t, "schedule": "1f1b", "step_s": 1e-3}
@@ -230,12 +236,19 @@ def test_bound_rows_simulate_the_measured_costs_and_latency() -> None:
     assert ours[2]["bound_us"] == rows[1]["per_action_us"]  # ordered is gloo: the torch latency
 
 
-def test_op_costs_time_each_stage_of_the_rank() -> None:
-    """op_costs: an (F, B) in seconds for exactly this rank's stages (no process group needed)."""
-    from dualpipe_kernels.benchmarks.overhead import OverheadConfig
-    from dualpipe_kernels.benchmarks.overhead_bound import op_costs
+def test_floor_step_times_each_op_of_the_rank_for_the_bound() -> None:
+    """The floor case's step keeps each call's per-op times (``rounds``); op_costs_from makes them an (F, B)
+    in seconds for exactly this rank's stages: per op the median over the rounds, per stage the mean."""
+    from dualpipe_kernels.benchmarks import overhead as ov
+    from dualpipe_kernels.benchmarks.overhead_bound import op_costs_from
 
-    cfg = OverheadConfig(("dualpipev",), ("native",), 4, 1, 0, False, "dualpipev", 1)
-    got = op_costs(1, cfg, "dualpipev", 3)
+    cfg = ov.OverheadConfig(("dualpipev",), ("native",), 4, 1, 0, False, "dualpipev", 1)
+    step = ov._floor_step(1, cfg, "dualpipev")
+    for _ in range(3):
+        step()
+    assert len(step.rounds) == 3 and all(len(r) == 2 * 2 * 4 for r in step.rounds)  # 2 stages x 4 mb x F, B
+    got = op_costs_from(step.rounds)
     assert set(got) == {1, 2}
     assert all(0 < f < 0.1 and 0 < b < 0.1 for f, b in got.values())
+    fake = [[((1, 0, True), 1.0), ((1, 0, False), 4.0), ((1, 1, True), 3.0)], [((1, 0, True), 2.0)]]
+    assert op_costs_from(fake) == {1: ((1.5 + 3.0) / 2, 4.0)}
