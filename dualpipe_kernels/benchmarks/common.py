@@ -33,6 +33,7 @@ __all__ = [
     "stamp",
     "median",
     "timed_median",
+    "pingpong",
     "markdown_table",
     "write_results",
     "fmt",
@@ -231,6 +232,23 @@ class Progress:
 
 
 # ---------------------------------------------------------------- output
+def pingpong(rank: int, send: Any, recv: Any, out_buf: Any, in_buf: Any, reps: int) -> list[float]:
+    """Round-trip times in seconds of ``reps`` ping-pongs between ranks 0 and 1 (rank 0 measures: ``send(out_buf)``
+    then ``recv(in_buf)``; rank 1 echoes: ``recv(in_buf)`` then ``send(in_buf)``).  Two warm-up rounds first."""
+    times = []
+    for i in range(reps + 2):
+        if rank == 0:
+            t0 = time.perf_counter()
+            send(out_buf)
+            recv(in_buf)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        else:
+            recv(in_buf)
+            send(in_buf)
+    return times
+
+
 def fmt(value: Any, digits: int = 4) -> str:
     """Format a table cell: floats to ``digits`` significant figures, None as ``-``."""
     if value is None:

@@ -55,12 +55,12 @@ from dualpipe_kernels.benchmarks.overhead_bound import (
     WIDTH,
     add_bound,
     bound_rows,
+    chunk_stack,
     floor_work,
     measure_latency,
+    mse,
     op_costs_from,
 )
-from dualpipe_kernels.benchmarks.overhead_bound import chunk_stack as _chunk_stack
-from dualpipe_kernels.benchmarks.overhead_bound import mse as _loss
 from dualpipe_kernels.benchmarks.overhead_report import add_floor, add_ratios, case_row, combine_launches, to_markdown
 
 NAME = "overhead"
@@ -229,7 +229,7 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
         from dualpipe_kernels.transport.torch_dist import TorchDistTransport
 
         owned = TorchDistTransport(ordered=True)  # gloo paired in posting order, as NCCL is: program order
-    pipe = Pipeline(sched, {s: _chunk_stack(k) for s in sched.stages_of_rank(rank)}, transport=owned or transport)
+    pipe = Pipeline(sched, {s: chunk_stack(k) for s in sched.stages_of_rank(rank)}, transport=owned or transport)
 
     def close() -> None:
         try:
@@ -240,7 +240,7 @@ def _our_pipeline(rank: int, cfg: OverheadConfig, schedule: str, transport: str)
 
     x = torch.randn(cfg.microbatches, WIDTH)
     target = torch.zeros(cfg.microbatches, WIDTH)
-    return lambda: pipe.step(x, labels=(target,), criterion=_loss), close
+    return lambda: pipe.step(x, labels=(target,), criterion=mse), close
 
 
 def _floor_step(rank: int, cfg: OverheadConfig, schedule: str) -> Any:
@@ -279,14 +279,14 @@ def _torch_step(rank: int, cfg: OverheadConfig, cls_name: str) -> tuple[Any, int
         raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.pipelining.{cls_name}")
     dev, n, r = torch.device("cpu"), cfg.microbatches, cfg.ranks
     if cls_name in ("Schedule1F1B", "ScheduleGPipe"):  # one stage of two chunks per rank
-        stages = [pp.PipelineStage(_chunk_stack(2), rank, r, dev)]
-        sched: Any = cls(stages[0], n, loss_fn=_loss)
+        stages = [pp.PipelineStage(chunk_stack(2), rank, r, dev)]
+        sched: Any = cls(stages[0], n, loss_fn=mse)
     else:
         placement = (
             (rank, 2 * r - 1 - rank) if cls_name in ("ScheduleDualPipeV", "ScheduleZBVZeroBubble") else (rank, rank + r)
         )
-        stages = [pp.PipelineStage(_chunk_stack(1), s, 2 * r, dev) for s in placement]
-        sched = cls(stages, n, loss_fn=_loss)
+        stages = [pp.PipelineStage(chunk_stack(1), s, 2 * r, dev) for s in placement]
+        sched = cls(stages, n, loss_fn=mse)
     x, target = torch.randn(n, WIDTH), torch.zeros(n, WIDTH)
     first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
 

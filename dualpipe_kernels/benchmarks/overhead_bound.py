@@ -7,7 +7,8 @@ Two inputs are measured in the rank processes of a launch:
   other case) read the clock around every forward (with the criterion on a loss stage) and every
   backward; per stage the mean over its micro-batches of each op's median over the measured rounds;
 * the transport's one-way latency for a message of the runtime's size (:func:`one_way_latency`): a
-  ping-pong between ranks 0 and 1 through the same transport the runtime uses, half the median round
+  ping-pong between ranks 0 and 1 through the same transport the runtime uses (the one ``bench transport``
+  times), half the median round
   trip, for a message of the inline header plus one 1x8 float32 row (what a repeated boundary message is),
   after the rounds.
 
@@ -59,11 +60,11 @@ def mse(out: Any, target: Any) -> Any:
     return F.mse_loss(out, target)
 
 
-def floor_work(rank: int, cfg: Any, schedule: str) -> Callable[[list[Any] | None], None]:
-    """``run(took=None)``: torch's own work of this rank in ``schedule`` once, its stage modules (the
+def floor_work(rank: int, cfg: Any, schedule: str) -> Callable[[list[Any]], None]:
+    """``run(took)``: torch's own work of this rank in ``schedule`` once, its stage modules (the
     runtime's) for its compute actions in order with no pipeline: an F is the module on a fresh leaf input
     (and the criterion on a loss stage); a B, an I or a pair's B half one ``torch.autograd.backward`` with a
-    ones gradient; a W nothing (its work was in the I).  ``took``: a list that gets
+    ones gradient; a W nothing (its work was in the I).  ``took`` gets
     ``((stage, micro-batch, is_forward), seconds)`` per op."""
     import torch
 
@@ -79,7 +80,7 @@ def floor_work(rank: int, cfg: Any, schedule: str) -> Callable[[list[Any] | None
     work = [c for a in sched.actions[rank] for c in a.computes() if c.type is not T_W]  # a pair: F half, B half
     clock = time.perf_counter
 
-    def run(took: list[Any] | None = None) -> None:
+    def run(took: list[Any]) -> None:
         outs: dict[tuple[int, int], Any] = {}
         for a in work:
             key = (a.stage, a.microbatch)
@@ -91,8 +92,7 @@ def floor_work(rank: int, cfg: Any, schedule: str) -> Callable[[list[Any] | None
             else:  # B or I: the full backward (a W's work is in it)
                 y = outs.pop(key)
                 torch.autograd.backward(y, None if y.dim() == 0 else ones)
-            if took is not None:
-                took.append(((*key, a.type is T_F), clock() - t0))
+            took.append(((*key, a.type is T_F), clock() - t0))
 
     return run
 
@@ -112,9 +112,11 @@ def op_costs_from(rounds: list[list[Any]]) -> dict[int, tuple[float, float]]:
 
 def one_way_latency(rank: int, transport: str) -> float | None:
     """Half the median round trip of a runtime-sized message between ranks 0 and 1 over ``transport``
-    (``native`` or ``torch``), collective over the default group; None on ranks other than 0 and 1."""
+    (``native`` or ``torch``; :func:`~.common.pingpong`), collective over the default group; None on the
+    other ranks."""
     import torch
 
+    from dualpipe_kernels.benchmarks.common import pingpong
     from dualpipe_kernels.runtime.boundary.inline import META_BYTES
     from dualpipe_kernels.transport import make_transport
 
@@ -122,24 +124,25 @@ def one_way_latency(rank: int, transport: str) -> float | None:
     try:
         if rank > 1:
             return None
-        out = torch.zeros(META_BYTES + 4 * 8, dtype=torch.uint8)
+        out = torch.zeros(META_BYTES + 4 * WIDTH, dtype=torch.uint8)
         back = torch.empty_like(out)
         peer = 1 - rank
-        trips: list[float] = []
-        for k in range(_ROUND_TRIPS + 10):
-            t0 = time.perf_counter()
-            recv = link.irecv(back, peer, 7, "bound ping-pong")  # posted ahead, as the runtime's window does
-            if rank == 0:
-                link.isend(out, peer, 7, "bound ping-pong").wait()
-                recv.wait()
-            else:
-                recv.wait()
-                link.isend(out, peer, 7, "bound ping-pong").wait()
-            if k >= 10:
-                trips.append(time.perf_counter() - t0)
+
+        def send(t: torch.Tensor) -> None:
+            link.isend(t, peer, 7, "bound ping-pong").wait()
+
+        def recv(t: torch.Tensor) -> None:
+            link.irecv(t, peer, 7, "bound ping-pong").wait()
+
+        trips = pingpong(rank, send, recv, out, back, _ROUND_TRIPS)
         return statistics.median(trips) / 2 if rank == 0 else None
     finally:
         link.close()
+
+
+def _bounded(cfg: Any) -> list[str]:
+    """The transports whose latency bounds ``cfg``'s transports (:data:`LATENCY_OF`), once each, in order."""
+    return list(dict.fromkeys(LATENCY_OF[t] for t in cfg.transports if t in LATENCY_OF))
 
 
 def bound_rows(cfg: Any, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -152,7 +155,7 @@ def bound_rows(cfg: Any, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]
     for name in cfg.schedules:
         floors = [o.get(f"floor/none/{name}", "no floor case") for o in per_rank]
         failed = next((f for f in floors if isinstance(f, str)), None)  # the floor's error is the bound's
-        for transport in dict.fromkeys(LATENCY_OF[t] for t in cfg.transports if t in LATENCY_OF):
+        for transport in _bounded(cfg):
             row: dict[str, Any] = {"impl": "bound", "transport": transport, "schedule": name, "ranks": cfg.ranks,
                                    "microbatches": cfg.microbatches}  # fmt: skip
             lat = latency.get(transport, "no latency measured")
@@ -192,7 +195,7 @@ def measure_latency(rank: int, cfg: Any) -> dict[str, Any]:
     """``{"latency": {transport: seconds or an error}}`` (rank 0's; None on the others) for the transports the
     bound rows need, measured after the rounds; collective."""
     latency: dict[str, Any] = {}
-    for t in dict.fromkeys(LATENCY_OF[t] for t in cfg.transports if t in LATENCY_OF):
+    for t in _bounded(cfg):
         try:
             latency[t] = one_way_latency(rank, t)
         except Exception as e:  # noqa: BLE001 - reported in the row

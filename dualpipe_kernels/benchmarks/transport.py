@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dualpipe_kernels.benchmarks.common import allowed_cpus, markdown_table, pin_to_core
+from dualpipe_kernels.benchmarks.common import allowed_cpus, markdown_table, pin_to_core, pingpong
 
 NAME = "transport"
 KIB = 1024
@@ -159,22 +159,6 @@ class TransportConfig:
         return kw
 
 
-def _pingpong(rank: int, send: Any, recv: Any, out_buf: torch.Tensor, in_buf: torch.Tensor, reps: int) -> list[float]:
-    """Round-trip times in seconds (rank 0 measures; rank 1 echoes). Two warm-up rounds first."""
-    times = []
-    for i in range(reps + 2):
-        if rank == 0:
-            t0 = time.perf_counter()
-            send(out_buf)
-            recv(in_buf)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        else:
-            recv(in_buf)
-            send(in_buf)
-    return times
-
-
 def _packed_pingpong(rank: int, native: Any, peer: int, size: int, reps: int) -> dict[str, Any]:
     """One-way times (us) of a packed message of ``size`` bytes (4 fp32 tensors, lossless): ``isend_packed``
     packing straight into the ring slot vs into a buffer the engine then copies in; the receiver unpacks
@@ -198,7 +182,7 @@ def _packed_pingpong(rank: int, native: Any, peer: int, size: int, reps: int) ->
     for key, in_place in (("in_place", True), ("copy", False)):
         native.pack_in_place = in_place
         dist.barrier()
-        one_way = [t / 2 for t in _pingpong(rank, send, recv, buf, buf, reps)]
+        one_way = [t / 2 for t in pingpong(rank, send, recv, buf, buf, reps)]
         if rank == 0:  # (rank 1 echoes and times nothing)
             out[f"packed_{key}_us"] = statistics.median(one_way) * 1e6
             out[f"packed_{key}_bit_exact"] = all(torch.equal(a, b) for a, b in zip(ts, outs, strict=True))
@@ -297,7 +281,7 @@ def _worker(rank: int, world_size: int, cfg: TransportConfig) -> list[dict]:
         # One exchange each way first: the engine's worker threads start on first use and must
         # not inherit the pinning below (nor gloo's, started with the process group).
         warm_out, warm_in = torch.zeros(1), torch.zeros(1)
-        _pingpong(
+        pingpong(
             rank,
             lambda t: native.isend(t, peer, tag=9).wait(),
             lambda t: native.irecv(t, peer, tag=9).wait(),
@@ -325,12 +309,12 @@ def _worker(rank: int, world_size: int, cfg: TransportConfig) -> list[dict]:
                 dist.recv(t, src=peer, tag=2)
 
             dist.barrier()
-            native_rtt = _pingpong(rank, nsend, nrecv, out_buf, in_buf, n)
+            native_rtt = pingpong(rank, nsend, nrecv, out_buf, in_buf, n)
             if rank == 0:
                 row["native_bit_exact"] = bool(torch.equal(in_buf, out_buf))
             in_buf.zero_()
             dist.barrier()
-            gloo_rtt = _pingpong(rank, gsend, grecv, out_buf, in_buf, n)
+            gloo_rtt = pingpong(rank, gsend, grecv, out_buf, in_buf, n)
             if rank == 0:
                 row["gloo_bit_exact"] = bool(torch.equal(in_buf, out_buf))
             if size <= cfg.slot_bytes and size % 64 == 0:  # a packed message that fits one ring slot

@@ -188,38 +188,40 @@ def _has_none(items: Sequence[object]) -> bool:
     return False
 
 
-def backward_full(roots: Sequence[tuple[GradientEdge, torch.Tensor | None]]) -> None:
-    """Full backward from ``(edge, grad)`` roots (grad None: a scalar loss, gradient 1)."""
-    if not roots:
-        return
-    if _ENGINE_RUN is not None:  # :func:`_backward` inline (once per backward): the engine call when no grad is None
-        edges, grads = zip(*roots, strict=True)
-        for g in grads:
-            if g is None:
-                break
-        else:
-            _ENGINE_RUN(edges, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
-            return
-    _backward(roots)
-
-
 # The engine itself, under _ENGINE_RUN (which checks torch's autograd debug logging and stashes the caller's
 # context variables for the engine's device threads): for a backward of host tensors, which the engine runs
 # on the calling thread, neither is needed.  ~4 us per backward.  None on a torch without it.
 _RUN_BACKWARD = getattr(getattr(torch.autograd.Variable, "_execution_engine", None), "run_backward", None)
 
 
-def host_backward_full(roots: Sequence[tuple[GradientEdge, torch.Tensor | None]]) -> None:
-    """:func:`backward_full` for stages on the host (see :func:`full_backward_for`): the engine called directly."""
-    if roots and _RUN_BACKWARD is not None:
-        edges, grads = zip(*roots, strict=True)
-        for g in grads:
-            if g is None:
-                break
-        else:
-            _RUN_BACKWARD(edges, grads, False, False, (), True, True)  # allow_unreachable, accumulate_grad
+def _full_backward(engine: Callable[..., Any] | None, doc: str) -> Callable[[Sequence[Any]], None]:
+    """A full backward from ``(edge, grad)`` roots through ``engine`` (_ENGINE_RUN's signature) when no grad
+    is None, else through :func:`_backward` (the public function)."""
+
+    def full(roots: Sequence[tuple[GradientEdge, torch.Tensor | None]]) -> None:
+        if not roots:
             return
-    backward_full(roots)
+        if engine is not None:  # :func:`_backward` inline (once per backward): the engine call when no grad is None
+            edges, grads = zip(*roots, strict=True)
+            for g in grads:
+                if g is None:
+                    break
+            else:
+                engine(edges, grads, False, False, (), True, True)  # allow_unreachable, accumulate_grad
+                return
+        _backward(roots)
+
+    full.__doc__ = doc
+    return full
+
+
+backward_full = _full_backward(
+    _ENGINE_RUN, "Full backward from ``(edge, grad)`` roots (grad None: a scalar loss, gradient 1)."
+)
+host_backward_full = _full_backward(
+    _RUN_BACKWARD,
+    ":func:`backward_full` for stages on the host (see :func:`full_backward_for`): the engine called directly.",
+)
 
 
 def full_backward_for(modules: Iterable[torch.nn.Module]) -> Callable[[Sequence[Any]], None]:
@@ -229,8 +231,7 @@ def full_backward_for(modules: Iterable[torch.nn.Module]) -> Callable[[Sequence[
     import logging
 
     on_host = all(t.device.type == "cpu" for m in modules for t in (*m.parameters(), *m.buffers()))
-    log = getattr(torch.autograd.graph, "log", None) or logging.getLogger("torch.autograd.graph")
-    quiet = log.getEffectiveLevel() > logging.DEBUG
+    quiet = logging.getLogger("torch.autograd.graph").getEffectiveLevel() > logging.DEBUG  # torch's own logger
     if on_host and quiet and _RUN_BACKWARD is not None and not torch.cuda.is_initialized():
         return host_backward_full
     return backward_full

@@ -374,7 +374,7 @@ class NativeTransport(Transport):
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self._rank}: tensor must be contiguous ({what})")
 
-    def _track(self, request: Any, tensor: torch.Tensor, is_send: bool = True) -> NativeHandle:
+    def _track(self, request: Any, tensor: torch.Tensor, is_send: bool) -> NativeHandle:
         # Drop finished transfers whose handles were dropped unwaited: a tensor kept here pins its memory.
         # Swept when the table has doubled since the last sweep (amortised O(1) per post: the runtime
         # waits for nearly everything it posts, so the table stays small).

@@ -40,7 +40,7 @@ def test_full_backward_for_keeps_the_wrapper_off_host_and_under_debug_logging() 
     assert full_backward_for([nn.Linear(2, 2)]) is host_backward_full
     on_meta = nn.Linear(2, 2, device="meta")
     assert full_backward_for([nn.Linear(2, 2), on_meta]) is backward_full
-    log = getattr(torch.autograd.graph, "log", None) or logging.getLogger("torch.autograd.graph")
+    log = logging.getLogger("torch.autograd.graph")
     level = log.level
     log.setLevel(logging.DEBUG)
     try:
