@@ -170,14 +170,19 @@ class PeerWatch:
         wait that broke for another reason is named after that failure when the thread sees one."""
         try:
             handle.wait(timeout_s)
-        except PeerFailed:
+        except Exception as exc:
+            self.name_failure(exc)
             raise
-        except TransportTimeout:
+
+    def name_failure(self, exc: Exception) -> None:
+        """For a plain wait that raised ``exc``: raise the failure of another rank instead when this watch sees
+        one (at once for a timeout, within three polls for a broken transfer); return to let ``exc`` stand."""
+        if isinstance(exc, PeerFailed):
+            return
+        if isinstance(exc, TransportTimeout):
             self.check()
-            raise
-        except Exception:
-            self._blame_failure()
-            raise
+            return
+        self._blame_failure()
 
     def wait(self, handle: Handle, timeout_s: float) -> None:
         """``handle.wait(timeout_s)``, but raising :class:`PeerFailed` as soon as another rank has failed: in
@@ -349,6 +354,19 @@ class WatchedTransport:
         gather = getattr(inner, "try_isend_gather", None)
         if gather is not None:
             self.try_isend_gather = gather
+        # Receives posted with no handle (the native engine's repeated small ones): posted by the inner's own
+        # method, waited through the inner's with the watch's naming of errors.  Only on a direct watch.
+        self._wait_raw = getattr(inner, "wait_raw", None)
+        if self._wait_raw is not None and self._direct:
+            self.irecv_raw = inner.irecv_raw
+
+    def wait_raw(self, request: Any, timeout: float) -> None:
+        """The inner's ``wait_raw``, its errors named as :meth:`PeerWatch.wait_plain` names a handle's."""
+        try:
+            self._wait_raw(request, timeout)  # type: ignore[misc]
+        except Exception as exc:
+            self._watch.name_failure(exc)
+            raise
 
     def _wrap(self, handle: Any) -> Any:
         return WatchedHandle(handle, self._watch, self._direct) if isinstance(handle, Handle) else handle

@@ -52,6 +52,8 @@ import torch
 __all__ = [
     "DEFAULT_RECV_LOOKAHEAD",
     "Handle",
+    "DoneHandle",
+    "DONE",
     "Transport",
     "TransportError",
     "TransportTimeout",
@@ -96,6 +98,20 @@ class Handle(abc.ABC):
         Transports without device-side events fall back to a host wait.
         """
         self.wait()
+
+
+class DoneHandle(Handle):
+    """A transfer that is complete already: a send that completed when it was posted (its bytes are in the
+    ring), a receive that was waited for.  :data:`DONE` is one (it holds nothing)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = DoneHandle()
 
 
 class _HoldingHandle(Handle):

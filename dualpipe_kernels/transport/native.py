@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from dualpipe_kernels.transport.base import (
     DEFAULT_TIMEOUT_S,
+    DONE,
     Handle,
     Transport,
     TransportError,
@@ -66,7 +67,15 @@ from dualpipe_kernels.transport.base import (
     wait_store_key,
 )
 from dualpipe_kernels.transport.hosts import host_id as default_host_id
-from dualpipe_kernels.transport.native_handles import NativeHandle, ReservedSlot, _DoneHandle
+from dualpipe_kernels.transport.native_defaults import (
+    INLINE_MAX_BYTES_OWN_CORE,
+    SPIN_US_OWN_CORE,
+    SPIN_US_SHARED,
+    cpus_shared,
+    default_inline_max_bytes,
+    default_spin_us,
+)
+from dualpipe_kernels.transport.native_handles import NativeHandle, ReservedSlot, request_error
 from dualpipe_kernels.wire_dtypes import WIRE_DTYPE_CODE, WIRE_DTYPES
 
 if TYPE_CHECKING:
@@ -84,6 +93,9 @@ __all__ = [
     "default_spin_us",
     "default_inline_max_bytes",
     "cpus_shared",
+    "SPIN_US_OWN_CORE",
+    "SPIN_US_SHARED",
+    "INLINE_MAX_BYTES_OWN_CORE",
     "load_engine_module",
 ]
 
@@ -121,43 +133,6 @@ def load_engine_module() -> Any:
             "dualpipe_kernels._C is not built; install with `pip install --no-build-isolation -e .`"
         ) from exc
     return _C.shm
-
-
-#: A waiter's spin before it sleeps when every local rank has a CPU, and when ranks share CPUs.
-SPIN_US_OWN_CORE, SPIN_US_SHARED = 500.0, 50.0
-#: Sends up to this size are copied by the posting thread when every local rank has a CPU
-#: (:func:`default_inline_max_bytes`).
-INLINE_MAX_BYTES_OWN_CORE = 64 * 1024
-
-
-def cpus_shared(group_size: int) -> bool:
-    """True when this host has fewer CPUs than local ranks (``LOCAL_WORLD_SIZE`` where a launcher set it,
-    else ``group_size``)."""
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", group_size))
-    except ValueError:
-        local = group_size
-    return (os.cpu_count() or 1) < local
-
-
-def default_spin_us(group_size: int) -> float:
-    """``NativeTransport``'s default ``spin_us``: :data:`SPIN_US_OWN_CORE` when this host's CPUs are at least
-    its ranks (:func:`cpus_shared`), else :data:`SPIN_US_SHARED`."""
-    return SPIN_US_SHARED if cpus_shared(group_size) else SPIN_US_OWN_CORE
-
-
-def default_inline_max_bytes(group_size: int, slot_bytes: int) -> int:
-    """``NativeTransport``'s default ``inline_max_bytes``: the largest message the posting thread copies
-    into the ring itself (and the waiting thread out of it), instead of handing it to the engine's worker.
-
-    :data:`INLINE_MAX_BYTES_OWN_CORE` (capped at a slot) when every local rank has a CPU: a larger message
-    goes to the worker, which copies it (or posts it for the receiver to read in place, single copy) while
-    the rank works on.  A whole slot when ranks share CPUs (:func:`cpus_shared`): a hand-off then costs a
-    wake-up on each side that waits for a CPU.  Measured on 2 CPUs, DualPipeV 4 x 16 of 1/2/1 ms sleep
-    chunks with 256 KiB activations, the two settings taking turns step by step in the same processes: 5-6%
-    shorter steps with a slot (and 18-30% less CPU per rank); with two ranks, a CPU each, 2% longer.
-    """
-    return slot_bytes if cpus_shared(group_size) else min(INLINE_MAX_BYTES_OWN_CORE, slot_bytes)
 
 
 class NativeTransport(Transport):
@@ -407,6 +382,29 @@ class NativeTransport(Transport):
             code = dtype_code(tensor.dtype)
         return self._track(post(peer, tensor.data_ptr(), nbytes, tag, code, what), tensor, is_send)
 
+    def irecv_raw(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Any:
+        """:meth:`irecv` of a contiguous host uint8 ``tensor`` from same-host ``peer`` with no handle around the
+        engine's request: the request (wait for it with :meth:`wait_raw` only), or None when this receive
+        takes :meth:`irecv` (a peer on another host, a closed or failed transport).  The transport holds
+        ``tensor`` until the wait returns, as for a handle.  For the runtime's repeated small receives,
+        each posted and waited once a step."""
+        if self._closed or self._failure is not None or peer not in self._local:
+            return None
+        req = self._engine.recv(peer, tensor.data_ptr(), tensor.nbytes, tag, _UINT8_CODE, what)
+        self._inflight[id(req)] = (req, tensor)
+        return req
+
+    def wait_raw(self, request: Any, timeout: float) -> None:
+        """Wait for a request of :meth:`irecv_raw` as :meth:`NativeHandle.wait` does (the same errors)."""
+        try:
+            request.wait(timeout)
+        except TimeoutError as exc:
+            raise request_error(exc, self) from None
+        except RuntimeError as exc:
+            self._inflight.pop(id(request), None)
+            raise request_error(exc, self) from None
+        self._inflight.pop(id(request), None)
+
     def try_isend_gather(self, pieces: Sequence[tuple[int, torch.Tensor]], nbytes: int, peer: int, tag: int) -> bool:
         """Send one small uint8 message of ``nbytes`` made of ``pieces`` at once, or do nothing.
 
@@ -480,7 +478,7 @@ class NativeTransport(Transport):
                 with slot:
                     assert slot.tensor is not None
                     pack_as(tensors, layout, slot.tensor, what)
-                return _DoneHandle()
+                return DONE
         return super().isend_packed(tensors, layout, peer, tag, what)
 
     def send_stats(self, peer: int) -> dict[str, int]:

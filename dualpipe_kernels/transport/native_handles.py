@@ -1,5 +1,6 @@
-"""What :class:`~dualpipe_kernels.transport.native.NativeTransport` hands back: a posted transfer's handle,
-a send that completed when posted, and a reserved ring slot to pack into."""
+"""What :class:`~dualpipe_kernels.transport.native.NativeTransport` hands back: a posted transfer's handle
+and a reserved ring slot to pack into (a send complete when posted gets ``transport.base.DONE``); the errors
+of a wait for an engine request."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from dualpipe_kernels.transport.base import Handle, TransportError, TransportTimeout
 
-__all__ = ["HandleOwner", "NativeHandle", "ReservedSlot"]
+__all__ = ["HandleOwner", "NativeHandle", "ReservedSlot", "request_error"]
 
 
 class HandleOwner(Protocol):
@@ -27,6 +28,16 @@ class HandleOwner(Protocol):
         """What :meth:`~dualpipe_kernels.transport.base.Transport.fail_all` was given, or None."""
 
 
+def request_error(exc: Exception, owner: HandleOwner) -> BaseException:
+    """What a wait of an engine request that raised ``exc`` raises: TransportTimeout for the engine's
+    TimeoutError; for a failed request the transport's failure when ``fail_all`` failed it (the engine
+    failed it with that failure's text), else TransportError."""
+    if isinstance(exc, TimeoutError):
+        return TransportTimeout(str(exc))
+    failure = owner.failure
+    return failure if failure is not None else TransportError(str(exc))
+
+
 class NativeHandle(Handle):
     """One posted transfer. Holds the tensor until the transfer completes."""
 
@@ -40,13 +51,10 @@ class NativeHandle(Handle):
         try:
             self._request.wait(limit)
         except TimeoutError as exc:
-            raise TransportTimeout(str(exc)) from None
+            raise request_error(exc, self._owner) from None
         except RuntimeError as exc:
             self._release()
-            failure = self._owner.failure
-            if failure is not None:  # fail_all: the engine failed it with the failure's text
-                raise failure from None
-            raise TransportError(str(exc)) from None
+            raise request_error(exc, self._owner) from None
         self._release()
 
     def is_completed(self) -> bool:
@@ -61,16 +69,6 @@ class NativeHandle(Handle):
         if self._tensor is not None:
             self._tensor = None
             self._owner._inflight.pop(id(self._request), None)
-
-
-class _DoneHandle(Handle):
-    """A send that completed when it was posted (its bytes are already in the ring)."""
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
 
 
 class ReservedSlot:

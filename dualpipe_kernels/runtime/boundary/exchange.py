@@ -133,6 +133,8 @@ class Boundary:
     def __post_init__(self) -> None:
         self.channels: Channels = self.wire.layouts.channels(self.wire.transport)
         self._data = self.channels.data  # where repeated messages go (a property: read once)
+        # its receives with no handle (the native engine's), when it has them: repeated messages post there
+        self._raw = getattr(self._data, "irecv_raw", None)
         if self.channels.ordered is not None:
             self._order_receives()
         for i, a in enumerate(self.actions):  # every route resolved now, not in a step
@@ -219,7 +221,7 @@ class Boundary:
         r = self._routes[i]
         repeat = self.wire.layouts.repeat_recv.get(r.key)
         if repeat is not None:  # _post_one's first case inline (once per receive)
-            st.recvs[i] = post_repeat(self.wire.layouts, repeat, self._data, r.peer, r.meta_tag, r.what)
+            st.recvs[i] = post_repeat(self.wire.layouts, repeat, self._data, r.peer, r.meta_tag, r.what, self._raw)
         else:
             self._post_one(st, i, repeats_only)
 
@@ -228,7 +230,7 @@ class Boundary:
         w = self.wire
         repeat = w.layouts.repeat_recv.get(r.key)
         if repeat is not None:  # the layout of the last step's message, inline (repeat.py)
-            st.recvs[i] = post_repeat(w.layouts, repeat, self._data, r.peer, r.meta_tag, r.what)
+            st.recvs[i] = post_repeat(w.layouts, repeat, self._data, r.peer, r.meta_tag, r.what, self._raw)
             return
         if repeats_only:
             return
@@ -257,7 +259,7 @@ class Boundary:
         w = self.wire
         device = w.device
         if isinstance(recv, RepeatRecvOp):
-            recv.handle.wait(w.timeout_s)
+            recv.wait(w.timeout_s)
             tensors = recv.tensors(w.layouts, device)
             if tensors is not None:
                 return tensors

@@ -38,7 +38,7 @@ the general path, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ from dualpipe_kernels.runtime.boundary.codec import MessageCodec
 from dualpipe_kernels.runtime.boundary.header import Layout
 from dualpipe_kernels.runtime.boundary.inline import META_BYTES, InlinePlan, build, data_views, read
 from dualpipe_kernels.runtime.boundary.layout_memory import LayoutMemory
-from dualpipe_kernels.transport.base import Handle, Transport
+from dualpipe_kernels.transport.base import DONE, Handle, Transport
 
 __all__ = [
     "RepeatSend",
@@ -259,14 +259,26 @@ class RepeatRecv:
 
 
 class RepeatRecvOp:
-    """One inline receive posted from a :class:`RepeatRecv` entry."""
+    """One inline receive posted from a :class:`RepeatRecv` entry.
 
-    __slots__ = ("entry", "handle", "buf")
+    ``link``: None when :attr:`handle` is a transport handle; else the transport that posted it as a bare
+    request (``irecv_raw``), whose ``wait_raw`` waits for it."""
 
-    def __init__(self, entry: RepeatRecv, handle: Handle, buf: torch.Tensor) -> None:
+    __slots__ = ("entry", "handle", "buf", "link")
+
+    def __init__(self, entry: RepeatRecv, handle: Any, buf: torch.Tensor, link: Any = None) -> None:
         self.entry = entry
         self.handle = handle
         self.buf = buf
+        self.link = link
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait for the message to be in :attr:`buf` (the transport's errors, named as for any wait)."""
+        if self.link is None:
+            self.handle.wait(timeout_s)
+        else:
+            self.link.wait_raw(self.handle, timeout_s)
+            self.handle, self.link = DONE, None  # waited: the general protocol may read it as a handle
 
     def tensors(self, memory: LayoutMemory, device: torch.device) -> list[torch.Tensor | None] | None:
         """The message's tensors once :attr:`handle` completed, or None when its header is not the
@@ -302,12 +314,23 @@ class RepeatRecvOp:
 
 
 def post_repeat(
-    memory: LayoutMemory, entry: RepeatRecv, transport: Transport, peer: int, tag: int, what: str
+    memory: LayoutMemory,
+    entry: RepeatRecv,
+    transport: Transport,
+    peer: int,
+    tag: int,
+    what: str,
+    raw: Callable[..., Any] | None = None,
 ) -> RepeatRecvOp:
-    """Post the inline receive of a message expected in ``entry``'s layout."""
+    """Post the inline receive of a message expected in ``entry``'s layout; ``raw``: ``transport``'s
+    ``irecv_raw`` where it has one (a bare engine request, no handle: the native engine's), tried first."""
     if entry.handover:
         buf = torch.empty(entry.nbytes, dtype=torch.uint8, device="cpu")
     else:
         free = memory.pool.free.get(entry.nbytes)  # pool.take inline (once per receive)
         buf = free.pop() if free else memory.pool.take(entry.nbytes)
+    if raw is not None:
+        request = raw(buf, peer, tag, what)
+        if request is not None:
+            return RepeatRecvOp(entry, request, buf, transport)
     return RepeatRecvOp(entry, transport.irecv(buf, peer, tag, what), buf)
