@@ -14,7 +14,7 @@ from dualpipe_kernels.runtime.launch import spawn_outcomes
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["native", "torch"])
+@pytest.mark.parametrize("transport", ["native", "native-raw", "torch"])
 def test_a_failure_ends_a_blocked_wait_within_a_second_of_the_watch_seeing_it(transport: str) -> None:
     outs = spawn_outcomes(blocked_wait_meets_a_failure, 2, transport, timeout_s=150.0, failure_grace_s=30.0)
     assert all(o.ok for o in outs), [o.error for o in outs]
@@ -25,3 +25,6 @@ def test_a_failure_ends_a_blocked_wait_within_a_second_of_the_watch_seeing_it(tr
     assert r0["after_seen_s"] is not None and r0["after_seen_s"] < 1.0, r0
     assert r0["waited_s"] < 10.0, r0  # the failure, not the wait's own 60 s, ended it
     assert r0["later_post"] is not None and "pipeline rank 1 failed" in r0["later_post"], r0
+    if transport == "native-raw":  # a bare engine request: the same errors as a handle's wait
+        assert r0["raw_timeout"].startswith("TransportTimeout: ") and "a receive never sent" in r0["raw_timeout"], r0
+        assert r0["raw_after_close"] is None and r1["raw_after_close"] is None

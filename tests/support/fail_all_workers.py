@@ -77,7 +77,7 @@ def seen_at(watch: PeerWatch) -> tuple[list[float], threading.Thread]:
 
 
 def _transport(kind: str) -> Transport:
-    if kind == "native":
+    if kind in ("native", "native-raw"):
         from dualpipe_kernels.transport.native import NativeTransport
 
         return NativeTransport(timeout_s=30.0)
@@ -89,7 +89,12 @@ def _transport(kind: str) -> Transport:
 def blocked_wait_meets_a_failure(rank: int, world: int, kind: str) -> dict[str, Any]:
     """Ranks 0 and 1 exchange 40 messages through a watched transport (probes counted), then rank 0 blocks in a
     receive rank 1 never sends while rank 1 publishes a failure; rank 0 reports how long after its watch saw the
-    failure its wait ended, and what a post after it raised."""
+    failure its wait ended, and what a post after it raised.
+
+    ``native-raw``: the blocked receive is a bare engine request (``irecv_raw`` / ``wait_raw``, how the runtime
+    posts its repeated small receives) on a watch over the native transport itself; before the failure rank 0
+    also times out such a receive (``raw_timeout``: the error), and after the transport is closed neither rank
+    posts one (``raw_after_close``)."""
     base = _transport(kind)
     counting = CountingTransport(base)
     watch = PeerWatch(group_store(None), rank, world, key_rank=rank, poll_s=0.05, liveness_s=30.0)
@@ -112,11 +117,21 @@ def blocked_wait_meets_a_failure(rank: int, world: int, kind: str) -> dict[str, 
             # alive until rank 0 is done (through the store: rank 0's fail_all closes the group's gloo pairs)
             group_store(None).wait([_DONE], timedelta(seconds=BLOCK_S))
             return out
+        raw = WatchedTransport(base, watch) if kind == "native-raw" else None
+        if raw is not None:
+            req = raw.irecv_raw(torch.empty(8, dtype=torch.uint8), peer, 998, "a receive never sent")
+            try:
+                raw.wait_raw(req, 0.2)
+                out["raw_timeout"] = None
+            except Exception as exc:  # noqa: BLE001 - reported, the test names it
+                out["raw_timeout"] = f"{type(exc).__name__}: {exc}"
         seen, looking = seen_at(watch)
-        blocked = wire.irecv(torch.empty(16), peer, 999)
         t0 = time.monotonic()
         try:
-            blocked.wait(BLOCK_S)
+            if raw is not None:
+                raw.wait_raw(raw.irecv_raw(torch.empty(16, dtype=torch.uint8), peer, 999, "blocked"), BLOCK_S)
+            else:
+                wire.irecv(torch.empty(16), peer, 999).wait(BLOCK_S)
             out["error"] = None
         except PeerFailed as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
@@ -137,3 +152,5 @@ def blocked_wait_meets_a_failure(rank: int, world: int, kind: str) -> dict[str, 
             group_store(None).set(_DONE, "1")
         watch.close()
         base.close()
+        if kind == "native-raw":  # a closed transport posts no bare request
+            out["raw_after_close"] = base.irecv_raw(torch.empty(8, dtype=torch.uint8), peer, 997)  # type: ignore[attr-defined]
