@@ -23,16 +23,37 @@ from dualpipe_kernels.runtime.boundary.transfer import LayoutMemory, TagSpace
 from dualpipe_kernels.runtime.executor import _lowered_program
 from dualpipe_kernels.schedules.generators import build_schedule
 from dualpipe_kernels.schedules.ir import T_RECV_F, T_SEND_F
+from dualpipe_kernels.transport.base import Handle
 
 TIMEOUT_S = 5.0
 
 
-class Ends:
-    """Ranks 0 (sender of SEND_F of micro-batch 0) and 1 (its receiver), each with its own layout memory."""
+class RawEndpoint(LoopbackEndpoint):
+    """A loopback end that also posts receives with no handle (``irecv_raw`` / ``wait_raw``, as the native
+    engine does for repeated ones): the request is the loopback's own handle; waits through it are counted."""
 
-    def __init__(self, limit: int = INLINE_MAX_BYTES) -> None:
+    def __init__(self, inner: LoopbackEndpoint) -> None:
+        super().__init__(inner._box, inner.rank, inner.device)
+        self.raw_posts = self.raw_waits = 0
+
+    def irecv_raw(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "") -> Handle:
+        self.raw_posts += 1
+        return self.irecv(tensor, peer, tag, what)
+
+    def wait_raw(self, request: Handle, timeout: float) -> None:
+        self.raw_waits += 1
+        request.wait(timeout)
+
+
+class Ends:
+    """Ranks 0 (sender of SEND_F of micro-batch 0) and 1 (its receiver), each with its own layout memory;
+    ``raw``: the ends post repeated receives as bare requests (:class:`RawEndpoint`)."""
+
+    def __init__(self, limit: int = INLINE_MAX_BYTES, raw: bool = False) -> None:
         program = _lowered_program(build_schedule("1f1b", 2, 2))
         self.pair = LoopbackPair("cpu")
+        if raw:
+            self.pair.ends = (RawEndpoint(self.pair.ends[0]), RawEndpoint(self.pair.ends[1]))
         tags = TagSpace(2, 2)
         self.b = [
             Boundary(
@@ -91,8 +112,9 @@ def _sends(ends: Ends) -> list[int]:
     return [tag % 64 for kind, _, _, tag in ends.pair.box.log if kind == "send"]
 
 
-def test_repeats_take_the_fast_path_on_both_ends(monkeypatch: pytest.MonkeyPatch) -> None:
-    ends, flags = Ends(), [True, False, False]
+@pytest.mark.parametrize("raw", [False, True], ids=["handle", "raw"])
+def test_repeats_take_the_fast_path_on_both_ends(monkeypatch: pytest.MonkeyPatch, raw: bool) -> None:
+    ends, flags = Ends(raw=raw), [True, False, False]
     decodes = _count_decodes(monkeypatch)
     for seed in (1, 2):  # first step: two-phase; second: inline through the general path
         _same(ends.exchange(_msg(seed), flags)[0], _msg(seed), flags)
@@ -106,6 +128,9 @@ def test_repeats_take_the_fast_path_on_both_ends(monkeypatch: pytest.MonkeyPatch
         assert _sends(ends) == [0], "metadata and data in one transfer"
     assert decodes[0] == 2, "no metadata decoded for a repeated layout"
     assert ends.b[1].wire.layouts.pool.allocations == 1, "one pooled receive buffer, reused"
+    if raw:  # the three repeats posted and waited as bare requests (the first two took the general path)
+        assert ends.pair.ends[1].raw_posts == ends.pair.ends[1].raw_waits == 3  # type: ignore[attr-defined]
+        assert ends.last_posted.link is ends.pair.ends[1]
     assert ends.b[0].messages_sent[0] == 5 and ends.b[0].bytes_sent[0] > 0
 
 
@@ -136,9 +161,10 @@ def test_repeat_path_moves_the_same_bytes_as_the_general_path(monkeypatch: pytes
     ],
     ids=lambda c: c[0] if isinstance(c, tuple) else str(c),
 )
-def test_a_changed_layout_falls_back_then_repeats_again(change: tuple) -> None:  # type: ignore[type-arg]
+@pytest.mark.parametrize("raw", [False, True], ids=["handle", "raw"])
+def test_a_changed_layout_falls_back_then_repeats_again(change: tuple, raw: bool) -> None:  # type: ignore[type-arg]
     _, make, new_flags, fresh = change
-    ends, flags = Ends(), [True, False, False]
+    ends, flags = Ends(raw=raw), [True, False, False]
     for seed in (1, 2, 3):
         ends.exchange(_msg(seed), flags)
     assert isinstance(ends.last_posted, RepeatRecvOp)
@@ -146,6 +172,7 @@ def test_a_changed_layout_falls_back_then_repeats_again(change: tuple) -> None: 
     got, _, _ = ends.exchange(make(4), new_flags)
     _same(got, make(4), new_flags)
     assert isinstance(ends.last_posted, RepeatRecvOp), "posted from the old entry, read by the general path"
+    assert ends.last_posted.link is (ends.pair.ends[1] if raw else None), "raw: a bare request, then DONE for it"
     assert not any(isinstance(s, SmallSend) for s in ends.last_small), "the sender took the general path"
     if fresh:
         assert _sends(ends)[0] == 0 and len(_sends(ends)) > 1, "the posted buffer (metadata, zeros), then fresh tags"

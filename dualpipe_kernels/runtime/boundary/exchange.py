@@ -28,7 +28,7 @@ from dualpipe_kernels.runtime.boundary.repeat import SENT, RepeatRecvOp, SmallSe
 from dualpipe_kernels.runtime.boundary.transfer import BoundaryRecv, BoundarySend
 from dualpipe_kernels.schedules.deps import ROLE_RECV, Program
 from dualpipe_kernels.schedules.ir import T_RECV_B, T_RECV_F, T_SEND_B, T_SEND_F, Action
-from dualpipe_kernels.transport.base import Transport
+from dualpipe_kernels.transport.base import DONE, Transport
 
 __all__ = ["Boundary", "BoundaryState", "Wire", "pair_orders", "pair_order_digest"]
 
@@ -259,13 +259,16 @@ class Boundary:
         w = self.wire
         device = w.device
         if isinstance(recv, RepeatRecvOp):
-            recv.wait(w.timeout_s)
+            if recv.link is None:
+                recv.handle.wait(w.timeout_s)
+            else:  # a bare engine request (irecv_raw)
+                recv.link.wait_raw(recv.handle, w.timeout_s)
             tensors = recv.tensors(w.layouts, device)
             if tensors is not None:
                 return tensors
-            # The sender's layout changed: the general protocol reads what arrived.
+            # The sender's layout changed: the general protocol reads what arrived (a waited request: DONE).
             r = self._routes[i]
-            posted = (recv.handle, recv.buf)
+            posted = (recv.handle if recv.link is None else DONE, recv.buf)
             recv = BoundaryRecv(w.transport, r.peer, w.tags, r.key, r.what, device, w.layouts, r.fmt, posted)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         return recv.wait(w.timeout_s, stream)

@@ -48,7 +48,7 @@ from dualpipe_kernels.runtime.boundary.codec import MessageCodec
 from dualpipe_kernels.runtime.boundary.header import Layout
 from dualpipe_kernels.runtime.boundary.inline import META_BYTES, InlinePlan, build, data_views, read
 from dualpipe_kernels.runtime.boundary.layout_memory import LayoutMemory
-from dualpipe_kernels.transport.base import DONE, Handle, Transport
+from dualpipe_kernels.transport.base import Handle, Transport
 
 __all__ = [
     "RepeatSend",
@@ -262,7 +262,7 @@ class RepeatRecvOp:
     """One inline receive posted from a :class:`RepeatRecv` entry.
 
     ``link``: None when :attr:`handle` is a transport handle; else the transport that posted it as a bare
-    request (``irecv_raw``), whose ``wait_raw`` waits for it."""
+    request (``irecv_raw``), whose ``wait_raw`` waits for it (``Boundary.complete_recv``)."""
 
     __slots__ = ("entry", "handle", "buf", "link")
 
@@ -271,14 +271,6 @@ class RepeatRecvOp:
         self.handle = handle
         self.buf = buf
         self.link = link
-
-    def wait(self, timeout_s: float) -> None:
-        """Wait for the message to be in :attr:`buf` (the transport's errors, named as for any wait)."""
-        if self.link is None:
-            self.handle.wait(timeout_s)
-        else:
-            self.link.wait_raw(self.handle, timeout_s)
-            self.handle, self.link = DONE, None  # waited: the general protocol may read it as a handle
 
     def tensors(self, memory: LayoutMemory, device: torch.device) -> list[torch.Tensor | None] | None:
         """The message's tensors once :attr:`handle` completed, or None when its header is not the
