@@ -356,14 +356,15 @@ class WatchedTransport:
             self.try_isend_gather = gather
         # Receives posted with no handle (the native engine's repeated small ones): posted by the inner's own
         # method, waited through the inner's with the watch's naming of errors.  Only on a direct watch.
-        self._wait_raw = getattr(inner, "wait_raw", None)
-        if self._wait_raw is not None and self._direct:
+        self._wait_raw: Any = None
+        if self._direct and getattr(inner, "irecv_raw", None) is not None:
             self.irecv_raw = inner.irecv_raw
+            self._wait_raw = inner.wait_raw
 
     def wait_raw(self, request: Any, timeout: float) -> None:
         """The inner's ``wait_raw``, its errors named as :meth:`PeerWatch.wait_plain` names a handle's."""
         try:
-            self._wait_raw(request, timeout)  # type: ignore[misc]
+            self._wait_raw(request, timeout)
         except Exception as exc:
             self._watch.name_failure(exc)
             raise

@@ -395,7 +395,9 @@ class NativeTransport(Transport):
         return req
 
     def wait_raw(self, request: Any, timeout: float) -> None:
-        """Wait for a request of :meth:`irecv_raw` as :meth:`NativeHandle.wait` does (the same errors)."""
+        """Wait for a request of the engine (one of :meth:`irecv_raw`, or a handle's): TransportTimeout, the
+        :meth:`fail_all` failure, or TransportError (:func:`~.native_handles.request_error`); a finished one
+        leaves the in-flight table."""
         try:
             request.wait(timeout)
         except TimeoutError as exc:

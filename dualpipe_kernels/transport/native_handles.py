@@ -27,6 +27,10 @@ class HandleOwner(Protocol):
     def failure(self) -> BaseException | None:
         """What :meth:`~dualpipe_kernels.transport.base.Transport.fail_all` was given, or None."""
 
+    def wait_raw(self, request: Any, timeout: float) -> None:
+        """Wait for an engine request (:func:`request_error`'s errors); drops it from ``_inflight`` unless it
+        timed out (the engine may then still write its tensor)."""
+
 
 def request_error(exc: Exception, owner: HandleOwner) -> BaseException:
     """What a wait of an engine request that raised ``exc`` raises: TransportTimeout for the engine's
@@ -47,15 +51,14 @@ class NativeHandle(Handle):
         self._owner = owner
 
     def wait(self, timeout: float | None = None) -> None:
-        limit = self._owner.timeout_s if timeout is None else timeout
         try:
-            self._request.wait(limit)
-        except TimeoutError as exc:
-            raise request_error(exc, self._owner) from None
-        except RuntimeError as exc:
-            self._release()
-            raise request_error(exc, self._owner) from None
-        self._release()
+            self._owner.wait_raw(self._request, self._owner.timeout_s if timeout is None else timeout)
+        except TransportTimeout:
+            raise  # still in flight: the engine may write the tensor, which stays held
+        except BaseException:
+            self._tensor = None  # failed: the owner dropped it from its in-flight table
+            raise
+        self._tensor = None
 
     def is_completed(self) -> bool:
         """True once finished, successfully or not (``wait`` then raises the failure)."""
